@@ -1,0 +1,39 @@
+// Schemas of every torch.ops.lopd.* op implemented in C++/CUDA, one line each with a comment.
+// Implementations register per dispatch key in csrc/cpu/<op>.cpp and csrc/cuda/<op>.cu
+// (TORCH_LIBRARY_IMPL), so a CPU build and a CUDA build expose the same op names.
+// Fake (meta) implementations for torch.compile live next to each op in lopd_kernels/<op>.py.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(lopd, m) {
+  // ---- topk_tail_kl (lopd_kernels/topk_tail_kl.py) ----
+  // Forward. top_m == 0 means the full vocabulary (no selection, no tail bucket).
+  // Returns kl[N], student_logprob[N], teacher_logprob[N] (fp32), topk_ids[N,M] (int64),
+  // lse[N,2] (fp32 log-sum-exp of student/T and teacher/T), bucket_logp[N,2,M+1] (fp32 log P_b,
+  // log Q_b; index M is the tail). Rows whose target == ignore_index are all zeros.
+  m.def(
+      "topk_tail_kl_fwd(Tensor student_logits, Tensor teacher_logits, Tensor target_ids, "
+      "int top_m, float temperature, bool reverse, int ignore_index) -> "
+      "(Tensor kl, Tensor student_logprob, Tensor teacher_logprob, Tensor topk_ids, Tensor lse, "
+      "Tensor bucket_logp)");
+  // Backward. grad_teacher_logprob already includes the privilege's upstream gradient.
+  // Returns grad_student [N,V], grad_teacher [N,V] in the logits' dtypes; a side whose
+  // *_requires_grad is false gets an empty tensor of shape [0].
+  m.def(
+      "topk_tail_kl_bwd(Tensor grad_kl, Tensor grad_student_logprob, Tensor grad_teacher_logprob, "
+      "Tensor student_logits, Tensor teacher_logits, Tensor target_ids, Tensor topk_ids, "
+      "Tensor kl, Tensor lse, Tensor bucket_logp, float temperature, bool reverse, "
+      "int ignore_index, bool student_requires_grad, bool teacher_requires_grad) -> "
+      "(Tensor grad_student, Tensor grad_teacher)");
+
+  // ---- fused_linear_topk_tail_kl (lopd_kernels/fused_linear_topk_tail_kl.py) ----
+  // (schemas added by that op's C++/CUDA implementation, if any)
+
+  // ---- varlen_cross_attention (lopd_kernels/varlen_cross_attention.py) ----
+  // (schemas added by that op's C++/CUDA implementation, if any)
+}
+
+// `import lopd_kernels._C` loads this library (and with it the registrations above); the module
+// itself exposes nothing: every entry point is a torch.ops.lopd.* op.
+static struct PyModuleDef lopd_c_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&lopd_c_module); }

@@ -1,0 +1,12 @@
+"""lopd_kernels: fused distillation kernels for on-policy (self-)distillation.
+
+Public API (see README): ``topk_tail_kl``, ``TopKTailKL``, ``fused_linear_topk_tail_kl``,
+``varlen_cross_attention``, ``QFormerCompressor``. Each op has a PyTorch reference, a C++ CPU
+kernel, a Triton kernel and a CUDA kernel behind ``backend=``; ops are ``torch.ops.lopd.*``.
+"""
+
+from lopd_kernels._backend import BACKENDS, extension_loaded
+
+__version__ = "0.1.0"
+
+__all__ = ["BACKENDS", "__version__", "extension_loaded"]

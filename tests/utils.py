@@ -1,0 +1,44 @@
+"""Shared test helpers: the per-dtype tolerance table and comparison utilities.
+
+Every kernel test compares against a float64 PyTorch reference; tolerances depend only on the
+*input* dtype (the kernels compute in float32 whatever the input dtype).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# (rtol, atol) per input dtype, for outputs and gradients compared with a float64 reference
+# evaluated on the same (already rounded) inputs. fp32 kernels accumulate over V up to 151,936
+# terms, hence atol above machine epsilon; bf16/fp16 bounds cover rounding of the *gradients*
+# back to the input dtype.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-9, 1e-10),
+    torch.float32: (2e-5, 2e-6),
+    torch.float16: (1e-2, 1e-3),
+    torch.bfloat16: (2e-2, 8e-3),
+}
+
+
+def tol(dtype: torch.dtype) -> dict[str, float]:
+    """``dict(rtol=..., atol=...)`` for ``torch.testing.assert_close`` at this input dtype."""
+    rtol, atol = TOLERANCES[dtype]
+    return {"rtol": rtol, "atol": atol}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, msg: str = ""):
+    """Compare in float64 with the tolerance of ``dtype``; NaN never passes."""
+    assert not torch.isnan(actual).any(), f"{msg}: NaN in result"
+    torch.testing.assert_close(
+        actual.detach().double(), expected.detach().double(), msg=msg, **tol(dtype)
+    )
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
