@@ -100,7 +100,7 @@ def peak_rss_bytes(setup: str, run: str, threads: int | None = None) -> tuple[in
     code = textwrap.dedent(
         f"""
         import resource, torch
-        {"torch.set_num_threads(%d)" % threads if threads else ""}
+        {f"torch.set_num_threads({threads})" if threads else ""}
         """
     )
     code += textwrap.dedent(setup) + textwrap.dedent(
