@@ -1,0 +1,450 @@
+"""Varlen cross-attention: a few dense queries per item attending over packed variable-length keys.
+
+This is the attention of a QFormer / Perceiver compressor: item ``b`` has ``Lq`` learned-query
+rows (the same count for every item, so queries are a dense ``[B, Lq, Hq, D]`` tensor) and ``T_b``
+key/value rows packed back to back into ``[total_k, Hkv, D]``; ``cu_seqlens_k`` (int32, ``[B+1]``)
+holds the item boundaries, as in flash-attn's varlen API. There is no causal mask: every query of
+item ``b`` sees exactly the keys of item ``b``. Grouped-query attention maps query head ``h`` to
+key/value head ``h // (Hq // Hkv)``.
+
+For each item, query row ``i`` and query head ``h`` (with ``g = h // (Hq // Hkv)``)::
+
+    s_ij   = scale * <q[b, i, h], k[j, g]>                 j in [cu[b], cu[b+1])
+    lse_i  = log sum_j exp(s_ij)                           (-inf for an empty item)
+    out_i  = sum_j exp(s_ij - lse_i) v[j, g]               (0 for an empty item)
+
+Backward (``do`` = grad of ``out``, ``dlse`` = grad of ``lse``, usually zero)::
+
+    p_ij   = exp(s_ij - lse_i)
+    delta_i = <do_i, out_i> - dlse_i
+    ds_ij  = p_ij * (<do_i, v_j> - delta_i)
+    dq_i   = scale * sum_j ds_ij k_j
+    dk_j   = scale * sum_i ds_ij q_i      (summed over the query heads sharing kv head g)
+    dv_j   = sum_i p_ij do_i              (idem)
+
+Only ``out`` and the ``[B, Hq, Lq]`` fp32 log-sum-exp are saved; the probabilities are recomputed
+in the backward, so the attention's activation memory is independent of ``T``.
+
+Backends:
+
+* ``"torch"``: :func:`varlen_cross_attention_reference`, a per-item
+  ``F.scaled_dot_product_attention`` loop differentiated by autograd (float64-capable). The ground
+  truth for every test.
+* ``"cpu"``: ``torch.ops.lopd.varlen_cross_attention_fwd/_bwd``, registered from Python with
+  :func:`torch.library.custom_op`. Per item it runs two batched GEMMs over all heads (query heads
+  of a GQA group stacked into one GEMM so each key tile is read once) with fp32 accumulation. A
+  C++ kernel would call the same BLAS GEMMs: the work is GEMM-bound (``Lq`` rows x ``T`` keys x
+  ``D`` per head), and the per-item Python loop costs microseconds against milliseconds of GEMM.
+  The op is device-generic (it also runs on CUDA tensors, through cuBLAS).
+* ``"triton"``: ``torch.ops.lopd.varlen_cross_attention_triton_fwd/_bwd``
+  (:mod:`lopd_kernels.triton.varlen_cross_attention`): split-KV online-softmax forward, a dQ pass
+  and a dK/dV pass. Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``.
+* ``"auto"``: Triton for CUDA tensors when Triton is importable, else the ``"cpu"`` op.
+
+There is no hand-written CUDA kernel: for ``Lq = 32`` query rows the Triton kernels already read
+each key/value byte once per kv head, which is the bound a CUDA kernel would hit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from lopd_kernels._backend import check_backend, triton_available
+
+__all__ = [
+    "varlen_cross_attention",
+    "varlen_cross_attention_reference",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+
+
+def varlen_cross_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Per-item ``scaled_dot_product_attention`` loop; differentiable by autograd.
+
+    Works in any floating dtype including float64 (SDPA's math path), which is what the tests
+    compare every backend against.
+
+    Args:
+        q: ``[B, Lq, Hq, D]`` queries.
+        k: ``[total_k, Hkv, D]`` packed keys.
+        v: ``[total_k, Hkv, D]`` packed values.
+        cu_seqlens_k: ``[B+1]`` int32 cumulative key lengths.
+        scale: Softmax scale; ``D ** -0.5`` when ``None``.
+
+    Returns:
+        ``[B, Lq, Hq, D]``; rows of an empty item are zeros.
+    """
+    batch, _, n_q_heads, head_dim = q.shape
+    n_kv_heads = k.shape[1]
+    scale = head_dim**-0.5 if scale is None else scale
+    bounds = cu_seqlens_k.tolist()
+    outs = []
+    for b in range(batch):
+        start, end = bounds[b], bounds[b + 1]
+        qb = q[b].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
+        if end == start:
+            # SDPA over zero keys is 0/0; the attention output of an empty set is defined as 0.
+            outs.append(torch.zeros_like(qb))
+            continue
+        kb = k[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
+        vb = v[start:end].transpose(0, 1).unsqueeze(0)
+        ob = F.scaled_dot_product_attention(
+            qb, kb, vb, scale=scale, enable_gqa=n_q_heads != n_kv_heads
+        )
+        outs.append(ob)
+    return torch.cat(outs, 0).transpose(1, 2)  # [B, Lq, Hq, D]
+
+
+# --------------------------------------------------------------------------------------------
+# Input validation
+# --------------------------------------------------------------------------------------------
+
+
+def _validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_k: int | None,
+    scale: float | None,
+) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, Lq, Hq, D], got shape {tuple(q.shape)}")
+    if k.dim() != 3:
+        raise ValueError(f"k must be packed [total_k, Hkv, D], got shape {tuple(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.shape[2] != q.shape[3]:
+        raise ValueError(f"k head dim {k.shape[2]} must equal q head dim {q.shape[3]}")
+    if k.shape[1] == 0 or q.shape[2] % k.shape[1] != 0:
+        raise ValueError(
+            f"q heads ({q.shape[2]}) must be a positive multiple of k/v heads ({k.shape[1]})"
+        )
+    if not q.is_floating_point():
+        raise TypeError(f"q must be floating point, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if cu_seqlens_k.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens_k must be int32, got {cu_seqlens_k.dtype}")
+    if cu_seqlens_k.dim() != 1 or cu_seqlens_k.numel() != q.shape[0] + 1:
+        raise ValueError(
+            f"cu_seqlens_k must be [B+1] = [{q.shape[0] + 1}], got {tuple(cu_seqlens_k.shape)}"
+        )
+    for name, t in (("k", k), ("v", v), ("cu_seqlens_k", cu_seqlens_k)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite float, got {scale}")
+    if max_seqlen_k is not None and max_seqlen_k < 0:
+        raise ValueError(f"max_seqlen_k must be >= 0, got {max_seqlen_k}")
+    # Checking the boundaries needs their values: free on CPU, a device sync on GPU (skipped).
+    if cu_seqlens_k.device.type == "cpu":
+        cu = cu_seqlens_k.long()
+        if cu[0] != 0 or cu[-1] != k.shape[0] or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(
+                "cu_seqlens_k must start at 0, be non-decreasing and end at total_k = "
+                f"{k.shape[0]}; got {cu_seqlens_k.tolist()}"
+            )
+        if max_seqlen_k is not None and q.shape[0] > 0:
+            longest = int((cu[1:] - cu[:-1]).max())
+            if max_seqlen_k < longest:
+                raise ValueError(f"max_seqlen_k={max_seqlen_k} is below the longest item {longest}")
+
+
+# --------------------------------------------------------------------------------------------
+# CPU path: per-item batched GEMMs, registered as torch.ops.lopd.varlen_cross_attention_*
+# --------------------------------------------------------------------------------------------
+
+
+def _group_queries(qb: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """``[Lq, Hq, D]`` -> ``[Hkv, G * Lq, D]`` fp32: a GQA group in one GEMM."""
+    lq, hq, d = qb.shape
+    g = hq // n_kv_heads
+    return qb.float().view(lq, n_kv_heads, g, d).permute(1, 2, 0, 3).reshape(n_kv_heads, g * lq, d)
+
+
+def _ungroup(xg: torch.Tensor, lq: int) -> torch.Tensor:
+    """Inverse of :func:`_group_queries`: ``[Hkv, G * Lq, D]`` -> ``[Lq, Hq, D]``."""
+    hkv, gl, d = xg.shape
+    g = gl // lq
+    return xg.view(hkv, g, lq, d).permute(2, 0, 1, 3).reshape(lq, hkv * g, d)
+
+
+def _ungroup_rows(xg: torch.Tensor, lq: int) -> torch.Tensor:
+    """``[Hkv, G * Lq]`` -> ``[Hq, Lq]`` (per-row statistics such as the log-sum-exp)."""
+    hkv, gl = xg.shape
+    return xg.view(hkv * (gl // lq), lq)
+
+
+def _group_rows(x: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """``[Hq, Lq]`` -> ``[Hkv, G * Lq, 1]``."""
+    hq, lq = x.shape
+    return x.reshape(n_kv_heads, (hq // n_kv_heads) * lq, 1)
+
+
+@torch.library.custom_op("lopd::varlen_cross_attention_fwd", mutates_args=())
+def _cpu_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_k: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward: returns ``out [B, Lq, Hq, D]`` (q's dtype) and ``lse [B, Hq, Lq]`` (fp32)."""
+    batch, lq, hq, _ = q.shape
+    hkv = k.shape[1]
+    out = torch.zeros_like(q)
+    lse = torch.full((batch, hq, lq), float("-inf"), dtype=torch.float32, device=q.device)
+    bounds = cu_seqlens_k.tolist()
+    for b in range(batch):
+        start, end = bounds[b], bounds[b + 1]
+        if end == start:
+            continue  # empty item: out = 0, lse = -inf
+        qg = _group_queries(q[b], hkv)  # [Hkv, G*Lq, D]
+        kb = k[start:end].float().transpose(0, 1)  # [Hkv, T, D]
+        vb = v[start:end].float().transpose(0, 1)
+        s = torch.bmm(qg, kb.transpose(1, 2)).mul_(scale)  # [Hkv, G*Lq, T]
+        m = s.amax(-1, keepdim=True)
+        p = s.sub_(m).exp_()
+        denom = p.sum(-1, keepdim=True)
+        og = torch.bmm(p, vb).div_(denom)  # [Hkv, G*Lq, D]
+        out[b] = _ungroup(og, lq).to(q.dtype)
+        lse[b] = _ungroup_rows((m + denom.log()).squeeze(-1), lq)
+    return out, lse
+
+
+@torch.library.custom_op("lopd::varlen_cross_attention_bwd", mutates_args=())
+def _cpu_bwd(
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward: returns ``dq, dk, dv`` in the input dtypes; probabilities are recomputed."""
+    _, lq, _, _ = q.shape
+    hkv = k.shape[1]
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    # delta_i = <do_i, out_i> - dlse_i   [B, Hq, Lq]
+    delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2) - grad_lse.float()
+    bounds = cu_seqlens_k.tolist()
+    for b in range(q.shape[0]):
+        start, end = bounds[b], bounds[b + 1]
+        if end == start:
+            continue
+        qg = _group_queries(q[b], hkv)
+        dog = _group_queries(grad_out[b], hkv)
+        kb = k[start:end].float().transpose(0, 1)
+        vb = v[start:end].float().transpose(0, 1)
+        s = torch.bmm(qg, kb.transpose(1, 2)).mul_(scale)
+        p = s.sub_(_group_rows(lse[b], hkv)).exp_()  # [Hkv, G*Lq, T]
+        dv[start:end] = torch.bmm(p.transpose(1, 2), dog).transpose(0, 1).to(v.dtype)
+        dp = torch.bmm(dog, vb.transpose(1, 2))
+        ds = dp.sub_(_group_rows(delta[b], hkv)).mul_(p).mul_(scale)
+        dq[b] = _ungroup(torch.bmm(ds, kb), lq).to(q.dtype)
+        dk[start:end] = torch.bmm(ds.transpose(1, 2), qg).transpose(0, 1).to(k.dtype)
+    return dq, dk, dv
+
+
+def _fwd_fake(q, k, v, cu_seqlens_k, scale, *extra):
+    batch, lq, hq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, hq, lq), dtype=torch.float32)
+
+
+def _bwd_fake(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_k, scale, *extra):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+torch.library.register_fake("lopd::varlen_cross_attention_fwd")(_fwd_fake)
+torch.library.register_fake("lopd::varlen_cross_attention_bwd")(_bwd_fake)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton path (kernels in lopd_kernels/triton/varlen_cross_attention.py, imported lazily so that
+# CPU-only installs without Triton still import this module)
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("lopd::varlen_cross_attention_triton_fwd", mutates_args=())
+def _triton_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+    max_seqlen_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward: returns ``out [B, Lq, Hq, D]`` and ``lse [B, Hq, Lq]`` (fp32)."""
+    from lopd_kernels.triton.varlen_cross_attention import varlen_xattn_fwd
+
+    return varlen_xattn_fwd(q, k, v, cu_seqlens_k, scale, max_seqlen_k)
+
+
+@torch.library.custom_op("lopd::varlen_cross_attention_triton_bwd", mutates_args=())
+def _triton_bwd(
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+    max_seqlen_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton backward: returns ``dq, dk, dv`` in the input dtypes."""
+    from lopd_kernels.triton.varlen_cross_attention import varlen_xattn_bwd
+
+    return varlen_xattn_bwd(
+        grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_k, scale, max_seqlen_k
+    )
+
+
+torch.library.register_fake("lopd::varlen_cross_attention_triton_fwd")(_fwd_fake)
+torch.library.register_fake("lopd::varlen_cross_attention_triton_bwd")(_bwd_fake)
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd: the forward ops are differentiable (out and lse), each through its backward op
+# --------------------------------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_k, scale, *extra = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_k)
+    ctx.scale = scale
+    ctx.extra = extra  # (max_seqlen_k,) for Triton
+
+
+def _make_backward(bwd_op):
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, cu_seqlens_k = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        if grad_lse is None:
+            grad_lse = torch.zeros_like(lse)
+        # -inf lse rows (empty items) may receive a gradient; it has no keys to flow into.
+        dq, dk, dv = bwd_op(
+            grad_out.contiguous(),
+            grad_lse.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_seqlens_k,
+            ctx.scale,
+            *ctx.extra,
+        )
+        return (dq, dk, dv, None, None, *([None] * len(ctx.extra)))
+
+    return backward
+
+
+torch.library.register_autograd(
+    "lopd::varlen_cross_attention_fwd",
+    _make_backward(torch.ops.lopd.varlen_cross_attention_bwd),
+    setup_context=_setup_context,
+)
+torch.library.register_autograd(
+    "lopd::varlen_cross_attention_triton_fwd",
+    _make_backward(torch.ops.lopd.varlen_cross_attention_triton_bwd),
+    setup_context=_setup_context,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Public function
+# --------------------------------------------------------------------------------------------
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    check_backend(backend)
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "cpu"
+    if backend == "cuda":
+        raise ValueError(
+            "backend='cuda': varlen_cross_attention has no hand-written CUDA kernel (Triton is "
+            "at the memory bound for this op); use backend='triton' or 'auto'"
+        )
+    if backend == "triton" and not triton_available():
+        raise ValueError(
+            "backend='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 for CPU)"
+        )
+    return backend
+
+
+def varlen_cross_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    max_seqlen_k: int | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Dense queries per item attend over that item's packed keys/values (no mask inside an item).
+
+    Args:
+        q: ``[B, Lq, Hq, D]`` queries (fp32, bf16, fp16 or, for ``backend="torch"``, fp64).
+        k: ``[total_k, Hkv, D]`` keys of all items packed back to back; ``Hq % Hkv == 0`` (GQA).
+        v: ``[total_k, Hkv, D]`` values, same layout as ``k``.
+        cu_seqlens_k: ``[B+1]`` int32, ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` are item ``b``'s rows
+            of ``k``/``v``. Equal neighbours make an empty item, whose output is zeros.
+        max_seqlen_k: Longest item; sizes the Triton grid without a device sync. Computed from
+            ``cu_seqlens_k`` (one sync) when ``None``.
+        scale: Softmax scale; ``D ** -0.5`` when ``None``.
+        backend: ``"auto"``, ``"torch"`` (reference), ``"cpu"``, ``"triton"``; ``"cuda"`` raises.
+        return_lse: Also return the fp32 ``[B, Hq, Lq]`` log-sum-exp of the scaled scores
+            (``-inf`` for an empty item); it is differentiable. Not available for ``"torch"``.
+
+    Returns:
+        ``[B, Lq, Hq, D]`` in q's dtype, or ``(out, lse)`` when ``return_lse``.
+
+    Raises:
+        ValueError / TypeError: naming the offending argument for bad shapes, dtypes, devices,
+            boundaries or backend.
+    """
+    _validate(q, k, v, cu_seqlens_k, max_seqlen_k, scale)
+    backend = _resolve_backend(backend, q.device)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    if backend == "torch":
+        if return_lse:
+            raise ValueError("return_lse=True is not available with backend='torch'")
+        return varlen_cross_attention_reference(q, k, v, cu_seqlens_k, scale=scale)
+    if q.dtype == torch.float64:
+        raise TypeError(f"backend={backend!r} supports fp32/bf16/fp16, got q.dtype {q.dtype}")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if backend == "cpu":
+        out, lse = torch.ops.lopd.varlen_cross_attention_fwd(q, k, v, cu_seqlens_k, scale)
+    else:
+        if max_seqlen_k is None:
+            lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+            max_seqlen_k = int(lengths.max()) if lengths.numel() else 0
+        out, lse = torch.ops.lopd.varlen_cross_attention_triton_fwd(
+            q, k, v, cu_seqlens_k, scale, int(max_seqlen_k)
+        )
+    return (out, lse) if return_lse else out
