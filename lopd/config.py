@@ -1,0 +1,597 @@
+"""Run configuration: dataclasses, presets, YAML files and ``key=value`` overrides.
+
+One :class:`Config` object describes a whole run and is saved as ``config.yaml`` in the run
+directory. It is built in three layers, later ones winning:
+
+1. a preset (``default``, ``smoke`` or ``paper``, see :data:`PRESETS`),
+2. an optional YAML file (``--config``) with the same nested layout as :class:`Config`,
+3. ``section.field=value`` overrides from the command line (values parsed as YAML scalars and
+   type-checked against the field).
+
+:meth:`Config.validate` runs at start-up and names the offending field (or tasks-file line), so a
+bad value stops the run before any model is loaded.
+
+Example:
+    >>> cfg = load_config(preset="smoke", overrides=["lopd.margin=0.1", "seed=3"])
+    >>> cfg.lopd.margin
+    0.1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "PRESETS",
+    "BankConfig",
+    "ColdStartConfig",
+    "ComposerConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "GenConfig",
+    "LOPDConfig",
+    "ModelConfig",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field (or file line)."""
+
+
+@dataclass
+class ModelConfig:
+    """The backbone shared by student, teacher and composer encoder.
+
+    Attributes:
+        path: a local Hugging Face checkpoint directory (Qwen3, Olmo, ...); ``None`` loads the
+            tiny Qwen3 model shipped in ``lopd/assets/tiny-qwen3``.
+        dtype: parameter dtype, ``float32``, ``bfloat16`` or ``float16``.
+        device: ``cpu``, ``cuda`` or ``auto`` (CUDA when available; under ``torchrun`` each rank
+            takes ``cuda:LOCAL_RANK``).
+        gradient_checkpointing: recompute transformer-layer activations in the backward of the
+            student and teacher forwards (less memory, about one more forward of compute).
+    """
+
+    path: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    """Where tasks come from.
+
+    Attributes:
+        domain: ``tool_use`` or ``coding`` (built-in task generators of ``lopd.envs``).
+        tasks_path: a JSONL file of tasks (one ``Task`` dict per line, with ``split`` ``train``
+            or ``test``); ``None`` uses the built-in generator.
+        n_train: number of training tasks (built-in generator; a cap for a JSONL file).
+        n_test: number of held-out evaluation tasks.
+    """
+
+    domain: str = "tool_use"
+    tasks_path: str | None = None
+    n_train: int = 48
+    n_test: int = 32
+
+
+@dataclass
+class GenConfig:
+    """Multi-turn sampling of the student (paper Table 4).
+
+    Attributes:
+        max_new_tokens: token budget of one assistant turn.
+        max_steps: environment steps (assistant turns) per episode.
+        temperature, top_p, top_k: sampling for training rollouts and the bank.
+    """
+
+    max_new_tokens: int = 48
+    max_steps: int = 6
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 20
+
+
+@dataclass
+class BankConfig:
+    """The experience bank: successful training rollouts of the base model (paper A.3).
+
+    Attributes:
+        rollouts_per_task: base-model rollouts sampled per training task to fill the bank.
+        min_reward: a rollout enters the bank when its reward is at least this.
+    """
+
+    rollouts_per_task: int = 2
+    min_reward: float = 1.0
+
+
+@dataclass
+class ComposerConfig:
+    """The latent composer (paper 3.2, A.1).
+
+    Attributes:
+        num_latents: K, latent tokens per retrieved experience.
+        num_retrieved: J, experiences retrieved per task; the teacher sees ``J * K`` latents.
+        qformer_layers: cross-attention layers of the QFormer (weights shared across layers).
+        ffn_mult: QFormer feed-forward width multiplier.
+        lora_r, lora_alpha, lora_dropout: the encoder's LoRA adapter (q, k, v, o, gate, up, down).
+        max_encoder_tokens: "Task to solve / Reference past trajectory" inputs are truncated to
+            this many tokens.
+    """
+
+    num_latents: int = 32
+    num_retrieved: int = 3
+    qformer_layers: int = 8
+    ffn_mult: int = 4
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    max_encoder_tokens: int = 384
+
+
+@dataclass
+class ColdStartConfig:
+    """Composer cold start (paper eq. 14, A.2): NLL of bank trajectories given ``c_phi``.
+
+    Attributes:
+        steps: optimizer steps (0 skips the cold start: phi_0 is the random initialization).
+        batch_size: bank trajectories per step.
+        lr: AdamW learning rate of LoRA + QFormer.
+        grad_clip: global gradient-norm clip.
+    """
+
+    steps: int = 100
+    batch_size: int = 8
+    lr: float = 1e-5
+    grad_clip: float = 3.0
+
+
+@dataclass
+class LOPDConfig:
+    """Joint training (paper 3.3, Algorithm 1, eq. 10-13).
+
+    Attributes:
+        method: the training objective; ``lopd`` here, baselines register more in
+            ``lopd.trainer.METHODS``.
+        steps: training iterations.
+        tasks_per_step: training tasks sampled per iteration (one rollout each): the rollout
+            budget per step, across all data-parallel ranks.
+        micro_batch: trajectories per forward/backward (gradient accumulation inside a step).
+        lr: AdamW learning rate of the student theta.
+        composer_lr: AdamW learning rate of the composer phi.
+        weight_decay: AdamW weight decay for both.
+        grad_clip: global gradient-norm clip (student and composer separately).
+        top_m: M, teacher top-M support plus a tail bucket; ``None`` = full vocabulary.
+        temperature: distillation temperature applied to both logits.
+        divergence: ``reverse`` (paper) or ``forward`` KL.
+        margin: m, the privileged margin.
+        anchor_weight: lambda, weight of ``||c_phi - sg c_phi0||^2``.
+        dual_lr: eta_beta, step size of the dual ascent on beta.
+        beta_init: initial beta.
+        fused_linear: compute the KL from final hidden states and ``lm_head`` with
+            ``fused_linear_topk_tail_kl`` (no ``[N, V]`` logits) instead of ``topk_tail_kl``.
+    """
+
+    method: str = "lopd"
+    steps: int = 30
+    tasks_per_step: int = 8
+    micro_batch: int = 4
+    lr: float = 1e-5
+    composer_lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    top_m: int | None = 20
+    temperature: float = 1.0
+    divergence: str = "reverse"
+    margin: float = 0.05
+    anchor_weight: float = 0.2
+    dual_lr: float = 0.5
+    beta_init: float = 0.0
+    fused_linear: bool = False
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (paper Table 3 metrics).
+
+    Attributes:
+        temperature: decoding temperature at evaluation (0 = greedy).
+        every: evaluate the student every this many training steps (0 = only at the end).
+        with_composer: also evaluate "base + composer": the frozen base model generating with
+            retrieved latent context.
+    """
+
+    temperature: float = 0.0
+    every: int = 0
+    with_composer: bool = True
+
+
+@dataclass
+class Config:
+    """One run. Field docs are on the section classes.
+
+    Attributes:
+        seed: seeds tasks, rollouts, initialization and data order.
+        run_dir: output directory (config, metrics.jsonl, TensorBoard, checkpoints, summary).
+        checkpoint_every: save a checkpoint every this many LOPD steps (0 = only at the end).
+        log_every: print a progress line every this many steps.
+    """
+
+    seed: int = 0
+    run_dir: str = "runs/lopd"
+    checkpoint_every: int = 10
+    log_every: int = 1
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    gen: GenConfig = field(default_factory=GenConfig)
+    bank: BankConfig = field(default_factory=BankConfig)
+    composer: ComposerConfig = field(default_factory=ComposerConfig)
+    cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
+    lopd: LOPDConfig = field(default_factory=LOPDConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    # ------------------------------------------------------------------ (de)serialization
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_yaml())
+
+    def update(self, mapping: dict[str, Any], source: str = "config") -> None:
+        """Apply a nested mapping (as in a YAML file) with type checks.
+
+        Raises:
+            ConfigError: unknown key or a value of the wrong type; names ``section.field``.
+        """
+        _apply_mapping(self, mapping, prefix="", source=source)
+
+    def set(self, dotted: str, value: Any, source: str = "override") -> None:
+        """Set ``section.field`` (or a top-level field) to ``value`` with a type check."""
+        obj: Any = self
+        parts = dotted.split(".")
+        for i, part in enumerate(parts[:-1]):
+            sub = getattr(obj, part, None) if _has_field(obj, part) else None
+            if not dataclasses.is_dataclass(sub):
+                raise ConfigError(f"{source}: unknown config section {'.'.join(parts[: i + 1])!r}")
+            obj = sub
+        _set_field(obj, parts[-1], value, dotted, source)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, check_paths: bool = True) -> None:
+        """Check values before anything is loaded.
+
+        Args:
+            check_paths: also check that ``model.path`` exists and that every line of
+                ``data.tasks_path`` is a valid task.
+
+        Raises:
+            ConfigError: naming the field (or the tasks-file line) at fault.
+        """
+        positive = {
+            "composer.num_latents": self.composer.num_latents,
+            "composer.num_retrieved": self.composer.num_retrieved,
+            "composer.qformer_layers": self.composer.qformer_layers,
+            "composer.ffn_mult": self.composer.ffn_mult,
+            "composer.lora_r": self.composer.lora_r,
+            "composer.max_encoder_tokens": self.composer.max_encoder_tokens,
+            "lopd.tasks_per_step": self.lopd.tasks_per_step,
+            "lopd.micro_batch": self.lopd.micro_batch,
+            "cold_start.batch_size": self.cold_start.batch_size,
+            "gen.max_new_tokens": self.gen.max_new_tokens,
+            "gen.max_steps": self.gen.max_steps,
+            "data.n_train": self.data.n_train,
+            "data.n_test": self.data.n_test,
+            "bank.rollouts_per_task": self.bank.rollouts_per_task,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        non_negative = {
+            "lopd.margin": self.lopd.margin,
+            "lopd.anchor_weight": self.lopd.anchor_weight,
+            "lopd.dual_lr": self.lopd.dual_lr,
+            "lopd.beta_init": self.lopd.beta_init,
+            "lopd.lr": self.lopd.lr,
+            "lopd.composer_lr": self.lopd.composer_lr,
+            "lopd.weight_decay": self.lopd.weight_decay,
+            "lopd.steps": self.lopd.steps,
+            "cold_start.steps": self.cold_start.steps,
+            "cold_start.lr": self.cold_start.lr,
+            "composer.lora_dropout": self.composer.lora_dropout,
+            "gen.temperature": self.gen.temperature,
+            "eval.temperature": self.eval.temperature,
+            "eval.every": self.eval.every,
+            "checkpoint_every": self.checkpoint_every,
+        }
+        for name, value in non_negative.items():
+            if value < 0:
+                raise ConfigError(f"{name} must be >= 0, got {value}")
+        for name, value in {
+            "lopd.grad_clip": self.lopd.grad_clip,
+            "cold_start.grad_clip": self.cold_start.grad_clip,
+            "lopd.temperature": self.lopd.temperature,
+            "log_every": self.log_every,
+        }.items():
+            if value <= 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        if self.lopd.top_m is not None and self.lopd.top_m < 1:
+            raise ConfigError(f"lopd.top_m must be >= 1 or null, got {self.lopd.top_m}")
+        if not 0.0 < self.gen.top_p <= 1.0:
+            raise ConfigError(f"gen.top_p must be in (0, 1], got {self.gen.top_p}")
+        if self.gen.top_k < 0:
+            raise ConfigError(f"gen.top_k must be >= 0 (0 disables it), got {self.gen.top_k}")
+        if not 0.0 <= self.bank.min_reward <= 1.0:
+            raise ConfigError(f"bank.min_reward must be in [0, 1], got {self.bank.min_reward}")
+        choices = {
+            "lopd.divergence": (self.lopd.divergence, ("reverse", "forward")),
+            "data.domain": (self.data.domain, ("tool_use", "coding")),
+            "model.dtype": (self.model.dtype, ("float32", "bfloat16", "float16")),
+        }
+        for name, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {value!r}")
+        if not (
+            self.model.device in ("auto", "cpu", "cuda") or self.model.device.startswith("cuda:")
+        ):
+            raise ConfigError(
+                f"model.device must be auto, cpu or cuda[:N], got {self.model.device!r}"
+            )
+        if not check_paths:
+            return
+        if self.model.path is not None:
+            path = Path(self.model.path)
+            if not path.is_dir() or not (path / "config.json").is_file():
+                raise ConfigError(
+                    f"model.path {self.model.path!r} is not a Hugging Face checkpoint directory "
+                    "(missing directory or config.json)"
+                )
+        if self.data.tasks_path is not None:
+            check_tasks_file(self.data.tasks_path)
+
+    def check_bank_size(self, bank_size: int) -> None:
+        """J must not exceed what the retriever can return (the bank minus the task itself).
+
+        Raises:
+            ConfigError: naming ``composer.num_retrieved``.
+        """
+        if self.composer.num_retrieved > bank_size - 1:
+            raise ConfigError(
+                f"composer.num_retrieved={self.composer.num_retrieved} is larger than the "
+                f"experience bank allows ({bank_size} entries; a task never retrieves itself, so "
+                f"at most {max(bank_size - 1, 0)}): lower composer.num_retrieved or collect a "
+                "larger bank (bank.rollouts_per_task, data.n_train)"
+            )
+
+
+_TASK_KEYS = ("task_id", "domain", "world", "instruction", "spec")
+
+
+def check_tasks_file(path: str | Path) -> None:
+    """Check that every non-empty line of a tasks JSONL file is a valid task dict.
+
+    Raises:
+        ConfigError: ``data.tasks_path <file> line N: <what is wrong>``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"data.tasks_path {str(path)!r} does not exist")
+    n = 0
+    with path.open() as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"data.tasks_path {str(path)!r} line {lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{where}: not valid JSON ({err.msg})") from None
+            if not isinstance(obj, dict):
+                raise ConfigError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            missing = [k for k in _TASK_KEYS if k not in obj]
+            if missing:
+                raise ConfigError(f"{where}: missing task field(s) {missing}")
+            if not isinstance(obj["spec"], dict):
+                raise ConfigError(f"{where}: 'spec' must be an object")
+            if obj.get("split", "train") not in ("train", "test"):
+                raise ConfigError(f"{where}: 'split' must be 'train' or 'test'")
+            n += 1
+    if n == 0:
+        raise ConfigError(f"data.tasks_path {str(path)!r} holds no tasks")
+
+
+# ---------------------------------------------------------------------------------- presets
+def _default() -> Config:
+    """The tiny default: the shipped tiny Qwen3 on built-in tool-use tasks, <= 15 min on 2 CPUs.
+
+    Hyper-parameters tuned for the tiny randomly-pretrained model (not the paper's values):
+    - K=8, J=2, 2 QFormer layers: the tiny model's contexts are short and its width small; 32x3
+      latents would dominate its attention and cost time without adding information.
+    - lr 1e-4 (student) and 3e-4 (composer), 60 cold-start steps at 1e-3: a 1e-5 step barely
+      moves a tiny model within the few dozen steps the time budget allows.
+    - margin 0.05, lambda 0.2, eta_beta 0.5, M 20: the paper's values, which are scale-free.
+    """
+    cfg = Config(run_dir="runs/default")
+    cfg.data.n_train, cfg.data.n_test = 48, 32
+    cfg.gen.max_new_tokens, cfg.gen.max_steps = 48, 6
+    cfg.bank.rollouts_per_task = 2
+    cfg.composer.num_latents, cfg.composer.num_retrieved = 8, 2
+    cfg.composer.qformer_layers = 2
+    cfg.composer.max_encoder_tokens = 256
+    cfg.cold_start.steps, cfg.cold_start.batch_size, cfg.cold_start.lr = 60, 4, 1e-3
+    cfg.lopd.steps, cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 30, 8, 4
+    cfg.lopd.lr, cfg.lopd.composer_lr = 1e-4, 3e-4
+    cfg.checkpoint_every = 10
+    return cfg
+
+
+def _smoke() -> Config:
+    """A seconds-long end-to-end run used by the tests: every phase runs, nothing converges."""
+    cfg = _default()
+    cfg.run_dir = "runs/smoke"
+    cfg.data.n_train, cfg.data.n_test = 8, 4
+    cfg.gen.max_new_tokens, cfg.gen.max_steps = 16, 2
+    cfg.bank.rollouts_per_task = 2
+    cfg.bank.min_reward = 0.0  # keep the bank non-empty whatever the tiny model does
+    cfg.composer.num_latents, cfg.composer.num_retrieved = 4, 2
+    cfg.composer.qformer_layers = 1
+    cfg.composer.max_encoder_tokens = 128
+    cfg.cold_start.steps, cfg.cold_start.batch_size = 2, 2
+    cfg.lopd.steps, cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 3, 4, 2
+    cfg.checkpoint_every = 2
+    return cfg
+
+
+def _paper() -> Config:
+    """The paper's setting for real checkpoints (Qwen3-4B/8B): pass ``--model PATH``."""
+    cfg = Config(run_dir="runs/paper")
+    cfg.model.dtype = "bfloat16"
+    cfg.model.gradient_checkpointing = True
+    cfg.data.n_train, cfg.data.n_test = 2349, 200
+    cfg.gen.max_new_tokens, cfg.gen.max_steps = 2048, 30
+    cfg.gen.temperature, cfg.gen.top_p, cfg.gen.top_k = 0.7, 0.95, 20
+    cfg.bank.rollouts_per_task, cfg.bank.min_reward = 4, 1.0
+    cfg.composer.num_latents, cfg.composer.num_retrieved = 32, 3
+    cfg.composer.qformer_layers, cfg.composer.ffn_mult = 8, 4
+    cfg.composer.max_encoder_tokens = 2048
+    cfg.cold_start.steps, cfg.cold_start.batch_size = 500, 8
+    cfg.cold_start.lr, cfg.cold_start.grad_clip = 1e-5, 3.0
+    cfg.lopd.steps, cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 200, 32, 1
+    cfg.lopd.lr = cfg.lopd.composer_lr = 1e-5
+    cfg.lopd.grad_clip = 1.0
+    cfg.lopd.top_m, cfg.lopd.margin, cfg.lopd.anchor_weight, cfg.lopd.dual_lr = 20, 0.05, 0.2, 0.5
+    cfg.lopd.fused_linear = True
+    cfg.eval.every = 20
+    cfg.checkpoint_every = 20
+    return cfg
+
+
+PRESETS: dict[str, typing.Callable[[], Config]] = {
+    "default": _default,
+    "smoke": _smoke,
+    "paper": _paper,
+}
+
+
+def load_config(
+    preset: str = "default",
+    yaml_path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> Config:
+    """Build a config: preset, then the YAML file, then ``key=value`` overrides.
+
+    Args:
+        preset: a name in :data:`PRESETS`.
+        yaml_path: a YAML file with the nested layout of :class:`Config` (any subset).
+        overrides: ``section.field=value`` strings; values are parsed as YAML scalars
+            (``null``, ``true``, ``1e-4``) and type-checked.
+
+    Returns:
+        The config (not yet validated: call :meth:`Config.validate`).
+
+    Raises:
+        ConfigError: unknown preset, key or section, malformed override, wrong type.
+    """
+    if preset not in PRESETS:
+        raise ConfigError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    cfg = PRESETS[preset]()
+    if yaml_path is not None:
+        try:
+            mapping = yaml.safe_load(Path(yaml_path).read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--config {str(yaml_path)!r} is not valid YAML: {err}") from None
+        except OSError as err:
+            raise ConfigError(f"--config {str(yaml_path)!r} cannot be read: {err}") from None
+        if not isinstance(mapping, dict):
+            raise ConfigError(f"--config {str(yaml_path)!r} must hold a mapping at the top level")
+        cfg.update(mapping, source=f"--config {yaml_path}")
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.field=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        cfg.set(key.strip(), value, source=f"override {item!r}")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _has_field(obj: Any, name: str) -> bool:
+    return any(f.name == name for f in dataclasses.fields(obj))
+
+
+def _apply_mapping(obj: Any, mapping: dict[str, Any], prefix: str, source: str) -> None:
+    for key, value in mapping.items():
+        dotted = f"{prefix}{key}"
+        if not _has_field(obj, key):
+            raise ConfigError(f"{source}: unknown config key {dotted!r}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: {dotted!r} is a section and needs a mapping")
+            _apply_mapping(current, value, prefix=f"{dotted}.", source=source)
+        else:
+            _set_field(obj, key, value, dotted, source)
+
+
+def _set_field(obj: Any, name: str, value: Any, dotted: str, source: str) -> None:
+    if not _has_field(obj, name):
+        raise ConfigError(f"{source}: unknown config key {dotted!r}")
+    hint = typing.get_type_hints(type(obj))[name]
+    if dataclasses.is_dataclass(hint):
+        raise ConfigError(f"{source}: {dotted!r} is a section; set one of its fields")
+    setattr(obj, name, _coerce(value, hint, dotted, source))
+
+
+def _coerce(value: Any, hint: Any, dotted: str, source: str) -> Any:
+    """Return ``value`` as type ``hint`` (int -> float allowed), else raise ConfigError."""
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, dotted, source)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{source}: {dotted} expects {_type_name(hint)}, got {value!r}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{source}: {dotted} expects {_type_name(hint)}, got {value!r}")
+
+
+def _type_name(hint: Any) -> str:
+    args = typing.get_args(hint)
+    if args:
+        return " or ".join("null" if a is type(None) else a.__name__ for a in args)
+    return getattr(hint, "__name__", str(hint))

@@ -1,0 +1,146 @@
+"""The LOPD objective (paper eq. 10-13) and the dual update of beta.
+
+Per supervised token row ``n`` the kernels give ``KL_n`` (top-M + tail, eq. 9-10) and the
+privilege ``delta_n = log pT(a_n) - sg log pS(a_n)`` (eq. 11). With ``seg[n]`` the trajectory of
+row ``n`` and ``A_i = 2 r_i - 1``::
+
+    L_distill = mean_i  mean_{n in i} KL_n                            (eq. 10)
+    Delta     = mean_i  A_i * mean_{n in i} delta_n                   (eq. 12)
+    anchor    = mean_i  mean_{k,c} (c_phi[i] - sg c_phi0[i])^2
+    loss      = L_distill + beta * (m - Delta) + lambda * anchor      (eq. 13)
+    beta     <- max(0, beta + eta_beta * (m - Delta.detach()))
+
+The anchor is the squared L2 distance normalised by the number of latent elements ``J*K*d`` so
+that lambda does not scale with the model width (eq. 13 leaves the normalisation implicit).
+
+Every term is a mean over trajectories of a per-trajectory quantity, so a step split into
+micro-batches is exact: each micro-batch divides its per-trajectory sums by the number of
+trajectories in the whole step (``num_total``), and the gradients add up to the full-batch ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LOPDTerms", "advantages_from_rewards", "dual_update", "lopd_loss", "segment_mean"]
+
+
+def segment_mean(values: torch.Tensor, seg: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """Mean of ``values`` within each segment.
+
+    Args:
+        values: ``[N]`` per-row values.
+        seg: ``[N]`` int64 segment (trajectory) index of each row, in ``[0, num_segments)``.
+        num_segments: B.
+
+    Returns:
+        ``[B]``; an empty segment gives 0 (a trajectory with no action token contributes
+        nothing instead of NaN).
+    """
+    if values.shape != seg.shape or values.dim() != 1:
+        raise ValueError(
+            f"values and seg must be [N] of the same shape, got {tuple(values.shape)} and "
+            f"{tuple(seg.shape)}"
+        )
+    sums = torch.zeros(num_segments, dtype=values.dtype, device=values.device)
+    sums = sums.index_add(0, seg, values)
+    counts = torch.zeros(num_segments, dtype=values.dtype, device=values.device)
+    counts = counts.index_add(0, seg, torch.ones_like(values))
+    return sums / counts.clamp_min(1)
+
+
+def advantages_from_rewards(rewards: torch.Tensor) -> torch.Tensor:
+    """``A = 2 r - 1`` in ``[-1, 1]`` (paper 3.3) for rewards ``r`` in ``[0, 1]``."""
+    return 2.0 * rewards - 1.0
+
+
+@dataclass
+class LOPDTerms:
+    """The loss of one (micro-)batch and its per-trajectory pieces.
+
+    Attributes:
+        loss: scalar to backpropagate (already divided by ``num_total``).
+        distill: ``[B]`` per-trajectory token-mean KL.
+        delta: ``[B]`` per-trajectory ``A_i * mean delta_n`` (gradient to the teacher side only).
+        anchor: ``[B]`` per-trajectory latent drift (mean squared element difference).
+    """
+
+    loss: torch.Tensor
+    distill: torch.Tensor
+    delta: torch.Tensor
+    anchor: torch.Tensor
+
+
+def lopd_loss(
+    kl: torch.Tensor,
+    privilege: torch.Tensor,
+    seg: torch.Tensor,
+    advantages: torch.Tensor,
+    latents: torch.Tensor | None,
+    latents0: torch.Tensor | None,
+    beta: float,
+    margin: float,
+    anchor_weight: float,
+    num_total: int | None = None,
+) -> LOPDTerms:
+    """Eq. 13 for a (micro-)batch of B trajectories.
+
+    Args:
+        kl: ``[N]`` per action-token KL (top-M + tail) from ``topk_tail_kl``.
+        privilege: ``[N]`` per-token privilege (eq. 11), differentiable in the teacher only.
+        seg: ``[N]`` int64 trajectory index of each row in ``[0, B)``.
+        advantages: ``[B]`` ``A_i = 2 r_i - 1``.
+        latents: ``[B, J*K, d]`` c_phi (``None`` or ``anchor_weight == 0`` skips the anchor).
+        latents0: ``[B, J*K, d]`` cached c_phi0 (no gradient is taken through it).
+        beta: current dual variable (a constant here).
+        margin: m.
+        anchor_weight: lambda.
+        num_total: trajectories in the whole step (micro-batching); defaults to B.
+
+    Returns:
+        :class:`LOPDTerms`.
+    """
+    num_traj = advantages.shape[0]
+    num_total = num_traj if num_total is None else num_total
+    if num_total < num_traj:
+        raise ValueError(f"num_total={num_total} is smaller than the batch ({num_traj})")
+    if kl.shape != privilege.shape:
+        raise ValueError(
+            f"kl and privilege must have the same shape, got {tuple(kl.shape)} and "
+            f"{tuple(privilege.shape)}"
+        )
+    distill = segment_mean(kl.float(), seg, num_traj)
+    delta = advantages.float() * segment_mean(privilege.float(), seg, num_traj)
+    if latents is not None and latents0 is not None and anchor_weight > 0:
+        if latents.shape != latents0.shape:
+            raise ValueError(
+                f"latents and latents0 must match, got {tuple(latents.shape)} and "
+                f"{tuple(latents0.shape)}"
+            )
+        diff = latents.float() - latents0.detach().float()
+        anchor = diff.pow(2).flatten(1).mean(dim=1)
+    else:
+        anchor = torch.zeros(num_traj, device=kl.device)
+    per_traj = distill - beta * delta + anchor_weight * anchor
+    # beta * m is a constant; kept so the logged loss is the Lagrangian of eq. 13.
+    loss = (per_traj.sum() + beta * margin * num_traj) / num_total
+    return LOPDTerms(loss=loss, distill=distill, delta=delta, anchor=anchor)
+
+
+def dual_update(beta: float, margin: float, delta: float, dual_lr: float) -> float:
+    """Projected dual ascent: ``beta <- max(0, beta + eta_beta * (m - Delta))``.
+
+    Args:
+        beta: current value (>= 0).
+        margin: m.
+        delta: the step's Delta (a float: no gradient flows through the dual update).
+        dual_lr: eta_beta.
+
+    Returns:
+        The new beta. It grows while ``Delta < m`` and shrinks to 0 once ``Delta > m``.
+    """
+    if isinstance(delta, torch.Tensor):
+        delta = float(delta.detach())
+    return max(0.0, beta + dual_lr * (margin - delta))
