@@ -1,5 +1,19 @@
-"""Task worlds with verifiers: tool-use worlds, the coding sandbox, JSONL loaders."""
+"""Task worlds with verifiers: tool-use worlds, the coding sandbox, JSONL loaders.
 
+Entry points::
+
+    from lopd.envs import builtin_tasks, make_env, oracle_actions
+
+    tasks = builtin_tasks("tool_use", "train")        # 600 tasks over shop/insurance/logistics
+    env = make_env(tasks[0])
+    first_user_message = env.reset(tasks[0])
+    obs, done = env.step('<tool_call>\\n{"name": "find_customer", ...}\\n</tool_call>')
+    r = env.reward()
+"""
+
+from __future__ import annotations
+
+from lopd.envs import worlds as _worlds  # noqa: F401  (registers the built-in worlds)
 from lopd.envs.base import (
     CODING_SYSTEM_PROMPT,
     TASK_COMPLETED,
@@ -11,6 +25,75 @@ from lopd.envs.base import (
     parse_tool_calls,
     strip_thinking,
 )
+from lopd.envs.tool_use import (
+    ToolError,
+    ToolSpec,
+    ToolUseEnv,
+    World,
+    evaluate_checks,
+    format_tool_call,
+    get_world,
+    oracle_calls,
+    register_world,
+    run_actions,
+    tool_use_tasks,
+    world_names,
+)
+from lopd.types import Task
+
+
+def make_env(task: Task, max_steps: int | None = None) -> Env:
+    """A fresh environment able to run ``task`` (call ``reset(task)`` on it).
+
+    Args:
+        task: the task; its ``domain`` picks the env class.
+        max_steps: override the domain's step cap (tool use: 30).
+
+    Raises:
+        ValueError: unknown ``task.domain``.
+    """
+    if task.domain == "tool_use":
+        return ToolUseEnv() if max_steps is None else ToolUseEnv(max_steps=max_steps)
+    raise ValueError(f"task {task.task_id}: unknown domain {task.domain!r}")
+
+
+def builtin_tasks(
+    domain: str = "tool_use", split: str = "train", n: int | None = None, seed: int = 0
+) -> list[Task]:
+    """The built-in task set of a domain.
+
+    Tool use: 200 train / 40 test tasks per world (600 / 120 in all), interleaved across worlds so
+    any prefix mixes them; deterministic in ``seed``; the test split uses other database seeds and
+    never repeats a train entity combination.
+
+    Args:
+        domain: ``"tool_use"``.
+        split: ``"train"`` or ``"test"``.
+        n: keep the first ``n`` tasks (all if None).
+        seed: task-set seed.
+
+    Raises:
+        ValueError: unknown domain or split, or negative ``n``.
+    """
+    if n is not None and n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if domain == "tool_use":
+        return tool_use_tasks(split, n, seed)
+    raise ValueError(f"unknown domain {domain!r}; expected 'tool_use' or 'coding'")
+
+
+def oracle_actions(task: Task) -> list[str]:
+    """A correct sequence of assistant turns (model text) that earns reward 1.0.
+
+    Tool use: one Qwen3 ``<tool_call>`` turn per oracle call, then ``Task Completed``.
+
+    Raises:
+        ValueError: the task carries no oracle.
+    """
+    if task.domain == "tool_use":
+        return [format_tool_call(c) for c in oracle_calls(task)] + [TASK_COMPLETED]
+    raise ValueError(f"task {task.task_id}: unknown domain {task.domain!r}")
+
 
 __all__ = [
     "CODING_SYSTEM_PROMPT",
@@ -19,7 +102,20 @@ __all__ = [
     "Env",
     "ToolCall",
     "ToolCallParseError",
+    "ToolError",
+    "ToolSpec",
+    "ToolUseEnv",
+    "World",
+    "builtin_tasks",
+    "evaluate_checks",
+    "format_tool_call",
+    "get_world",
     "is_task_completed",
+    "make_env",
+    "oracle_actions",
     "parse_tool_calls",
+    "register_world",
+    "run_actions",
     "strip_thinking",
+    "world_names",
 ]

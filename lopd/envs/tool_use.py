@@ -1,0 +1,524 @@
+"""Stateful tool-use worlds (EnvScaler style): the world framework, final-state checks, the env.
+
+A *world* (:class:`World` subclass) owns an in-memory database ``{table: {record_id: record}}``
+built deterministically from a seed, a set of query and modification tools (methods
+``tool_<name>``) described by :class:`ToolSpec`, and task templates (methods ``gen_<template>``)
+that pick random entities from the database and write the instruction, the final-state checks and
+an oracle sequence of tool calls.
+
+A tool-use :class:`~lopd.types.Task` carries everything as JSON in ``task.spec``::
+
+    {
+      "seed": 1234,                 # builds the initial database (World.build_db)
+      "db": {...},                  # optional: an explicit initial database (overrides "seed")
+      "template": "change_address", # the template that wrote the task (informative)
+      "params": {...},              # the entities the template picked (informative, dedup key)
+      "checks": [...],              # final-state checks, see below
+      "oracle": [{"name": ..., "arguments": {...}}, ...],  # one correct call sequence (optional)
+    }
+
+Checks (all evaluated on the final database, some against the initial one):
+
+* ``{"op": "equals", "table": t, "id": i, "path": "a.b", "value": v}``: field ``a.b`` equals ``v``.
+* ``{"op": "absent", "table": t, "id": i, "path": "a.b"}``: the (nested) key does not exist.
+* ``{"op": "count_new", "table": t, "where": {field: value}, "count": n}``: exactly ``n`` records
+  created during the episode match ``where``.
+* ``{"op": "unchanged", "allow": {t: {i: [field, ...]}}, "new": {t: n}}``: the "don't touch other
+  records" guard. Every initial record still exists and equals its initial value except the
+  allowed fields, and each table gained exactly ``new.get(t, 0)`` records.
+
+Reward = fraction of the checks that hold, except that an episode which leaves the database
+untouched scores 0: guard checks hold trivially for an unchanged database and must not pay for
+inaction.
+
+Tool results are observations in one format: the compact JSON of the result object (a few dozen
+tokens), or ``Error: <reason>`` for a failed call. See :class:`ToolUseEnv` for the turn rules.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from lopd.envs.base import (
+    TASK_COMPLETED,
+    TOOL_USE_SYSTEM_PROMPT,
+    Env,
+    ToolCall,
+    ToolCallParseError,
+    is_task_completed,
+    parse_tool_calls,
+)
+from lopd.types import Task, TraceStep
+
+Db = dict[str, dict[str, dict[str, Any]]]
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+}
+
+NO_TOOL_CALL_MESSAGE = (
+    'Error: no tool call found. Call one tool as <tool_call>{"name": ..., "arguments": {...}}'
+    f"</tool_call>, or answer {TASK_COMPLETED} when the task is done."
+)
+"""Observation for a turn with neither a tool call nor ``Task Completed``."""
+
+
+class ToolError(Exception):
+    """A tool call that cannot be executed; its message becomes ``Error: <message>``."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One tool parameter: a JSON type (``string``/``integer``/``number``/``boolean``)."""
+
+    type: str
+    description: str
+    enum: tuple[Any, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool's name, description and parameters (all required).
+
+    Attributes:
+        name: the function name the model calls; implemented by ``World.tool_<name>``.
+        description: one line for the tool list.
+        params: parameter name -> :class:`Param`, in signature order.
+        kind: ``"query"`` (read-only) or ``"modify"``.
+    """
+
+    name: str
+    description: str
+    params: dict[str, Param] = field(default_factory=dict)
+    kind: str = "query"
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI-style function schema passed to chat templates."""
+        props: dict[str, Any] = {}
+        for pname, p in self.params.items():
+            prop: dict[str, Any] = {"type": p.type, "description": p.description}
+            if p.enum is not None:
+                prop["enum"] = list(p.enum)
+            props[pname] = prop
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": {"type": "object", "properties": props, "required": list(props)},
+            },
+        }
+
+    def validate(self, args: dict[str, Any]) -> None:
+        """Check the arguments against the parameters.
+
+        Raises:
+            ToolError: a missing, unexpected or ill-typed argument, or a value outside the enum.
+        """
+        missing = [p for p in self.params if p not in args]
+        if missing:
+            raise ToolError(f"missing argument '{missing[0]}' for {self.name}")
+        extra = [a for a in args if a not in self.params]
+        if extra:
+            raise ToolError(f"unexpected argument '{extra[0]}' for {self.name}")
+        for pname, p in self.params.items():
+            v = args[pname]
+            # bool is an int subclass in Python; JSON true/false is never a valid number here.
+            wrong_bool = isinstance(v, bool) and p.type != "boolean"
+            if wrong_bool or not isinstance(v, _JSON_TYPES[p.type]):
+                raise ToolError(f"argument '{pname}' must be a {p.type}")
+            if p.enum is not None and v not in p.enum:
+                allowed = ", ".join(map(str, p.enum))
+                raise ToolError(f"argument '{pname}' must be one of: {allowed}")
+
+
+class TemplateNotApplicable(Exception):
+    """Raised by a template whose entities do not exist in this seed's database (seed skipped)."""
+
+
+@dataclass
+class Draft:
+    """What a template method returns: the task text, its checks and an oracle call sequence."""
+
+    instruction: str
+    params: dict[str, Any]
+    checks: list[dict[str, Any]]
+    oracle: list[ToolCall]
+
+
+class World:
+    """Base class of a tool-use world: a database plus the tools that read and modify it.
+
+    Subclasses set ``name``, ``tools_spec`` and ``templates``, implement :meth:`build_db`, one
+    ``tool_<name>(**args) -> dict`` per tool (raise :class:`ToolError` on failure) and one
+    ``gen_<template>(rng) -> Draft`` per template, and register with :func:`register_world`.
+
+    Attributes:
+        db: the live database, ``{table: {record_id: record}}``.
+    """
+
+    name: ClassVar[str] = ""
+    tools_spec: ClassVar[tuple[ToolSpec, ...]] = ()
+    templates: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, db: Db) -> None:
+        self.db = db
+        self._specs = {t.name: t for t in self.tools_spec}
+
+    @classmethod
+    def build_db(cls, seed: int) -> Db:
+        """The initial database for ``seed`` (deterministic, independent of global RNG state)."""
+        raise TypeError(f"world {cls.__name__} must implement build_db")
+
+    def call(self, tool: ToolCall) -> dict[str, Any]:
+        """Validate and execute one call; returns the result object.
+
+        Raises:
+            ToolError: unknown tool, bad arguments, or a failure reported by the tool.
+        """
+        spec = self._specs.get(tool.name)
+        if spec is None:
+            raise ToolError(f"unknown tool '{tool.name}'")
+        spec.validate(tool.arguments)
+        return getattr(self, f"tool_{tool.name}")(**tool.arguments)
+
+    def new_id(self, table: str, prefix: str) -> str:
+        """The next free ``<prefix>-<n>`` id of a table (deterministic: max existing + 1)."""
+        nums = [int(k.rsplit("-", 1)[1]) for k in self.db[table] if k.startswith(prefix + "-")]
+        return f"{prefix}-{max(nums, default=0) + 1}"
+
+    def generate(self, template: str, rng: random.Random) -> Draft:
+        """Run template ``template`` against this world's (initial) database."""
+        if template not in self.templates:
+            raise ValueError(f"world {self.name!r} has no template {template!r}")
+        return getattr(self, f"gen_{template}")(rng)
+
+
+_WORLDS: dict[str, type[World]] = {}
+
+
+def register_world(cls: type[World]) -> type[World]:
+    """Class decorator: make a world available to :class:`ToolUseEnv` under ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"world class {cls.__name__} has an empty name")
+    _WORLDS[cls.name] = cls
+    return cls
+
+
+def get_world(name: str) -> type[World]:
+    """The registered world class called ``name``.
+
+    Raises:
+        KeyError: no such world (the message lists the registered ones).
+    """
+    try:
+        return _WORLDS[name]
+    except KeyError:
+        raise KeyError(f"unknown world {name!r}; registered: {sorted(_WORLDS)}") from None
+
+
+def world_names() -> list[str]:
+    """Names of all registered tool-use worlds, sorted."""
+    return sorted(_WORLDS)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+_MISSING = object()
+
+
+def _get_path(record: Any, path: str) -> Any:
+    cur = record
+    for part in path.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return _MISSING
+        cur = cur[part]
+    return cur
+
+
+def _check_holds(check: dict[str, Any], db: Db, initial: Db) -> bool:
+    op = check.get("op")
+    if op in ("equals", "absent"):
+        rec = db.get(check["table"], {}).get(check["id"])
+        if rec is None:
+            return False
+        got = _get_path(rec, check["path"])
+        return got is _MISSING if op == "absent" else got == check["value"]
+    if op == "count_new":
+        table = check["table"]
+        new = [r for i, r in db.get(table, {}).items() if i not in initial.get(table, {})]
+        where = check.get("where", {})
+        return sum(all(r.get(k) == v for k, v in where.items()) for r in new) == check["count"]
+    if op == "unchanged":
+        allow = check.get("allow", {})
+        new_counts = check.get("new", {})
+        for table, records in initial.items():
+            final = db.get(table, {})
+            for rid, rec in records.items():
+                if rid not in final:
+                    return False
+                fields = set(allow.get(table, {}).get(rid, ()))
+                a = {k: v for k, v in rec.items() if k not in fields}
+                b = {k: v for k, v in final[rid].items() if k not in fields}
+                if a != b:
+                    return False
+            if len(final) - len(records) != new_counts.get(table, 0):
+                return False
+        return True
+    raise ValueError(f"unknown check op {op!r} in {check}")
+
+
+def evaluate_checks(checks: list[dict[str, Any]], db: Db, initial: Db) -> list[bool]:
+    """Evaluate final-state checks (see the module docstring for the check language).
+
+    Args:
+        checks: the task's checks.
+        db: the final database.
+        initial: the database at reset.
+
+    Returns:
+        One bool per check.
+
+    Raises:
+        ValueError: a check with an unknown ``op``.
+    """
+    return [_check_holds(c, db, initial) for c in checks]
+
+
+# --------------------------------------------------------------------------- env
+
+
+def format_tool_call(call: ToolCall) -> str:
+    """Assistant text for one call in Qwen3's format (what :func:`parse_tool_calls` reads)."""
+    body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def format_result(result: Any) -> str:
+    """The observation text of a successful tool result: its compact JSON."""
+    return json.dumps(result, ensure_ascii=False)
+
+
+def initial_db(task: Task) -> Db:
+    """A fresh copy of the task's initial database (``spec["db"]`` or built from ``spec["seed"]``).
+
+    Raises:
+        ValueError: the spec has neither ``"db"`` nor an integer ``"seed"``.
+    """
+    spec = task.spec
+    if "db" in spec:
+        return copy.deepcopy(spec["db"])
+    seed = spec.get("seed")
+    if not isinstance(seed, int):
+        raise ValueError(f"task {task.task_id}: tool-use spec needs 'db' or an integer 'seed'")
+    return get_world(task.world).build_db(seed)
+
+
+class ToolUseEnv(Env):
+    """Multi-turn episode in a registered :class:`World`.
+
+    Turn rules (one ``step`` per assistant turn):
+
+    * exactly one ``<tool_call>``: validated and executed; the observation is the result JSON or
+      ``Error: <reason>`` (unknown tool, missing/unexpected/ill-typed argument, a failure such as
+      an unknown id). The episode goes on either way.
+    * malformed call (bad JSON, no name, arguments not an object): ``Error: <reason>``.
+    * several calls in one turn (parallel calls, forbidden by the system prompt): none is executed,
+      the observation is an error; each parsed call still counts in ``num_tool_calls``.
+    * no call and ``Task Completed`` in the text: the episode ends (observation ``""``).
+    * no call and no ``Task Completed``: an observation telling the model the expected format.
+    * the ``max_steps``-th turn ends the episode after it is applied.
+
+    Args:
+        max_steps: turns per episode (paper: 30).
+    """
+
+    def __init__(self, max_steps: int = 30) -> None:
+        super().__init__()
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        self.max_steps = max_steps
+        self.world: World | None = None
+        self._initial: Db = {}
+        self._seen: set[str] = set()
+
+    def system_prompt(self) -> str:
+        return TOOL_USE_SYSTEM_PROMPT
+
+    def tools(self) -> list[dict[str, Any]]:
+        if self.world is None:
+            raise RuntimeError("tools() needs a world: call reset(task) first")
+        return [t.schema() for t in self.world.tools_spec]
+
+    def reset(self, task: Task) -> str:
+        self._reset_stats(task)
+        if task.domain != "tool_use":
+            raise ValueError(f"task {task.task_id} has domain {task.domain!r}, not 'tool_use'")
+        world_cls = get_world(task.world)
+        self._initial = initial_db(task)
+        self.world = world_cls(copy.deepcopy(self._initial))
+        self._seen = set()
+        return task.instruction
+
+    def _execute(self, call: ToolCall) -> str:
+        assert self.world is not None
+        key = call.key()
+        if key in self._seen:
+            self.repeated_tool_calls += 1
+        self._seen.add(key)
+        try:
+            obs = format_result(self.world.call(call))
+        except ToolError as e:
+            obs = f"Error: {e}"
+        except TypeError as e:
+            # A tool implementation rejecting its arguments: report it, never crash the rollout.
+            obs = f"Error: bad arguments for {call.name} ({e})"
+        self.trace.append(TraceStep(action=call.render(), result=obs))
+        return obs
+
+    def step(self, model_text: str) -> tuple[str, bool]:
+        self._check_can_step()
+        self.num_steps += 1
+        try:
+            calls = parse_tool_calls(model_text)
+        except ToolCallParseError as e:
+            self.num_tool_calls += 1
+            obs = f"Error: {e}"
+        else:
+            self.num_tool_calls += len(calls)
+            if len(calls) == 1:
+                obs = self._execute(calls[0])
+            elif len(calls) > 1:
+                obs = (
+                    f"Error: {len(calls)} tool calls in one step; make exactly one call per step "
+                    "(none was executed)"
+                )
+            elif is_task_completed(model_text):
+                self.done = True
+                return "", True
+            else:
+                obs = NO_TOOL_CALL_MESSAGE
+        if self.num_steps >= self.max_steps:
+            self.done = True
+        return obs, self.done
+
+    def check_results(self) -> list[bool]:
+        """Per-check results on the current state (for diagnostics and tests)."""
+        if self.world is None or self.task is None:
+            raise RuntimeError("check_results() called before reset(task)")
+        return evaluate_checks(self.task.spec["checks"], self.world.db, self._initial)
+
+    def reward(self) -> float:
+        if self.world is None or self.task is None:
+            raise RuntimeError("reward() called before reset(task)")
+        if self.world.db == self._initial:
+            return 0.0
+        results = self.check_results()
+        return sum(results) / len(results) if results else 0.0
+
+
+# --------------------------------------------------------------------------- task generation
+
+
+TRAIN_PER_WORLD = 200
+TEST_PER_WORLD = 40
+
+
+def make_task(world: str, template: str, seed: int, task_id: str, split: str) -> Task:
+    """Generate one task of ``world`` from ``template`` with database seed ``seed``."""
+    cls = get_world(world)
+    w = cls(cls.build_db(seed))
+    draft = w.generate(template, random.Random(f"{world}/{template}/{seed}"))
+    spec = {
+        "seed": seed,
+        "template": template,
+        "params": draft.params,
+        "checks": draft.checks,
+        "oracle": [{"name": c.name, "arguments": c.arguments} for c in draft.oracle],
+    }
+    return Task(task_id, "tool_use", world, draft.instruction, spec, split)
+
+
+def _generate_split(world: str, split: str, count: int, seed: int, exclude: set[str]) -> list[Task]:
+    cls = get_world(world)
+    rng = random.Random(f"lopd-tasks/{world}/{split}/{seed}")
+    tasks: list[Task] = []
+    seen = set(exclude)
+    i = 0
+    while len(tasks) < count:
+        template = cls.templates[i % len(cls.templates)]
+        i += 1
+        task_seed = rng.getrandbits(31)
+        try:
+            t = make_task(world, template, task_seed, f"{world}-{split}-{len(tasks):05d}", split)
+        except TemplateNotApplicable:
+            continue
+        # The instruction names every entity of the task: equal text = same entity combination.
+        if t.instruction in seen:
+            continue
+        seen.add(t.instruction)
+        tasks.append(t)
+    return tasks
+
+
+_CACHE: dict[tuple[str, str, int], list[Task]] = {}
+
+
+def world_tasks(world: str, split: str = "train", seed: int = 0) -> list[Task]:
+    """The default split of one world (200 train / 40 test tasks), cached.
+
+    Test tasks use a different seed stream and never repeat a train instruction (entity combo).
+
+    Raises:
+        ValueError: ``split`` is not ``"train"`` or ``"test"``.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    key = (world, split, seed)
+    if key not in _CACHE:
+        if split == "train":
+            _CACHE[key] = _generate_split(world, "train", TRAIN_PER_WORLD, seed, set())
+        else:
+            train = {t.instruction for t in world_tasks(world, "train", seed)}
+            _CACHE[key] = _generate_split(world, "test", TEST_PER_WORLD, seed, train)
+    return [copy.deepcopy(t) for t in _CACHE[key]]
+
+
+def tool_use_tasks(
+    split: str = "train", n: int | None = None, seed: int = 0, worlds: list[str] | None = None
+) -> list[Task]:
+    """Tasks of all (or the given) worlds, interleaved round-robin so any prefix mixes worlds."""
+    names = world_names() if worlds is None else list(worlds)
+    per = [world_tasks(w, split, seed) for w in names]
+    out = [t for group in zip(*per) for t in group]
+    return out if n is None else out[:n]
+
+
+def oracle_calls(task: Task) -> list[ToolCall]:
+    """The task's oracle call sequence (``spec["oracle"]``).
+
+    Raises:
+        ValueError: the task carries no oracle.
+    """
+    oracle = task.spec.get("oracle")
+    if oracle is None:
+        raise ValueError(f"task {task.task_id} has no 'oracle' in its spec")
+    return [ToolCall(c["name"], dict(c["arguments"])) for c in oracle]
+
+
+def run_actions(env: Env, task: Task, actions: list[str]) -> float:
+    """Play a fixed list of assistant turns in ``env``; returns the final reward."""
+    env.reset(task)
+    for text in actions:
+        _, done = env.step(text)
+        if done:
+            break
+    return env.reward()
