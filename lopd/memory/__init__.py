@@ -1,0 +1,40 @@
+"""Experience memory for LOPD: the bank of successful trajectories, embedders, FAISS retrieval.
+
+``python -m lopd.collect`` fills a bank from base-model rollouts and saves the index and the
+precomputed query embeddings next to it; the trainer then only needs :class:`Retriever.load`.
+"""
+
+from lopd.memory.bank import (
+    BankCorruptionError,
+    BankEntry,
+    ExperienceBank,
+    document_text,
+    format_experience,
+    make_entry_id,
+)
+from lopd.memory.embedders import (
+    QUERY_INSTRUCTION,
+    Embedder,
+    HiddenStateEmbedder,
+    SentenceTransformerEmbedder,
+    format_query,
+    l2_normalize,
+)
+from lopd.memory.retriever import Retriever, faiss_gpu_available
+
+__all__ = [
+    "QUERY_INSTRUCTION",
+    "BankCorruptionError",
+    "BankEntry",
+    "Embedder",
+    "ExperienceBank",
+    "HiddenStateEmbedder",
+    "Retriever",
+    "SentenceTransformerEmbedder",
+    "document_text",
+    "faiss_gpu_available",
+    "format_experience",
+    "format_query",
+    "l2_normalize",
+    "make_entry_id",
+]
