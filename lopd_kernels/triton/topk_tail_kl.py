@@ -1,0 +1,762 @@
+"""Triton forward and backward kernels of ``topk_tail_kl`` (top-M + tail-bucket KL + privilege).
+
+The math is in ``design/math.md``; ``lopd_kernels/topk_tail_kl.py`` registers the two launchers
+below as ``torch.ops.lopd.topk_tail_kl_triton_fwd`` / ``..._bwd`` and wires autograd.
+
+Design (one program per row, int64 row offsets, float32 math whatever the input dtype):
+
+* **Forward, top-M** (``top_m >= 1``): a single streaming pass over the vocabulary in blocks of
+  ``BLOCK_V`` reads each logit once. It keeps
+
+  - the running top-M of the teacher as packed int64 *keys* (below), an unsorted set whose
+    minimum ``thr`` is the current M-th largest key;
+  - two running base-2 log-sum-exps, student and teacher, over the **complement** of the running
+    top-M (the tail), each with its own maximum, so the tail is exact to float32 rounding however
+    little mass it holds (math.md: never ``1 - sum`` nor ``log1mexp``).
+
+  Per block: if the block's teacher maximum is below the M-th value, no entry can enter the top-M
+  and the whole block is folded into the tail (the common case once the threshold has settled;
+  this path does no integer work at all). Otherwise the block's keys are built and its
+  candidates are inserted largest first, each replacing the set's minimum; an evicted entry is
+  folded into the tail (its teacher value decoded from the key, its student logit re-read by
+  index: one scalar load). Because candidates go in descending order, the inserted ones are
+  exactly the block keys ``>= lowest inserted key``, and every other block entry joins the tail.
+  The full log-sum-exps are then ``logaddexp(tail, top-M)`` at the end, so the streaming loop
+  costs two ``exp2`` per vocabulary entry, not four.
+
+* **Forward, full vocabulary** (``top_m == 0``): online log-sum-exp of both sides plus an online
+  ``sum_j 2^(y_j - r) * d_j`` accumulator for the KL, with ``d_j`` measured from the running
+  maxima so that ``KL = E[d] - log l_s + log l_t`` never subtracts two large numbers.
+
+* **Backward**: one streaming pass that writes, for every j, the *tail* formula
+  ``ds_j = S_j * c_tail + [j = target] * u_ls / T`` (same for the teacher), followed by a
+  fix-up of the M top-M entries with their own bucket coefficients (M scalar gathers and
+  scatters, after a block barrier so they land last). Full-vocabulary rows use the per-entry
+  formulas of math.md directly.
+
+Packed keys: ``key = (mono(t) << 32) | (0x7FFFFFFF - j)`` where ``mono`` maps the float32 bits
+of the teacher logit to an int32 with the same order (flip the magnitude bits of negatives).
+Keys are unique, order by (value desc, index asc), so ties go to the lower index exactly as in
+the reference, and one int64 max/min carries the index along with the value. The value and the
+index are recovered from a key exactly.
+
+Limits: ``1 <= top_m <= min(V, 256)`` or ``top_m == 0``; the inserts are sequential, so a large
+M costs about ``M * ln(V / BLOCK_V)`` block reductions per row (cheap for the default M = 20).
+Out-of-range targets (neither in ``[0, V)`` nor ``ignore_index``) are not validated here (that
+would sync the device; the public API validates): their log-probs come out NaN, loudly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["MAX_TOP_M", "topk_tail_kl_bwd_triton", "topk_tail_kl_fwd_triton"]
+
+#: Largest supported ``top_m`` (besides 0, the full vocabulary).
+MAX_TOP_M = 256
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+# Empty slot of the running top-M: below every real key (a real key's high word is at least
+# mono(-inf) = -0x7F800001 > INT32_MIN), so any real entry replaces it.
+_KEY_EMPTY = tl.constexpr(-(2**63))
+# Padding slots (index >= M of the power-of-two register vector): above every real key, so
+# they are never the minimum and never evicted.
+_KEY_PAD = tl.constexpr(2**63 - 1)
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Launch defaults for a GPU (H100/H200 class). Tests pass small blocks to the interpreter.
+_FWD_BLOCK_V = 4096
+_FWD_WARPS = 8
+_BWD_BLOCK_V = 4096
+_BWD_WARPS = 8
+
+
+# --------------------------------------------------------------------------------------------
+# Device helpers
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sortable_key(t, idx):
+    """Pack float32 teacher logits ``t`` and their int32 vocabulary indices into int64 keys.
+
+    Args:
+        t: float32 values (any shape).
+        idx: int32 indices in ``[0, 2^31)``, same shape.
+
+    Returns:
+        int64 keys ordered like ``(t, -idx)``: the larger value wins, on a tie the lower index.
+    """
+    u = t.to(tl.int32, bitcast=True)
+    # Negative floats order backwards as integers: flipping their 31 magnitude bits fixes that
+    # (the map is its own inverse, see _key_value).
+    mono = u ^ ((u >> 31) & 0x7FFFFFFF)
+    return (mono.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
+
+
+@triton.jit
+def _key_value(key):
+    """The float32 teacher logit packed in ``key`` (exact inverse of ``_sortable_key``)."""
+    mono = (key >> 32).to(tl.int32)
+    u = mono ^ ((mono >> 31) & 0x7FFFFFFF)
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_index(key):
+    """The int32 vocabulary index packed in ``key``."""
+    return 0x7FFFFFFF - (key & 0x7FFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _safe_ref(m):
+    """Reference point for exponentials: the running max, or 0 while it is still ``-inf``.
+
+    Using 0 keeps ``exp2(-inf - ref)`` at 0 instead of ``exp2(-inf + inf) = NaN`` for rows (or
+    tails) that hold only ``-inf`` so far.
+    """
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def _lse_fold(m, l, y):
+    """Fold a block ``y`` (float32 [B], base-2 units, ``-inf`` = absent) into ``(m, l)``.
+
+    ``(m, l)`` is an online base-2 log-sum-exp: ``lse2 = _safe_ref(m) + log2(l)``.
+    """
+    m_new = tl.maximum(m, tl.max(y, 0))
+    ref = _safe_ref(m_new)
+    l = l * tl.exp2(m - ref) + tl.sum(tl.exp2(y - ref), 0)
+    return m_new, l
+
+
+@triton.jit
+def _lse_fold_scalar(m, l, y):
+    """``_lse_fold`` for a single scalar ``y``."""
+    m_new = tl.maximum(m, y)
+    ref = _safe_ref(m_new)
+    l = l * tl.exp2(m - ref) + tl.exp2(y - ref)
+    return m_new, l
+
+
+@triton.jit
+def _kl_terms(a, b):
+    """Bucketwise ``exp(a) * (a - b)`` for natural log-masses ``a``, ``b``; 0 where ``exp(a) == 0``.
+
+    A zero-mass bucket contributes 0 (never ``0 * inf``); positive mass against ``b = -inf`` is
+    a genuinely infinite KL and stays ``+inf``.
+    """
+    p = tl.exp(a)
+    return tl.where(p > 0.0, p * (a - b), 0.0)
+
+
+@triton.jit
+def _bucket_coefs(lp, lq, kl, u_kl, u_ls, u_lt, inv_t, REVERSE: tl.constexpr):
+    """Per-bucket gradient coefficients ``c_s``, ``c_t`` (math.md), already divided by T.
+
+    For an entry j of bucket b, ``ds_j = S_j * c_s[b] + [j = a] u_ls / T`` and
+    ``dt_j = T_j * c_t[b] + [j = a] u_lt / T``.
+
+    Args:
+        lp, lq: natural log-masses ``log P_b``, ``log Q_b`` (same shape, any).
+        kl: the row's KL (reverse or forward, matching ``REVERSE``).
+        u_kl, u_ls, u_lt: upstream gradients of kl, student and teacher log-probs.
+        inv_t: 1 / temperature.
+    """
+    p = tl.exp(lp)
+    q = tl.exp(lq)
+    if REVERSE:
+        # Zero-mass buckets: every S_j (T_j) in them is 0, so any finite coefficient is exact.
+        g = tl.where(p > 0.0, lp - lq, 0.0)
+        ratio = tl.where(q > 0.0, tl.exp(lp - lq), 0.0)  # P_b / Q_b
+        c_s = (u_kl * (g - kl) - u_ls) * inv_t
+        c_t = (u_kl * (1.0 - ratio) - u_lt) * inv_t
+    else:
+        h = tl.where(q > 0.0, lq - lp, 0.0)
+        ratio = tl.where(p > 0.0, tl.exp(lq - lp), 0.0)  # Q_b / P_b
+        c_s = (u_kl * (1.0 - ratio) - u_ls) * inv_t
+        c_t = (u_kl * (h - kl) - u_lt) * inv_t
+    return c_s, c_t
+
+
+# --------------------------------------------------------------------------------------------
+# Forward kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_topm_kernel(
+    s_ptr,  # [N, V] student logits (row stride stride_s, unit column stride)
+    t_ptr,  # [N, V] teacher logits
+    tgt_ptr,  # [N] int64 targets
+    kl_ptr,  # [N] fp32 out
+    slp_ptr,  # [N] fp32 out: student log-prob of the target
+    tlp_ptr,  # [N] fp32 out: teacher log-prob of the target
+    ids_ptr,  # [N, M] int64 out: teacher top-M ids, by descending teacher logit
+    lse_ptr,  # [N, 2] fp32 out: natural log-sum-exp of student / T and teacher / T
+    blp_ptr,  # [N, 2, M + 1] fp32 out: log P_b, log Q_b; b = M is the tail
+    V,
+    stride_s,
+    stride_t,
+    scale2,  # log2(e) / T: logits -> base-2 log-space
+    ignore_index,
+    M: tl.constexpr,
+    MP: tl.constexpr,  # power of two >= max(M, 2): register width of the running top-M
+    BLOCK_V: tl.constexpr,
+    REVERSE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    s_row = s_ptr + row * stride_s
+    t_row = t_ptr + row * stride_t
+    ids_row = ids_ptr + row * M
+    blp_row = blp_ptr + row * (2 * (M + 1))
+    slot = tl.arange(0, MP)
+    valid = slot < M
+    tgt = tl.load(tgt_ptr + row)
+
+    if tgt == ignore_index:
+        # Ignored rows: every output 0, and no pass over the logits.
+        tl.store(kl_ptr + row, 0.0)
+        tl.store(slp_ptr + row, 0.0)
+        tl.store(tlp_ptr + row, 0.0)
+        tl.store(lse_ptr + row * 2 + tl.arange(0, 2), tl.zeros([2], tl.float32))
+        tl.store(ids_row + slot, tl.zeros([MP], tl.int64), mask=valid)
+        tl.store(blp_row + slot, tl.zeros([MP], tl.float32), mask=slot < M + 1)
+        tl.store(blp_row + (M + 1) + slot, tl.zeros([MP], tl.float32), mask=slot < M + 1)
+        tl.store(blp_row + M, 0.0)
+        tl.store(blp_row + (2 * M + 1), 0.0)
+    else:
+        top = tl.where(valid, tl.full([MP], _KEY_EMPTY, tl.int64), _KEY_PAD)
+        thr = tl.min(top, 0)  # M-th largest key so far (EMPTY until M entries were seen)
+        thr_val = tl.full([], float("-inf"), tl.float32)  # its teacher logit (-inf when EMPTY)
+        ms = tl.full([], float("-inf"), tl.float32)  # student tail: max, sum of 2^(y - max)
+        ls = tl.zeros([], tl.float32)
+        mt = tl.full([], float("-inf"), tl.float32)  # teacher tail
+        lt = tl.zeros([], tl.float32)
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            inb = offs < V
+            s = tl.load(s_row + offs, mask=inb, other=float("-inf")).to(tl.float32)
+            t = tl.load(t_row + offs, mask=inb, other=float("-inf")).to(tl.float32)
+            t_max = tl.max(t, 0)
+            if t_max >= thr_val:
+                # Some entry may beat the M-th key: insert candidates, largest first.
+                key = tl.where(inb, _sortable_key(t, offs), _KEY_EMPTY)
+                kmax = tl.max(key, 0)
+                lowest = tl.full([], _KEY_PAD, tl.int64)  # smallest key inserted from this block
+                while kmax > thr:
+                    top = tl.where(slot == tl.argmin(top, 0), kmax, top)
+                    # The evicted key (the old minimum) leaves the top-M for good: fold both
+                    # its logits into the tails. Nothing is evicted while slots are EMPTY.
+                    evicted = thr != _KEY_EMPTY
+                    e_s = tl.load(s_row + _key_index(thr), mask=evicted, other=float("-inf"))
+                    e_t = tl.where(evicted, _key_value(thr), float("-inf"))
+                    ms, ls = _lse_fold_scalar(ms, ls, e_s.to(tl.float32) * scale2)
+                    mt, lt = _lse_fold_scalar(mt, lt, e_t * scale2)
+                    thr = tl.min(top, 0)
+                    lowest = kmax
+                    kmax = tl.max(tl.where(key < kmax, key, _KEY_EMPTY), 0)
+                thr_val = tl.where(thr == _KEY_EMPTY, float("-inf"), _key_value(thr))
+                # Inserted entries are exactly the block keys >= lowest; the rest is tail.
+                in_tail = key < lowest
+                ys = tl.where(in_tail, s * scale2, float("-inf"))
+                yt = tl.where(in_tail, t * scale2, float("-inf"))
+            else:
+                ys = s * scale2
+                yt = t * scale2
+            ms, ls = _lse_fold(ms, ls, ys)
+            mt, lt = _lse_fold(mt, lt, yt)
+
+        # Sort the final top-M (descending teacher logit, like torch.topk) and gather its M
+        # student logits; the teacher logits are decoded from the keys.
+        top = tl.sort(tl.where(valid, top, _KEY_EMPTY), descending=True)
+        ids = tl.where(valid, _key_index(top), 0)
+        yt_top = tl.where(valid, _key_value(top), float("-inf")) * scale2
+        ys_top = tl.load(s_row + ids, mask=valid, other=float("-inf")).to(tl.float32) * scale2
+        tail_s2 = _safe_ref(ms) + tl.log2(ls)
+        tail_t2 = _safe_ref(mt) + tl.log2(lt)
+        ms, ls = _lse_fold(ms, ls, ys_top)
+        mt, lt = _lse_fold(mt, lt, yt_top)
+        lse_s2 = _safe_ref(ms) + tl.log2(ls)
+        lse_t2 = _safe_ref(mt) + tl.log2(lt)
+
+        lp = (ys_top - lse_s2) * _LN2
+        lq = (yt_top - lse_t2) * _LN2
+        lp_tail = (tail_s2 - lse_s2) * _LN2
+        lq_tail = (tail_t2 - lse_t2) * _LN2
+        if REVERSE:
+            kl = tl.sum(_kl_terms(lp, lq), 0) + _kl_terms(lp_tail, lq_tail)
+        else:
+            kl = tl.sum(_kl_terms(lq, lp), 0) + _kl_terms(lq_tail, lp_tail)
+
+        tgt_ok = (tgt >= 0) & (tgt < V)
+        s_a = tl.load(s_row + tgt, mask=tgt_ok, other=float("nan")).to(tl.float32)
+        t_a = tl.load(t_row + tgt, mask=tgt_ok, other=float("nan")).to(tl.float32)
+        tl.store(kl_ptr + row, kl)
+        tl.store(slp_ptr + row, (s_a * scale2 - lse_s2) * _LN2)
+        tl.store(tlp_ptr + row, (t_a * scale2 - lse_t2) * _LN2)
+        tl.store(lse_ptr + row * 2, lse_s2 * _LN2)
+        tl.store(lse_ptr + row * 2 + 1, lse_t2 * _LN2)
+        tl.store(ids_row + slot, ids.to(tl.int64), mask=valid)
+        tl.store(blp_row + slot, lp, mask=valid)
+        tl.store(blp_row + M, lp_tail)
+        tl.store(blp_row + (M + 1) + slot, lq, mask=valid)
+        tl.store(blp_row + (2 * M + 1), lq_tail)
+
+
+@triton.jit
+def _fwd_full_kernel(
+    s_ptr,  # [N, V] student logits
+    t_ptr,  # [N, V] teacher logits
+    tgt_ptr,  # [N] int64 targets
+    kl_ptr,  # [N] fp32 out
+    slp_ptr,  # [N] fp32 out
+    tlp_ptr,  # [N] fp32 out
+    lse_ptr,  # [N, 2] fp32 out
+    blp_ptr,  # [N, 2, 1] fp32 out: 0, 0 (the single bucket, the whole vocabulary, has mass 1)
+    V,
+    stride_s,
+    stride_t,
+    scale2,
+    ignore_index,
+    BLOCK_V: tl.constexpr,
+    REVERSE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    s_row = s_ptr + row * stride_s
+    t_row = t_ptr + row * stride_t
+    tgt = tl.load(tgt_ptr + row)
+    tl.store(blp_ptr + row * 2 + tl.arange(0, 2), tl.zeros([2], tl.float32))
+
+    if tgt == ignore_index:
+        tl.store(kl_ptr + row, 0.0)
+        tl.store(slp_ptr + row, 0.0)
+        tl.store(tlp_ptr + row, 0.0)
+        tl.store(lse_ptr + row * 2 + tl.arange(0, 2), tl.zeros([2], tl.float32))
+    else:
+        ms = tl.full([], float("-inf"), tl.float32)
+        ls = tl.zeros([], tl.float32)
+        mt = tl.full([], float("-inf"), tl.float32)
+        lt = tl.zeros([], tl.float32)
+        # acc = sum_j w_j * d_j with d_j = (ys_j - ref_s) - (yt_j - ref_t) and w_j = 2^(ys_j -
+        # ref_s) (reverse) or 2^(yt_j - ref_t) with d negated (forward). Measuring d from the
+        # running maxima keeps it O(log V), so the final KL = acc / l - log2 l_s + log2 l_t
+        # loses no digits to cancellation.
+        acc = tl.zeros([], tl.float32)
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            inb = offs < V
+            ys = tl.load(s_row + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale2
+            yt = tl.load(t_row + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale2
+            ms_new = tl.maximum(ms, tl.max(ys, 0))
+            mt_new = tl.maximum(mt, tl.max(yt, 0))
+            rs_old = _safe_ref(ms)
+            rt_old = _safe_ref(mt)
+            rs = _safe_ref(ms_new)
+            rt = _safe_ref(mt_new)
+            alpha = tl.exp2(ms - rs)  # 0 while the row had no finite entry yet
+            beta = tl.exp2(mt - rt)
+            es = tl.exp2(ys - rs)
+            et = tl.exp2(yt - rt)
+            d = (ys - rs) - (yt - rt)
+            shift = (rs_old - rs) - (rt_old - rt)  # how every earlier d_j moves
+            if REVERSE:
+                acc = alpha * (acc + ls * shift) + tl.sum(tl.where(es > 0.0, es * d, 0.0), 0)
+            else:
+                acc = beta * (acc - lt * shift) - tl.sum(tl.where(et > 0.0, et * d, 0.0), 0)
+            ls = ls * alpha + tl.sum(es, 0)
+            lt = lt * beta + tl.sum(et, 0)
+            ms = ms_new
+            mt = mt_new
+
+        log_ls = tl.log2(ls)
+        log_lt = tl.log2(lt)
+        if REVERSE:
+            kl = (acc / ls - log_ls + log_lt) * _LN2
+        else:
+            kl = (acc / lt - log_lt + log_ls) * _LN2
+        lse_s2 = _safe_ref(ms) + log_ls
+        lse_t2 = _safe_ref(mt) + log_lt
+        tgt_ok = (tgt >= 0) & (tgt < V)
+        s_a = tl.load(s_row + tgt, mask=tgt_ok, other=float("nan")).to(tl.float32)
+        t_a = tl.load(t_row + tgt, mask=tgt_ok, other=float("nan")).to(tl.float32)
+        tl.store(kl_ptr + row, kl)
+        tl.store(slp_ptr + row, (s_a * scale2 - lse_s2) * _LN2)
+        tl.store(tlp_ptr + row, (t_a * scale2 - lse_t2) * _LN2)
+        tl.store(lse_ptr + row * 2, lse_s2 * _LN2)
+        tl.store(lse_ptr + row * 2 + 1, lse_t2 * _LN2)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward kernel
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_kernel(
+    gkl_ptr,  # [N] fp32 upstream gradient of kl
+    gsl_ptr,  # [N] fp32 upstream gradient of student_logprob
+    gtl_ptr,  # [N] fp32 upstream gradient of teacher_logprob (privilege's included)
+    s_ptr,  # [N, V] student logits
+    t_ptr,  # [N, V] teacher logits
+    tgt_ptr,  # [N] int64
+    ids_ptr,  # [N, M] int64 (unused when FULL)
+    kl_ptr,  # [N] fp32 forward kl
+    lse_ptr,  # [N, 2] fp32 forward log-sum-exps
+    blp_ptr,  # [N, 2, M + 1] fp32 forward bucket log-masses (unused when FULL)
+    gs_ptr,  # [N, V] out, student dtype (unused unless GRAD_S)
+    gt_ptr,  # [N, V] out, teacher dtype (unused unless GRAD_T)
+    V,
+    stride_s,
+    stride_t,
+    stride_gs,
+    stride_gt,
+    scale2,  # log2(e) / T
+    inv_t,  # 1 / T
+    ignore_index,
+    M: tl.constexpr,
+    MP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    REVERSE: tl.constexpr,
+    FULL: tl.constexpr,
+    GRAD_S: tl.constexpr,
+    GRAD_T: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    s_row = s_ptr + row * stride_s
+    t_row = t_ptr + row * stride_t
+    gs_row = gs_ptr + row * stride_gs
+    gt_row = gt_ptr + row * stride_gt
+    tgt = tl.load(tgt_ptr + row)
+
+    if tgt == ignore_index:
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            inb = offs < V
+            if GRAD_S:
+                zero_s = tl.zeros([BLOCK_V], tl.float32).to(gs_ptr.dtype.element_ty)
+                tl.store(gs_row + offs, zero_s, mask=inb)
+            if GRAD_T:
+                zero_t = tl.zeros([BLOCK_V], tl.float32).to(gt_ptr.dtype.element_ty)
+                tl.store(gt_row + offs, zero_t, mask=inb)
+    else:
+        u_kl = tl.load(gkl_ptr + row)
+        u_ls = tl.load(gsl_ptr + row)
+        u_lt = tl.load(gtl_ptr + row)
+        kl = tl.load(kl_ptr + row)
+        lse_s2 = tl.load(lse_ptr + row * 2) * _LOG2E
+        lse_t2 = tl.load(lse_ptr + row * 2 + 1) * _LOG2E
+        blp_row = blp_ptr + row * (2 * (M + 1))
+        # The target's own term [j = a] * u / T, added where offs == target.
+        tgt_s = u_ls * inv_t
+        tgt_t = u_lt * inv_t
+        if not FULL:
+            cs_tail, ct_tail = _bucket_coefs(
+                tl.load(blp_row + M),
+                tl.load(blp_row + (2 * M + 1)),
+                kl,
+                u_kl,
+                u_ls,
+                u_lt,
+                inv_t,
+                REVERSE,
+            )
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            inb = offs < V
+            is_tgt = offs == tgt
+            if FULL:
+                # Per-entry buckets: both sides are needed for either gradient.
+                ys = tl.load(s_row + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale2
+                yt = tl.load(t_row + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale2
+                p = tl.exp2(ys - lse_s2)
+                q = tl.exp2(yt - lse_t2)
+                g = ((ys - lse_s2) - (yt - lse_t2)) * _LN2  # log S_j - log T_j
+                if REVERSE:
+                    ds = u_kl * tl.where(p > 0.0, p * (g - kl), 0.0) - u_ls * p
+                    dt = u_kl * (q - p) - u_lt * q
+                else:
+                    ds = u_kl * (p - q) - u_ls * p
+                    dt = u_kl * tl.where(q > 0.0, q * (-g - kl), 0.0) - u_lt * q
+                if GRAD_S:
+                    ds = ds * inv_t + tl.where(is_tgt, tgt_s, 0.0)
+                    tl.store(gs_row + offs, ds.to(gs_ptr.dtype.element_ty), mask=inb)
+                if GRAD_T:
+                    dt = dt * inv_t + tl.where(is_tgt, tgt_t, 0.0)
+                    tl.store(gt_row + offs, dt.to(gt_ptr.dtype.element_ty), mask=inb)
+            else:
+                # Every entry as if in the tail; the top-M entries are rewritten below.
+                if GRAD_S:
+                    ys = tl.load(s_row + offs, mask=inb, other=float("-inf")).to(tl.float32)
+                    ds = tl.exp2(ys * scale2 - lse_s2) * cs_tail + tl.where(is_tgt, tgt_s, 0.0)
+                    tl.store(gs_row + offs, ds.to(gs_ptr.dtype.element_ty), mask=inb)
+                if GRAD_T:
+                    yt = tl.load(t_row + offs, mask=inb, other=float("-inf")).to(tl.float32)
+                    dt = tl.exp2(yt * scale2 - lse_t2) * ct_tail + tl.where(is_tgt, tgt_t, 0.0)
+                    tl.store(gt_row + offs, dt.to(gt_ptr.dtype.element_ty), mask=inb)
+        if not FULL:
+            # The M top-M entries overwrite what the streaming pass wrote there; the barrier
+            # orders the two writes to the same address from different threads.
+            tl.debug_barrier()
+            slot = tl.arange(0, MP)
+            valid = slot < M
+            ids = tl.load(ids_ptr + row * M + slot, mask=valid, other=0)
+            cs, ct = _bucket_coefs(
+                tl.load(blp_row + slot, mask=valid, other=float("-inf")),
+                tl.load(blp_row + (M + 1) + slot, mask=valid, other=float("-inf")),
+                kl,
+                u_kl,
+                u_ls,
+                u_lt,
+                inv_t,
+                REVERSE,
+            )
+            is_tgt = ids == tgt
+            if GRAD_S:
+                ys = tl.load(s_row + ids, mask=valid, other=float("-inf")).to(tl.float32)
+                ds = tl.exp2(ys * scale2 - lse_s2) * cs + tl.where(is_tgt, tgt_s, 0.0)
+                tl.store(gs_row + ids, ds.to(gs_ptr.dtype.element_ty), mask=valid)
+            if GRAD_T:
+                yt = tl.load(t_row + ids, mask=valid, other=float("-inf")).to(tl.float32)
+                dt = tl.exp2(yt * scale2 - lse_t2) * ct + tl.where(is_tgt, tgt_t, 0.0)
+                tl.store(gt_row + ids, dt.to(gt_ptr.dtype.element_ty), mask=valid)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _check_runnable(device: torch.device) -> None:
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    raise RuntimeError(
+        f"topk_tail_kl triton backend: tensors are on {device}; Triton kernels need CUDA tensors "
+        "(or CPU tensors with TRITON_INTERPRET=1 set before triton is imported)"
+    )
+
+
+def _check_logits(name: str, x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [N, V], got shape {tuple(x.shape)}")
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+    # Rows may be strided (e.g. a slice of a padded buffer); the vocabulary axis must be dense.
+    return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
+
+
+def _check_rows(name: str, x: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    """A per-row [N] float32 vector (upstream gradient or saved kl), made contiguous."""
+    if not isinstance(x, torch.Tensor) or x.shape != (n,):
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a tensor of shape ({n},), got {got}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, student_logits on {device}")
+    return x.to(torch.float32).contiguous()
+
+
+def _check_common(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    s = _check_logits("student_logits", student_logits)
+    t = _check_logits("teacher_logits", teacher_logits)
+    if s.shape != t.shape:
+        raise ValueError(
+            f"student_logits {tuple(s.shape)} and teacher_logits {tuple(t.shape)} must have the "
+            "same shape [N, V]"
+        )
+    if s.device != t.device:
+        raise ValueError(f"student_logits is on {s.device}, teacher_logits on {t.device}")
+    if not isinstance(target_ids, torch.Tensor) or target_ids.shape != (s.shape[0],):
+        got = tuple(target_ids.shape) if isinstance(target_ids, torch.Tensor) else target_ids
+        raise ValueError(f"target_ids must have shape ({s.shape[0]},), got {got}")
+    if target_ids.dtype != torch.int64:
+        raise TypeError(f"target_ids must be int64, got {target_ids.dtype}")
+    if target_ids.device != s.device:
+        raise ValueError(f"target_ids is on {target_ids.device}, student_logits on {s.device}")
+    if s.shape[1] < 1:
+        raise ValueError("student_logits must have a vocabulary size V >= 1")
+    if s.shape[1] >= 2**31 - 1:
+        raise ValueError(f"vocabulary size {s.shape[1]} does not fit the int32 index of a key")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)) or not (
+        temperature > 0
+    ):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    _check_runnable(s.device)
+    return s, t, target_ids.contiguous()
+
+
+def _register_width(top_m: int) -> int:
+    """Power-of-two register width of the running top-M (>= 2: Triton's sort wants >= 2)."""
+    return max(2, triton.next_power_of_2(top_m))
+
+
+def topk_tail_kl_fwd_triton(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    top_m: int,
+    temperature: float,
+    reverse: bool,
+    ignore_index: int,
+    *,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward of ``topk_tail_kl`` in Triton (the ``lopd::topk_tail_kl_fwd`` contract).
+
+    Args:
+        student_logits: [N, V] float32 / float16 / bfloat16, unit stride along V.
+        teacher_logits: [N, V], same shape and device; its dtype may differ from the student's.
+        target_ids: [N] int64 sampled token ids, or ``ignore_index``.
+        top_m: M in ``[1, min(V, 256)]``, or 0 for the full-vocabulary KL (no tail bucket).
+        temperature: T > 0; logits are divided by T before everything.
+        reverse: KL(student || teacher) when True, KL(teacher || student) when False.
+        ignore_index: rows with this target produce all-zero outputs.
+        block_v: vocabulary block per loop step (power of two; default tuned for GPUs).
+        num_warps: warps per program (default tuned for GPUs).
+
+    Returns:
+        ``(kl [N], student_logprob [N], teacher_logprob [N], topk_ids [N, M] int64,
+        lse [N, 2], bucket_logp [N, 2, M + 1])``, all float32 except ``topk_ids``.
+        ``topk_ids`` is ordered by descending teacher logit (ties: lower id first) and
+        ``bucket_logp[:, :, :M]`` follows that order; ``bucket_logp[:, :, M]`` is the tail.
+        With ``top_m == 0``, ``topk_ids`` is [N, 0] and ``bucket_logp`` [N, 2, 1] holds 0, 0:
+        the single bucket is the whole vocabulary, of mass 1 on both sides.
+    """
+    s, t, tgt = _check_common(student_logits, teacher_logits, target_ids, temperature)
+    n, v = s.shape
+    if not isinstance(top_m, int) or isinstance(top_m, bool) or top_m < 0:
+        raise ValueError(f"top_m must be an int >= 0 (0: full vocabulary), got {top_m!r}")
+    if top_m > min(v, MAX_TOP_M):
+        raise ValueError(
+            f"top_m={top_m} is not supported by the triton backend: it needs top_m <= V "
+            f"(V={v}) and top_m <= {MAX_TOP_M}; use top_m=0 for the full vocabulary"
+        )
+    block_v = block_v or _FWD_BLOCK_V
+    if block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
+    block_v = min(block_v, max(16, triton.next_power_of_2(v)))
+    warps = num_warps or _FWD_WARPS
+
+    dev = s.device
+    kl = torch.empty(n, dtype=torch.float32, device=dev)
+    slp = torch.empty(n, dtype=torch.float32, device=dev)
+    tlp = torch.empty(n, dtype=torch.float32, device=dev)
+    ids = torch.empty(n, top_m, dtype=torch.int64, device=dev)
+    lse = torch.empty(n, 2, dtype=torch.float32, device=dev)
+    blp = torch.empty(n, 2, top_m + 1, dtype=torch.float32, device=dev)
+    if n == 0:
+        return kl, slp, tlp, ids, lse, blp
+
+    scale2 = _LOG2E / float(temperature)
+    common = (v, s.stride(0), t.stride(0), scale2, int(ignore_index))
+    if top_m == 0:
+        _fwd_full_kernel[(n,)](
+            s, t, tgt, kl, slp, tlp, lse, blp, *common,
+            BLOCK_V=block_v, REVERSE=bool(reverse), num_warps=warps,
+        )  # fmt: skip
+    else:
+        _fwd_topm_kernel[(n,)](
+            s, t, tgt, kl, slp, tlp, ids, lse, blp, *common,
+            M=top_m, MP=_register_width(top_m), BLOCK_V=block_v, REVERSE=bool(reverse),
+            num_warps=warps,
+        )  # fmt: skip
+    return kl, slp, tlp, ids, lse, blp
+
+
+def topk_tail_kl_bwd_triton(
+    grad_kl: torch.Tensor,
+    grad_student_logprob: torch.Tensor,
+    grad_teacher_logprob: torch.Tensor,
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    topk_ids: torch.Tensor,
+    kl: torch.Tensor,
+    lse: torch.Tensor,
+    bucket_logp: torch.Tensor,
+    temperature: float,
+    reverse: bool,
+    ignore_index: int,
+    student_requires_grad: bool,
+    teacher_requires_grad: bool,
+    *,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of ``topk_tail_kl`` in Triton (the ``lopd::topk_tail_kl_bwd`` contract).
+
+    Args:
+        grad_kl, grad_student_logprob, grad_teacher_logprob: [N] upstream gradients (any float
+            dtype, used in float32); the teacher one already includes the privilege's.
+        student_logits, teacher_logits, target_ids: the forward inputs.
+        topk_ids, kl, lse, bucket_logp: the forward outputs ([N, M], [N], [N, 2], [N, 2, M+1]).
+        temperature, reverse, ignore_index: as in the forward.
+        student_requires_grad, teacher_requires_grad: which gradients to compute.
+        block_v, num_warps: launch tuning, as in the forward.
+
+    Returns:
+        ``(grad_student, grad_teacher)``: [N, V] in each logits' dtype, or an empty [0] tensor
+        for a side that does not require grad.
+    """
+    s, t, tgt = _check_common(student_logits, teacher_logits, target_ids, temperature)
+    n, v = s.shape
+    dev = s.device
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_ids.dtype != torch.int64:
+        raise ValueError(
+            f"topk_ids must be int64 [{n}, M], got {topk_ids.dtype} {tuple(topk_ids.shape)}"
+        )
+    top_m = topk_ids.shape[1]
+    if top_m > min(v, MAX_TOP_M):
+        raise ValueError(f"topk_ids has M={top_m} columns; the triton backend needs M <= V, 256")
+    if bucket_logp.shape != (n, 2, top_m + 1):
+        raise ValueError(
+            f"bucket_logp must have shape ({n}, 2, {top_m + 1}), got {tuple(bucket_logp.shape)}"
+        )
+    if lse.shape != (n, 2):
+        raise ValueError(f"lse must have shape ({n}, 2), got {tuple(lse.shape)}")
+    gkl = _check_rows("grad_kl", grad_kl, n, dev)
+    gsl = _check_rows("grad_student_logprob", grad_student_logprob, n, dev)
+    gtl = _check_rows("grad_teacher_logprob", grad_teacher_logprob, n, dev)
+    kl = _check_rows("kl", kl, n, dev)
+    lse = lse.to(torch.float32).contiguous()
+    blp = bucket_logp.to(torch.float32).contiguous()
+    ids = topk_ids.contiguous()
+
+    empty = torch.empty(0, device=dev)
+    gs = torch.empty((n, v), dtype=s.dtype, device=dev) if student_requires_grad else empty
+    gt = torch.empty((n, v), dtype=t.dtype, device=dev) if teacher_requires_grad else empty
+    if n == 0 or not (student_requires_grad or teacher_requires_grad):
+        return gs, gt
+
+    block_v = block_v or _BWD_BLOCK_V
+    if block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
+    block_v = min(block_v, max(16, triton.next_power_of_2(v)))
+    # A side without gradient still needs a pointer of some float dtype: reuse the other.
+    gs_arg = gs if student_requires_grad else gt
+    gt_arg = gt if teacher_requires_grad else gs
+    _bwd_kernel[(n,)](
+        gkl, gsl, gtl, s, t, tgt, ids, kl, lse, blp, gs_arg, gt_arg,
+        v, s.stride(0), t.stride(0), gs_arg.stride(0), gt_arg.stride(0),
+        _LOG2E / float(temperature), 1.0 / float(temperature), int(ignore_index),
+        M=top_m, MP=_register_width(top_m), BLOCK_V=block_v, REVERSE=bool(reverse),
+        FULL=top_m == 0, GRAD_S=bool(student_requires_grad),
+        GRAD_T=bool(teacher_requires_grad), num_warps=num_warps or _BWD_WARPS,
+    )  # fmt: skip
+    return gs, gt
