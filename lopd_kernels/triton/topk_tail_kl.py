@@ -126,24 +126,24 @@ def _safe_ref(m):
 
 
 @triton.jit
-def _lse_fold(m, l, y):
-    """Fold a block ``y`` (float32 [B], base-2 units, ``-inf`` = absent) into ``(m, l)``.
+def _lse_fold(m, total, y):
+    """Fold a block ``y`` (float32 [B], base-2 units, ``-inf`` = absent) into ``(m, total)``.
 
-    ``(m, l)`` is an online base-2 log-sum-exp: ``lse2 = _safe_ref(m) + log2(l)``.
+    ``(m, total)`` is an online base-2 log-sum-exp: ``lse2 = _safe_ref(m) + log2(total)``.
     """
     m_new = tl.maximum(m, tl.max(y, 0))
     ref = _safe_ref(m_new)
-    l = l * tl.exp2(m - ref) + tl.sum(tl.exp2(y - ref), 0)
-    return m_new, l
+    total = total * tl.exp2(m - ref) + tl.sum(tl.exp2(y - ref), 0)
+    return m_new, total
 
 
 @triton.jit
-def _lse_fold_scalar(m, l, y):
+def _lse_fold_scalar(m, total, y):
     """``_lse_fold`` for a single scalar ``y``."""
     m_new = tl.maximum(m, y)
     ref = _safe_ref(m_new)
-    l = l * tl.exp2(m - ref) + tl.exp2(y - ref)
-    return m_new, l
+    total = total * tl.exp2(m - ref) + tl.exp2(y - ref)
+    return m_new, total
 
 
 @triton.jit
