@@ -1,0 +1,165 @@
+"""Held-out evaluation: the student alone, and the frozen base model generating with latents.
+
+Metrics (paper Table 3) over one rollout per task: mean reward with its standard error, success
+rate (reward 1), interaction steps, tool calls per step, repeated tool calls and first-step
+length (tokens of the first assistant turn).
+
+"Base + composer" evaluation needs generation from ``inputs_embeds``. It reuses
+:func:`lopd.rollout.rollout` unchanged through two thin adapters:
+
+* :class:`LatentPromptEnv` wraps each task's environment so its first user message is the
+  teacher's framed message, with ``J*K`` pad-token strings in place of the sentinel: the chat
+  template renders them as a contiguous run of pad ids (the placeholders of A.4).
+* :class:`LatentConditionedLM` is the frozen backbone behind a ``forward`` that embeds
+  ``input_ids`` and, in every prefill, replaces each row's placeholder run by that task's
+  latents (rows are matched to tasks by their rendered prompt, which the rollout prefixes to
+  every context). Decode steps pass through unchanged. Run it inside
+  ``composer.teacher_mode()`` so the encoder's LoRA is off, as for the teacher.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lopd.injection import LATENT_SENTINEL, frame_user_message
+from lopd.types import Task, Trajectory
+
+__all__ = [
+    "LatentConditionedLM",
+    "LatentPromptEnv",
+    "summarize",
+]
+
+
+def summarize(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Table-3 metrics of one rollout per held-out task.
+
+    Returns:
+        ``n``, ``reward_mean``, ``reward_stderr`` (sample std / sqrt(n); 0 for n = 1),
+        ``success_rate`` (reward >= 1), ``steps``, ``tool_calls_per_step``,
+        ``repeated_tool_calls``, ``first_step_tokens`` (means over tasks).
+    """
+    n = len(trajectories)
+    if n == 0:
+        raise ValueError("trajectories must not be empty")
+    rewards = [float(t.reward) for t in trajectories]
+    mean = sum(rewards) / n
+    var = sum((r - mean) ** 2 for r in rewards) / (n - 1) if n > 1 else 0.0
+    steps = [t.num_steps for t in trajectories]
+    calls_per_step = [t.num_tool_calls / max(t.num_steps, 1) for t in trajectories]
+    repeated = [int(t.info.get("repeated_tool_calls", 0)) for t in trajectories]
+    first = [(t.turn_spans[0][1] - t.turn_spans[0][0]) if t.turn_spans else 0 for t in trajectories]
+    return {
+        "n": n,
+        "reward_mean": mean,
+        "reward_stderr": math.sqrt(var / n),
+        "success_rate": sum(r >= 1.0 - 1e-9 for r in rewards) / n,
+        "steps": sum(steps) / n,
+        "tool_calls_per_step": sum(calls_per_step) / n,
+        "repeated_tool_calls": sum(repeated) / n,
+        "first_step_tokens": sum(first) / n,
+    }
+
+
+class LatentPromptEnv:
+    """An environment whose first user message carries the latent framing and placeholders.
+
+    Everything except :meth:`reset` is delegated to the wrapped environment.
+
+    Args:
+        env: the task's environment.
+        domain: framing-text selector.
+        num_latents: ``J*K`` placeholders.
+        placeholder_text: the pad token's string (rendered by the tokenizer as one pad id).
+    """
+
+    def __init__(self, env: Any, domain: str, num_latents: int, placeholder_text: str) -> None:
+        self._env = env
+        self._domain = domain
+        self._num_latents = num_latents
+        self._placeholder_text = placeholder_text
+
+    def reset(self, task: Task) -> str:
+        user = self._env.reset(task)
+        framed = frame_user_message(user, self._domain)
+        return framed.replace(LATENT_SENTINEL, self._placeholder_text * self._num_latents)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+
+class LatentConditionedLM(nn.Module):
+    """A causal LM whose prefills have per-task latents injected at the placeholder span.
+
+    Args:
+        backbone: the frozen ``*ForCausalLM`` (call inside ``composer.teacher_mode()``).
+        prompts: per task, the rendered prompt ids (with placeholders), as the rollout renders
+            them; used to recognise which task a batch row belongs to.
+        latents: per task, ``[J*K, d]`` latents (same order as ``prompts``).
+        latent_starts: per task, index of the first placeholder inside its prompt.
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        prompts: Sequence[Sequence[int]],
+        latents: Sequence[torch.Tensor],
+        latent_starts: Sequence[int],
+    ) -> None:
+        super().__init__()
+        if not (len(prompts) == len(latents) == len(latent_starts)):
+            raise ValueError("prompts, latents and latent_starts must have the same length")
+        self.backbone = backbone
+        self._by_prompt = {
+            tuple(p): (lat, start) for p, lat, start in zip(prompts, latents, latent_starts)
+        }
+        self._lengths = sorted({len(p) for p in prompts})
+
+    @property
+    def config(self) -> Any:
+        return self.backbone.config
+
+    def _lookup(self, row: list[int]) -> tuple[torch.Tensor, int] | None:
+        for n in self._lengths:
+            hit = self._by_prompt.get(tuple(row[:n]))
+            if hit is not None:
+                return hit
+        return None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Same signature as the backbone's; ``input_ids`` ``[B, T]``, left-padded in prefill."""
+        embeds = self.backbone.get_input_embeddings()(input_ids)
+        prefill = past_key_values is None or past_key_values.get_seq_length() == 0
+        if prefill:
+            rows = []
+            for b in range(input_ids.shape[0]):
+                # Left padding: the row's real tokens start where the attention mask turns on.
+                pad = 0 if attention_mask is None else int((attention_mask[b] == 0).sum())
+                hit = self._lookup(input_ids[b, pad:].tolist())
+                if hit is None:
+                    raise RuntimeError(
+                        f"batch row {b} does not start with any registered latent prompt"
+                    )
+                lat, start = hit
+                s = pad + start
+                rows.append(
+                    torch.cat([embeds[b, :s], lat.to(embeds.dtype), embeds[b, s + len(lat) :]])
+                )
+            embeds = torch.stack(rows)
+        return self.backbone(
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
