@@ -1,4 +1,4 @@
-"""QFormer latent compressor (paper 3.2, A.1): K learned queries cross-attend to packed hidden states.
+"""QFormer latent compressor (paper 3.2, A.1): K learned queries attend to packed hidden states.
 
 Each item ``j`` of a batch (a retrieved experience encoded to hidden states ``H_j [T_j, d]``) is
 compressed into ``K`` latent tokens by ``L`` pre-norm blocks::
@@ -11,14 +11,14 @@ compressed into ``K`` latent tokens by ``L`` pre-norm blocks::
 The items are packed (``hidden_states [sum_j T_j, d]`` with ``cu_seqlens``) and attended with
 :func:`lopd_kernels.varlen_cross_attention`: no padding to the longest item, no mask.
 
-**Shared layers.** The paper ties the weights of all ``L`` layers. ``H_j`` is the same input to every
-layer, so ``LN_kv(H_j)``, ``K_j = LN_kv(H_j) W_k`` and ``V_j = LN_kv(H_j) W_v`` are identical in all
-of them: this module computes them once per forward and passes the same tensors to the ``L``
-attention calls. Autograd then sums the ``L`` layers' ``dK``, ``dV`` into one gradient buffer
-before running the ``W_k``/``W_v``/``LN_kv`` backward once, and the saved activations of the
-key/value side (``LN_kv(H)``, ``K``, ``V``: ``3 * sum_j T_j * d`` values) exist once instead of
-``L`` times. Only the ``K``-row query side is per layer. With ``share_layers=False`` each layer has
-its own weights and projects ``H`` itself.
+**Shared layers.** The paper ties the weights of all ``L`` layers. ``H_j`` is the same input to
+every layer, so ``LN_kv(H_j)``, ``K_j = LN_kv(H_j) W_k`` and ``V_j = LN_kv(H_j) W_v`` are
+identical in all of them: this module computes them once per forward and passes the same tensors
+to the ``L`` attention calls. Autograd then sums the ``L`` layers' ``dK``, ``dV`` into one
+gradient buffer before running the ``W_k``/``W_v``/``LN_kv`` backward once, and the saved
+activations of the key/value side (``LN_kv(H)``, ``K``, ``V``: ``3 * sum_j T_j * d`` values)
+exist once instead of ``L`` times. Only the ``K``-row query side is per layer. With
+``share_layers=False`` each layer has its own weights and projects ``H`` itself.
 
 **Queries.** The paper initializes them "from N(0, 1/sqrt(d))". We read the second argument as the
 *variance* (the usual N(mu, sigma^2) notation), i.e. ``std = d ** -0.25``: then ``|q|^2 ~ sqrt(d)``,
@@ -100,8 +100,8 @@ class QFormerLayer(nn.Module):
         perceiver: bool,
         backend: str,
     ) -> torch.Tensor:
-        """``x [B, K, d]`` latents, ``k``/``v`` ``[total, Hkv, D]`` -> updated latents ``[B, K, d]``."""
-        batch, n_lat, d = x.shape
+        """Latents ``x [B, K, d]``, keys/values ``[total, Hkv, D]`` -> new latents ``[B, K, d]``."""
+        batch, n_lat, _ = x.shape
         h = self.norm_q(x)
         q = self.q_proj(h).view(batch, n_lat, self.num_heads, self.head_dim)
         if not perceiver:
