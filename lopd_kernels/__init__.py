@@ -6,7 +6,15 @@ kernel, a Triton kernel and a CUDA kernel behind ``backend=``; ops are ``torch.o
 """
 
 from lopd_kernels._backend import BACKENDS, extension_loaded
+from lopd_kernels.qformer import QFormerCompressor
+from lopd_kernels.varlen_cross_attention import varlen_cross_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKENDS", "__version__", "extension_loaded"]
+__all__ = [
+    "BACKENDS",
+    "QFormerCompressor",
+    "__version__",
+    "extension_loaded",
+    "varlen_cross_attention",
+]
