@@ -60,8 +60,10 @@ __all__ = ["MAX_TOP_M", "topk_tail_kl_bwd_triton", "topk_tail_kl_fwd_triton"]
 #: Largest supported ``top_m`` (besides 0, the full vocabulary).
 MAX_TOP_M = 256
 
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
+_LOG2E_HOST = 1.0 / math.log(2.0)
+# Triton reads globals only as constexpr.
+_LOG2E = tl.constexpr(_LOG2E_HOST)
+_LN2 = tl.constexpr(math.log(2.0))
 # Empty slot of the running top-M: below every real key (a real key's high word is at least
 # mono(-inf) = -0x7F800001 > INT32_MIN), so any real entry replaces it.
 _KEY_EMPTY = tl.constexpr(-(2**63))
@@ -663,7 +665,7 @@ def topk_tail_kl_fwd_triton(
     if n == 0:
         return kl, slp, tlp, ids, lse, blp
 
-    scale2 = _LOG2E / float(temperature)
+    scale2 = _LOG2E_HOST / float(temperature)
     common = (v, s.stride(0), t.stride(0), scale2, int(ignore_index))
     if top_m == 0:
         _fwd_full_kernel[(n,)](
@@ -754,7 +756,7 @@ def topk_tail_kl_bwd_triton(
     _bwd_kernel[(n,)](
         gkl, gsl, gtl, s, t, tgt, ids, kl, lse, blp, gs_arg, gt_arg,
         v, s.stride(0), t.stride(0), gs_arg.stride(0), gt_arg.stride(0),
-        _LOG2E / float(temperature), 1.0 / float(temperature), int(ignore_index),
+        _LOG2E_HOST / float(temperature), 1.0 / float(temperature), int(ignore_index),
         M=top_m, MP=_register_width(top_m), BLOCK_V=block_v, REVERSE=bool(reverse),
         FULL=top_m == 0, GRAD_S=bool(student_requires_grad),
         GRAD_T=bool(teacher_requires_grad), num_warps=num_warps or _BWD_WARPS,
