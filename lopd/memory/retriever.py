@@ -247,6 +247,23 @@ class Retriever:
             out[i] = self._qcache[t.task_id][1]
         return out
 
+    def set_query_embeddings(self, tasks: Sequence[_TaskLike], embeddings: np.ndarray) -> None:
+        """Put externally computed query embeddings into the cache.
+
+        Args:
+            tasks: ``n`` tasks.
+            embeddings: ``[n, d]`` float32 unit-norm rows (queries already prompted, e.g. by an
+                offline GPU embedding job with the same model as the documents).
+        """
+        tasks = list(tasks)
+        z = _check_unit_rows(embeddings, "embeddings", self.dim)
+        if z.shape[0] != len(tasks):
+            raise ValueError(f"embeddings has {z.shape[0]} rows but tasks has {len(tasks)} items")
+        if self.dim is None:
+            self.dim = int(z.shape[1])
+        for t, row in zip(tasks, z):
+            self._qcache[t.task_id] = (_instruction_hash(t.instruction), row.copy())
+
     def precompute_queries(self, tasks: Iterable[_TaskLike], batch_size: int = 256) -> int:
         """Embed and cache the queries of ``tasks`` (e.g. the whole train split).
 
