@@ -27,6 +27,11 @@ import torch
 __all__ = ["LOPDTerms", "advantages_from_rewards", "dual_update", "lopd_loss", "segment_mean"]
 
 
+def _at_least_f32(x: torch.Tensor) -> torch.Tensor:
+    """Reductions run in float32 for bf16/fp16 inputs, and keep float64 inputs in float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def segment_mean(values: torch.Tensor, seg: torch.Tensor, num_segments: int) -> torch.Tensor:
     """Mean of ``values`` within each segment.
 
@@ -111,15 +116,15 @@ def lopd_loss(
             f"kl and privilege must have the same shape, got {tuple(kl.shape)} and "
             f"{tuple(privilege.shape)}"
         )
-    distill = segment_mean(kl.float(), seg, num_traj)
-    delta = advantages.float() * segment_mean(privilege.float(), seg, num_traj)
+    distill = segment_mean(_at_least_f32(kl), seg, num_traj)
+    delta = _at_least_f32(advantages) * segment_mean(_at_least_f32(privilege), seg, num_traj)
     if latents is not None and latents0 is not None and anchor_weight > 0:
         if latents.shape != latents0.shape:
             raise ValueError(
                 f"latents and latents0 must match, got {tuple(latents.shape)} and "
                 f"{tuple(latents0.shape)}"
             )
-        diff = latents.float() - latents0.detach().float()
+        diff = _at_least_f32(latents) - _at_least_f32(latents0.detach())
         anchor = diff.pow(2).flatten(1).mean(dim=1)
     else:
         anchor = torch.zeros(num_traj, device=kl.device)
