@@ -795,18 +795,26 @@ def _check_tensors(
         )
 
 
-def _resolve_impl(backend: str, device: torch.device) -> str:
+def _resolve_impl(backend: str, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> str:
+    triton_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     if backend == "triton":
         if not triton_available():
             raise RuntimeError(
                 "backend='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1)"
             )
+        if any(dt not in triton_dtypes for dt in dtypes):
+            raise TypeError(f"backend='triton' supports {triton_dtypes}, got {dtypes}")
         return "triton"
     if backend == "cpu" and device.type != "cpu":
         raise ValueError(f"backend='cpu' needs CPU tensors, got {device}")
     if backend == "cuda" and device.type != "cuda":
         raise ValueError(f"backend='cuda' needs CUDA tensors, got {device}")
-    if backend == "auto" and device.type == "cuda" and triton_available():
+    if (
+        backend == "auto"
+        and device.type == "cuda"
+        and triton_available()
+        and all(dt in triton_dtypes for dt in dtypes)
+    ):
         return "triton"
     # "cpu", "cuda" (cuBLAS GEMMs + the CUDA topk_tail_kl kernels per chunk) and "auto" off-GPU.
     return "chunked"
@@ -870,7 +878,7 @@ def fused_linear_topk_tail_kl(
             student_bias=student_bias, teacher_bias=teacher_bias, top_m=top_m,
             temperature=temperature, divergence=divergence, ignore_index=ignore_index,
         )  # fmt: skip
-    impl = _resolve_impl(backend, hs.device)
+    impl = _resolve_impl(backend, hs.device, (hs.dtype, ht.dtype))
     kl, lp_s, lp_t, ids, _, _ = _fwd_op(
         hs, ws, student_bias, ht, wt, teacher_bias, target, m, float(temperature),
         divergence == "reverse", ignore_index, chunk_size or 0, impl,
