@@ -13,6 +13,9 @@ Entry points::
 
 from __future__ import annotations
 
+import random
+from importlib import resources
+
 from lopd.envs import worlds as _worlds  # noqa: F401  (registers the built-in worlds)
 from lopd.envs.base import (
     CODING_SYSTEM_PROMPT,
@@ -25,6 +28,16 @@ from lopd.envs.base import (
     parse_tool_calls,
     strip_thinking,
 )
+from lopd.envs.coding import CodingEnv, TestReport, coding_prompt, extract_code, run_tests
+from lopd.envs.loaders import (
+    TaskFormatError,
+    from_livecodebench,
+    from_taco,
+    load_tasks_jsonl,
+    save_tasks_jsonl,
+    task_from_record,
+)
+from lopd.envs.sandbox import SandboxLimits, SandboxResult, run_python, run_sandboxed
 from lopd.envs.tool_use import (
     ToolError,
     ToolSpec,
@@ -54,6 +67,8 @@ def make_env(task: Task, max_steps: int | None = None) -> Env:
     """
     if task.domain == "tool_use":
         return ToolUseEnv() if max_steps is None else ToolUseEnv(max_steps=max_steps)
+    if task.domain == "coding":
+        return CodingEnv()
     raise ValueError(f"task {task.task_id}: unknown domain {task.domain!r}")
 
 
@@ -66,8 +81,11 @@ def builtin_tasks(
     any prefix mixes them; deterministic in ``seed``; the test split uses other database seeds and
     never repeats a train entity combination.
 
+    Coding: the 30 easy problems of ``lopd/assets/coding_tasks.jsonl`` (23 train / 7 test; stdin
+    and function-call tests, each with a reference solution). ``seed`` shuffles their order.
+
     Args:
-        domain: ``"tool_use"``.
+        domain: ``"tool_use"`` or ``"coding"``.
         split: ``"train"`` or ``"test"``.
         n: keep the first ``n`` tasks (all if None).
         seed: task-set seed.
@@ -79,6 +97,14 @@ def builtin_tasks(
         raise ValueError(f"n must be >= 0, got {n}")
     if domain == "tool_use":
         return tool_use_tasks(split, n, seed)
+    if domain == "coding":
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        with resources.as_file(resources.files("lopd") / "assets" / "coding_tasks.jsonl") as p:
+            tasks = [t for t in load_tasks_jsonl(p) if t.split == split]
+        if seed:
+            random.Random(seed).shuffle(tasks)
+        return tasks if n is None else tasks[:n]
     raise ValueError(f"unknown domain {domain!r}; expected 'tool_use' or 'coding'")
 
 
@@ -86,12 +112,18 @@ def oracle_actions(task: Task) -> list[str]:
     """A correct sequence of assistant turns (model text) that earns reward 1.0.
 
     Tool use: one Qwen3 ``<tool_call>`` turn per oracle call, then ``Task Completed``.
+    Coding: one turn with the reference solution (``spec["solution"]``) in a python fence.
 
     Raises:
-        ValueError: the task carries no oracle.
+        ValueError: the task carries no oracle / reference solution.
     """
     if task.domain == "tool_use":
         return [format_tool_call(c) for c in oracle_calls(task)] + [TASK_COMPLETED]
+    if task.domain == "coding":
+        solution = task.spec.get("solution")
+        if not solution:
+            raise ValueError(f"task {task.task_id} has no reference 'solution' in its spec")
+        return [f"```python\n{solution.rstrip()}\n```"]
     raise ValueError(f"task {task.task_id}: unknown domain {task.domain!r}")
 
 
@@ -99,7 +131,12 @@ __all__ = [
     "CODING_SYSTEM_PROMPT",
     "TASK_COMPLETED",
     "TOOL_USE_SYSTEM_PROMPT",
+    "CodingEnv",
     "Env",
+    "SandboxLimits",
+    "SandboxResult",
+    "TaskFormatError",
+    "TestReport",
     "ToolCall",
     "ToolCallParseError",
     "ToolError",
@@ -107,15 +144,25 @@ __all__ = [
     "ToolUseEnv",
     "World",
     "builtin_tasks",
+    "coding_prompt",
     "evaluate_checks",
+    "extract_code",
     "format_tool_call",
+    "from_livecodebench",
+    "from_taco",
     "get_world",
     "is_task_completed",
+    "load_tasks_jsonl",
     "make_env",
     "oracle_actions",
     "parse_tool_calls",
     "register_world",
     "run_actions",
+    "run_python",
+    "run_sandboxed",
+    "run_tests",
+    "save_tasks_jsonl",
     "strip_thinking",
+    "task_from_record",
     "world_names",
 ]

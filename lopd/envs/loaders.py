@@ -1,0 +1,241 @@
+"""JSONL task files: the native format, plus TACO and LiveCodeBench rows for coding.
+
+Native format: one :class:`~lopd.types.Task` per line, as ``Task.to_dict()`` writes it::
+
+    {"task_id": "...", "domain": "tool_use"|"coding", "world": "...", "instruction": "...",
+     "spec": {...}, "split": "train"|"test"}
+
+For tool use, ``world`` must be a registered world (:func:`lopd.envs.register_world`) and the spec
+holds the initial database (``"db"``, or a ``"seed"`` for the world's generator) and the
+final-state ``"checks"`` (see :mod:`lopd.envs.tool_use`): that is how EnvScaler-derived tasks are
+brought in, with a world class implementing their tools. For coding, see :mod:`lopd.envs.coding`.
+
+:func:`load_tasks_jsonl` also accepts, line by line,
+
+* TACO rows (``question`` + ``input_output`` JSON with ``inputs``/``outputs``/``fn_name``),
+* LiveCodeBench rows (``question_content`` + ``public_test_cases``/``private_test_cases``,
+  ``metadata`` with ``func_name`` for functional tests; private tests may be LiveCodeBench's
+  base64+zlib+pickle encoding, which is decoded with an unpickler that refuses every object
+  other than plain strings, lists and dicts).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import pickle
+import tempfile
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from lopd.types import Task
+
+_TASK_KEYS = {"task_id", "domain", "world", "instruction", "spec"}
+
+
+class TaskFormatError(ValueError):
+    """A JSONL line that is not a valid task in any supported format (message names the line)."""
+
+
+def _validate(task: Task, where: str) -> Task:
+    if task.domain not in ("tool_use", "coding"):
+        raise TaskFormatError(
+            f"{where}: domain must be 'tool_use' or 'coding', got {task.domain!r}"
+        )
+    if not isinstance(task.spec, dict):
+        raise TaskFormatError(f"{where}: spec must be an object")
+    if task.domain == "coding":
+        tests = task.spec.get("tests")
+        if not isinstance(tests, list) or not tests:
+            raise TaskFormatError(f"{where}: coding spec needs a non-empty 'tests' list")
+        for t in tests:
+            if not isinstance(t, dict) or "input" not in t or "output" not in t:
+                raise TaskFormatError(f"{where}: each test needs 'input' and 'output'")
+    else:
+        if not isinstance(task.spec.get("checks"), list) or not task.spec["checks"]:
+            raise TaskFormatError(f"{where}: tool-use spec needs a non-empty 'checks' list")
+        if "db" not in task.spec and not isinstance(task.spec.get("seed"), int):
+            raise TaskFormatError(f"{where}: tool-use spec needs 'db' or an integer 'seed'")
+    return task
+
+
+def _time_limit(value: Any, default: float = 4.0) -> float:
+    if isinstance(value, (int, float)) and value > 0:
+        return float(value)
+    if isinstance(value, str):
+        # TACO writes e.g. "2 seconds" or "1.5".
+        head = value.strip().split()[:1]
+        try:
+            return float(head[0]) if head else default
+        except ValueError:
+            return default
+    return default
+
+
+def from_taco(row: dict[str, Any], task_id: str, split: str = "train") -> Task:
+    """Convert a TACO row into a coding task.
+
+    Args:
+        row: with ``question``, ``input_output`` (JSON string or object with ``inputs``,
+            ``outputs`` and optional ``fn_name``), optional ``starter_code``, ``time_limit``.
+        task_id: id to give the task (TACO rows have none).
+        split: split label.
+
+    Raises:
+        TaskFormatError: missing fields or mismatched inputs/outputs.
+    """
+    io_spec = row.get("input_output")
+    if isinstance(io_spec, str):
+        io_spec = json.loads(io_spec)
+    if not isinstance(io_spec, dict) or "inputs" not in io_spec or "outputs" not in io_spec:
+        raise TaskFormatError(f"{task_id}: TACO row needs input_output with inputs and outputs")
+    ins, outs = io_spec["inputs"], io_spec["outputs"]
+    if len(ins) != len(outs) or not ins:
+        raise TaskFormatError(f"{task_id}: TACO inputs/outputs are empty or of unequal length")
+    fn_name = io_spec.get("fn_name") or None
+    if fn_name is None:
+        # Outputs are sometimes a list of lines: join them to the expected stdout text.
+        outs = ["\n".join(map(str, o)) if isinstance(o, list) else str(o) for o in outs]
+        ins = ["\n".join(map(str, i)) if isinstance(i, list) else str(i) for i in ins]
+    spec = {
+        "fn_name": fn_name,
+        "starter_code": row.get("starter_code") or None,
+        "tests": [{"input": i, "output": o} for i, o in zip(ins, outs)],
+        "time_limit_s": _time_limit(row.get("time_limit")),
+    }
+    return Task(task_id, "coding", "coding", str(row["question"]), spec, split)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles only built-in data (str, list, dict, numbers): no class is ever resolved."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a task file")
+
+
+def _lcb_tests(value: Any) -> list[dict[str, Any]]:
+    if not value:
+        return []
+    if isinstance(value, list):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        raw = zlib.decompress(base64.b64decode(value))
+        decoded = _PlainUnpickler(io.BytesIO(raw)).load()
+        return json.loads(decoded) if isinstance(decoded, str) else decoded
+
+
+def from_livecodebench(
+    row: dict[str, Any], task_id: str | None = None, split: str = "test"
+) -> Task:
+    """Convert a LiveCodeBench (code_generation) row into a coding task.
+
+    Functional tests (``testtype == "functional"``) have one JSON argument per input line and a
+    JSON output; stdin tests are text.
+
+    Raises:
+        TaskFormatError: no tests, or functional tests without ``metadata.func_name``.
+    """
+    tid = task_id or str(row.get("question_id") or row.get("question_title") or "lcb")
+    tests = _lcb_tests(row.get("public_test_cases")) + _lcb_tests(row.get("private_test_cases"))
+    if not tests:
+        raise TaskFormatError(f"{tid}: LiveCodeBench row has no test cases")
+    meta = row.get("metadata") or {}
+    if isinstance(meta, str):
+        meta = json.loads(meta) if meta.strip() else {}
+    functional = tests[0].get("testtype") == "functional"
+    fn_name = meta.get("func_name") if functional else None
+    if functional and not fn_name:
+        raise TaskFormatError(f"{tid}: functional tests need metadata.func_name")
+    if functional:
+        conv = [
+            {
+                "input": [json.loads(a) for a in t["input"].split("\n") if a.strip()],
+                "output": json.loads(t["output"]),
+            }
+            for t in tests
+        ]
+    else:
+        conv = [{"input": t["input"], "output": t["output"]} for t in tests]
+    spec = {
+        "fn_name": fn_name,
+        "starter_code": row.get("starter_code") or None,
+        "tests": conv,
+        "time_limit_s": 6.0,
+    }
+    return Task(tid, "coding", "coding", str(row["question_content"]), spec, split)
+
+
+def task_from_record(record: dict[str, Any], where: str = "record") -> Task:
+    """Build a task from one decoded JSON record of any supported format.
+
+    Raises:
+        TaskFormatError: the record matches no format or fails validation.
+    """
+    if not isinstance(record, dict):
+        raise TaskFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    try:
+        if record.keys() >= _TASK_KEYS:
+            task = Task.from_dict(record)
+        elif "question" in record and "input_output" in record:
+            task = from_taco(
+                record, str(record.get("task_id") or where), record.get("split", "train")
+            )
+        elif "question_content" in record:
+            task = from_livecodebench(record, record.get("task_id"), record.get("split", "test"))
+        else:
+            raise TaskFormatError(
+                f"{where}: unknown task format (keys {sorted(record)[:8]}); expected a lopd task, "
+                "a TACO row or a LiveCodeBench row"
+            )
+    except (TypeError, KeyError, json.JSONDecodeError, zlib.error, pickle.UnpicklingError) as e:
+        raise TaskFormatError(f"{where}: {type(e).__name__}: {e}") from None
+    return _validate(task, where)
+
+
+def load_tasks_jsonl(path: str | os.PathLike[str]) -> list[Task]:
+    """Load tasks from a JSONL file (blank lines ignored; formats in the module docstring).
+
+    Raises:
+        FileNotFoundError: no such file.
+        TaskFormatError: a bad line (the message gives ``path:line``), or duplicate task ids.
+    """
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskFormatError(f"{where}: invalid JSON ({e.msg})") from None
+            task = task_from_record(record, where)
+            if task.task_id in seen:
+                raise TaskFormatError(f"{where}: duplicate task_id {task.task_id!r}")
+            seen.add(task.task_id)
+            tasks.append(task)
+    return tasks
+
+
+def save_tasks_jsonl(tasks: Iterable[Task], path: str | os.PathLike[str]) -> None:
+    """Write tasks in the native format, atomically (temp file + rename: never half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for t in tasks:
+                f.write(json.dumps(t.to_dict(), ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
