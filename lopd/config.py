@@ -378,11 +378,11 @@ class Config:
             )
 
 
-_TASK_KEYS = ("task_id", "domain", "world", "instruction", "spec")
-
-
 def check_tasks_file(path: str | Path) -> None:
-    """Check that every non-empty line of a tasks JSONL file is a valid task dict.
+    """Check that every non-empty line of a tasks JSONL file is a loadable task.
+
+    Lines are parsed by :func:`lopd.envs.load_tasks_jsonl` (the native ``Task`` format, TACO and
+    LiveCodeBench rows), so a file that passes here loads in the trainer.
 
     Raises:
         ConfigError: ``data.tasks_path <file> line N: <what is wrong>``.
@@ -391,27 +391,36 @@ def check_tasks_file(path: str | Path) -> None:
     if not path.is_file():
         raise ConfigError(f"data.tasks_path {str(path)!r} does not exist")
     n = 0
-    with path.open() as f:
+    with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            where = f"data.tasks_path {str(path)!r} line {lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ConfigError(f"{where}: not valid JSON ({err.msg})") from None
+                raise ConfigError(
+                    f"data.tasks_path {str(path)!r} line {lineno}: not valid JSON ({err.msg})"
+                ) from None
             if not isinstance(obj, dict):
-                raise ConfigError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            missing = [k for k in _TASK_KEYS if k not in obj]
-            if missing:
-                raise ConfigError(f"{where}: missing task field(s) {missing}")
-            if not isinstance(obj["spec"], dict):
-                raise ConfigError(f"{where}: 'spec' must be an object")
-            if obj.get("split", "train") not in ("train", "test"):
-                raise ConfigError(f"{where}: 'split' must be 'train' or 'test'")
+                raise ConfigError(
+                    f"data.tasks_path {str(path)!r} line {lineno}: expected a JSON object, got "
+                    f"{type(obj).__name__}"
+                )
             n += 1
     if n == 0:
         raise ConfigError(f"data.tasks_path {str(path)!r} holds no tasks")
+    from lopd.envs import load_tasks_jsonl
+
+    try:
+        load_tasks_jsonl(path)
+    except ValueError as err:
+        # The loader's message starts with "<path>:<line>:"; say "line N" like the checks above.
+        msg = str(err)
+        prefix = f"{path}:"
+        if msg.startswith(prefix):
+            lineno, _, rest = msg[len(prefix) :].partition(":")
+            msg = f"line {lineno}:{rest}"
+        raise ConfigError(f"data.tasks_path {str(path)!r} {msg}") from None
 
 
 # ---------------------------------------------------------------------------------- presets

@@ -51,9 +51,14 @@ def build_config(args: argparse.Namespace):
     if args.run_dir is not None:
         overrides.insert(0, f"run_dir={json.dumps(args.run_dir)}")
     cfg = load_config(args.preset, args.config, overrides)
+    if args.resume:
+        # A resumed run continues with the configuration it was started with (saved in its run
+        # directory); command-line overrides still apply on top.
+        saved = Path(cfg.run_dir) / "config.yaml"
+        if not saved.exists():
+            raise ConfigError(f"--resume: {cfg.run_dir!r} holds no run to resume (no config.yaml)")
+        cfg = load_config(args.preset, saved, overrides)
     cfg.validate()
-    if args.resume and not (Path(cfg.run_dir) / "config.yaml").exists():
-        raise ConfigError(f"--resume: {cfg.run_dir!r} holds no run to resume (no config.yaml)")
     return cfg
 
 

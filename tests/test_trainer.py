@@ -1,0 +1,259 @@
+"""The LOPD trainer: config validation, gradient routing, end-to-end smoke, kill/resume, torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lopd.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+# Timing keys differ between runs; everything else must be bitwise equal after a resume.
+TIMING = ("seconds_",)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _train_cmd(run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "lopd.train", "--preset", "smoke", "--run-dir", str(run_dir),
+        "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+# ----------------------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("lopd.margin=-0.1", "lopd.margin"),
+        ("composer.num_latents=0", "composer.num_latents"),
+        ("composer.num_retrieved=0", "composer.num_retrieved"),
+        ("model.path=/nonexistent/ckpt", "model.path"),
+        ("lopd.divergence=sideways", "lopd.divergence"),
+        ("lopd.top_m=0", "lopd.top_m"),
+    ],
+)
+def test_bad_config_values_stop_at_startup_naming_the_field(override, field):
+    cfg = load_config("smoke", overrides=[override])
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        cfg.validate()
+
+
+def test_override_types_keys_and_yaml_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match=r"lopd\.steps expects int"):
+        load_config("smoke", overrides=["lopd.steps=abc"])
+    with pytest.raises(ConfigError, match=r"lopd\.nope"):
+        load_config("smoke", overrides=["lopd.nope=1"])
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config("smoke", overrides=["lopd.steps"])
+    cfg = load_config("smoke", overrides=["lopd.lr=1e-3", "lopd.top_m=null", "seed=7"])
+    assert (cfg.lopd.lr, cfg.lopd.top_m, cfg.seed) == (1e-3, None, 7)
+    yml = tmp_path / "c.yaml"
+    yml.write_text("lopd:\n  margin: 0.2\n  steps: 9\ncomposer:\n  num_latents: 3\n")
+    cfg = load_config("smoke", yml, ["lopd.steps=11"])
+    assert (cfg.lopd.margin, cfg.lopd.steps, cfg.composer.num_latents) == (0.2, 11, 3)
+    yml.write_text("lopd:\n  margin: [1, 2]\n")
+    with pytest.raises(ConfigError, match=r"lopd\.margin expects float"):
+        load_config("smoke", yml)
+    paper = load_config("paper")
+    assert (paper.lopd.top_m, paper.lopd.margin, paper.lopd.anchor_weight) == (20, 0.05, 0.2)
+    assert (paper.lopd.dual_lr, paper.lopd.lr, paper.composer.num_latents) == (0.5, 1e-5, 32)
+    assert paper.composer.num_retrieved == 3
+
+
+def test_malformed_tasks_line_and_oversized_j_are_named(tmp_path):
+    from lopd.envs import builtin_tasks
+
+    good = builtin_tasks("tool_use", "train", n=1)[0].to_dict()
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps(good) + "\n{not json\n")
+    cfg = load_config("smoke", overrides=[f"data.tasks_path={path}"])
+    with pytest.raises(ConfigError, match="line 2"):
+        cfg.validate()
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"task_id": "b"}) + "\n")
+    with pytest.raises(ConfigError, match="line 2"):
+        cfg.validate()
+    cfg = load_config("smoke", overrides=["composer.num_retrieved=3"])
+    with pytest.raises(ConfigError, match=r"composer\.num_retrieved=3 is larger than"):
+        cfg.check_bank_size(3)
+    cfg.check_bank_size(4)
+
+
+def test_cli_reports_a_bad_value_before_loading_anything(tmp_path):
+    t0 = time.perf_counter()
+    res = subprocess.run(
+        _train_cmd(tmp_path / "r", "lopd.margin=-1"), capture_output=True, text=True,
+        env=_env(), cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 2
+    assert "lopd.margin must be >= 0" in res.stderr
+    assert not (tmp_path / "r").exists()
+    assert time.perf_counter() - t0 < 60
+
+
+# ----------------------------------------------------------------------------- gradients
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    from lopd.trainer import Trainer
+
+    torch.set_num_threads(1)
+    run_dir = tmp_path_factory.mktemp("grad")
+    cfg = load_config("smoke", overrides=[f"run_dir={run_dir}"])
+    tr = Trainer(cfg, progress=False)
+    tr.setup()
+    tr.build_bank()
+    tr.build_composer()
+    tr.cold_start()
+    tr._make_optimizers()
+    return tr
+
+
+def test_gradient_reaches_phi_and_student_never_the_teacher(trainer):
+    from lopd.trainer import LOPDMethod
+
+    tr = trainer
+    trajs = tr.generate(tr.student, tr.train_tasks[:2], seed=0)
+    tr.beta = 1.0  # the margin term's gradient path (teacher log-probs) is live too
+    for p in (*tr.student.parameters(), *tr.composer.parameters()):
+        p.grad = None
+    loss, sums = LOPDMethod().loss(tr, trajs, num_total=len(trajs))
+    loss.backward()
+    lora_b = [p for n, p in tr.composer.named_parameters() if "lora_B" in n]
+    qformer = list(tr.composer.compressor.parameters())
+    assert lora_b and all(p.grad is not None for p in lora_b)
+    assert sum(float(p.grad.abs().sum()) for p in lora_b) > 0
+    assert sum(float(p.grad.abs().sum()) for p in qformer if p.grad is not None) > 0
+    assert all(p.grad is not None for p in tr.student.parameters())
+    # The frozen teacher (= the encoder's base weights) never gets a gradient.
+    for name, p in tr.composer.backbone.named_parameters():
+        if "lora_" not in name:
+            assert not p.requires_grad and p.grad is None, name
+    assert sums["action_tokens"] == sum(sum(t.action_mask) for t in trajs)
+    assert 0.0 < sums["teacher_top_m_mass"] <= len(trajs) + 1e-6
+
+
+def test_teacher_mode_is_the_pure_base_model(trainer):
+    from lopd.models import load_model
+
+    tr = trainer
+    fresh, _ = load_model()
+    ids = torch.tensor([tr.train_tasks and tr.bank_trajectories[0].input_ids[:64]])
+    with torch.no_grad():
+        for n, p in tr.composer.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.05)  # a trained adapter changes the encoder ...
+        with tr.composer.teacher_mode() as backbone:
+            teacher = backbone(input_ids=ids).logits
+        encoder = tr.composer.backbone(input_ids=ids).logits
+        ref = fresh(input_ids=ids).logits
+    torch.testing.assert_close(teacher, ref)  # ... but not the teacher
+    assert not torch.allclose(encoder, ref, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- CLI runs
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("smoke") / "run"
+    t0 = time.perf_counter()
+    res = subprocess.run(
+        _train_cmd(run_dir), capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return run_dir, res, time.perf_counter() - t0
+
+
+def test_smoke_run_end_to_end(smoke_run):
+    run_dir, res, seconds = smoke_run
+    assert seconds < 90
+    assert "held-out reward  vanilla" in res.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("vanilla", "lopd", "base_composer"):
+        for field in ("reward_mean", "reward_stderr", "success_rate", "n"):
+            assert field in summary[key], (key, field)
+        assert summary[key]["n"] == 4
+    assert summary["wall_seconds"] > 0
+    cfg = load_config("smoke")
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(cfg.lopd.steps))
+    for key in ("loss", "kl", "delta", "beta", "teacher_top_m_mass", "reward_mean", "rollouts"):
+        assert all(key in r for r in rows), key
+    # The dual variable follows its update rule step to step.
+    for r in rows:
+        expected = max(0.0, r["beta"] + cfg.lopd.dual_lr * (cfg.lopd.margin - r["delta"]))
+        assert r["beta_next"] == pytest.approx(expected)
+    # Rollout budget: bank rollouts + one per task per step.
+    bank = cfg.data.n_train * cfg.bank.rollouts_per_task
+    assert rows[-1]["rollouts"] == bank + cfg.lopd.steps * cfg.lopd.tasks_per_step
+    assert summary["rollouts"] == rows[-1]["rollouts"]
+    for path in ("config.yaml", "reward_curve.png", "phi0.pt", "latents0.pt", "composer.pt",
+                 "student/config.json", "bank/trajectories.jsonl", "retrieval.json"):  # fmt: skip
+        assert (run_dir / path).exists(), path
+    assert any((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "checkpoints" / f"step_{cfg.lopd.steps:06d}.pt").exists()
+
+
+def test_kill_then_resume_gives_the_uninterrupted_metrics(smoke_run, tmp_path):
+    ref_dir, _, _ = smoke_run
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        _train_cmd(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(),
+        cwd=REPO,
+    )  # fmt: skip
+    ckpt = run_dir / "checkpoints" / "step_000002.pt"
+    deadline = time.time() + 240
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert ckpt.exists(), "the run never reached its step-2 checkpoint"
+    assert not (run_dir / "summary.json").exists(), "the run finished before it was killed"
+    res = subprocess.run(
+        _train_cmd(run_dir, "--resume"), capture_output=True, text=True, env=_env(), cwd=REPO,
+        timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "resumed from step_000002.pt" in res.stdout
+    assert _metrics(run_dir) == _metrics(ref_dir)
+    ref = json.loads((ref_dir / "summary.json").read_text())
+    got = json.loads((run_dir / "summary.json").read_text())
+    for key in ("vanilla", "lopd", "base_composer"):
+        assert got[key]["reward_mean"] == ref[key]["reward_mean"], key
+    assert got["rollouts"] == ref["rollouts"]
+
+
+def test_torchrun_two_processes_on_cpu(tmp_path):
+    run_dir = tmp_path / "ddp"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", "29731", "-m", "lopd.train", "--preset", "smoke",
+        "--run-dir", str(run_dir), "--no-progress", "lopd.steps=2", "eval.with_composer=false",
+    ]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "world size 2" in res.stdout
+    rows = _metrics(run_dir)
+    cfg = load_config("smoke")
+    assert [r["step"] for r in rows] == [0, 1]
+    bank = cfg.data.n_train * cfg.bank.rollouts_per_task
+    # Both ranks' rollouts are counted: the step's tasks are split across them.
+    assert rows[-1]["rollouts"] == bank + 2 * cfg.lopd.tasks_per_step
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["lopd"]["n"] == cfg.data.n_test
