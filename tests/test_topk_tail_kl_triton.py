@@ -1,0 +1,345 @@
+"""Triton kernels of ``topk_tail_kl`` against a float64 PyTorch oracle.
+
+Without a GPU the kernels run under ``TRITON_INTERPRET=1`` (set by conftest.py) on CPU tensors,
+with small ``block_v`` so that a few hundred vocabulary entries already span several blocks and
+the running top-M is exercised across block boundaries. Cases needing a GPU skip with a reason.
+
+The oracle (``_oracle``) is autograd through float64 PyTorch on the same (already rounded) inputs:
+bucket masses are direct float64 sums of softmax probabilities, so the tail is exact there too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.utils import assert_close, requires_cuda, triton_interpret
+
+triton = pytest.importorskip("triton", reason="the triton backend needs the triton package")
+
+from lopd_kernels.triton.topk_tail_kl import (  # noqa: E402
+    MAX_TOP_M,
+    topk_tail_kl_bwd_triton,
+    topk_tail_kl_fwd_triton,
+)
+
+IGNORE = -100
+
+pytestmark = [
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() or triton_interpret()),
+        reason="Triton needs a CUDA device or TRITON_INTERPRET=1",
+    ),
+    # The interpreter evaluates masked-off lanes too (-inf - -inf there); numpy warns, the
+    # kernels discard those lanes.
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+]
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ------------------------------------------------------------------------------------------
+# Oracle and helpers
+# ------------------------------------------------------------------------------------------
+
+
+def _kl_terms(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``exp(a) * (a - b)`` per bucket, 0 where the mass is 0, NaN-free under autograd."""
+    p = a.exp()
+    live = p > 0
+    a_safe = torch.where(live, a, torch.zeros_like(a))
+    b_safe = torch.where(live, b, torch.zeros_like(b))
+    return torch.where(live, p * (a_safe - b_safe), torch.zeros_like(p))
+
+
+def _safe_log(x: torch.Tensor) -> torch.Tensor:
+    pos = x > 0
+    return torch.where(pos, torch.where(pos, x, torch.ones_like(x)).log(), -torch.inf)
+
+
+def _oracle(s, t, target, top_m, temperature, reverse):
+    """float64 reference: ``(kl, student_logprob, teacher_logprob, topk_ids, lse, bucket_logp)``.
+
+    ``s``, ``t``: float64 [N, V] (leaves, possibly requiring grad). ``top_m == 0``: full KL.
+    """
+    n = s.shape[0]
+    ls = torch.log_softmax(s / temperature, -1)
+    lt = torch.log_softmax(t / temperature, -1)
+    if top_m == 0:
+        ids = torch.zeros(n, 0, dtype=torch.int64, device=s.device)
+        lp, lq = ls, lt
+        blp = torch.zeros(n, 2, 1, dtype=torch.float64, device=s.device)
+    else:
+        ids = torch.topk(t.detach(), top_m, dim=-1).indices
+        in_top = torch.zeros_like(s, dtype=torch.bool).scatter_(1, ids, True)
+        p_tail = torch.where(in_top, 0.0, ls.exp()).sum(-1, keepdim=True)
+        q_tail = torch.where(in_top, 0.0, lt.exp()).sum(-1, keepdim=True)
+        lp = torch.cat([ls.gather(1, ids), _safe_log(p_tail)], 1)
+        lq = torch.cat([lt.gather(1, ids), _safe_log(q_tail)], 1)
+        blp = torch.stack([lp, lq], 1)
+    kl = _kl_terms(lp, lq).sum(-1) if reverse else _kl_terms(lq, lp).sum(-1)
+    keep = target != IGNORE
+    tgt = torch.where(keep, target, 0)[:, None]
+    zero = torch.zeros((), dtype=torch.float64, device=s.device)
+    slp = torch.where(keep, ls.gather(1, tgt)[:, 0], zero)
+    tlp = torch.where(keep, lt.gather(1, tgt)[:, 0], zero)
+    kl = torch.where(keep, kl, zero)
+    lse = torch.stack([(s / temperature).logsumexp(-1), (t / temperature).logsumexp(-1)], 1)
+    return kl, slp, tlp, ids, lse.detach(), blp.detach()
+
+
+def _distinct_logits(n: int, v: int, dtype: torch.dtype, scale: float, gen) -> torch.Tensor:
+    """[n, v] logits with pairwise distinct values in each row (no top-M ties in ``dtype``)."""
+    if dtype == torch.float32:
+        return (torch.randn(n, v, generator=gen) * scale).to(dtype)
+    # Every finite value of the 16-bit dtype in [-4 scale, 4 scale]; each row draws v of them.
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    pool = bits.view(dtype).float()
+    pool = pool[torch.isfinite(pool) & (pool.abs() <= 4 * scale) & (pool != 0)].unique()
+    assert pool.numel() >= v, "not enough distinct values for this vocabulary size"
+    rows = [pool[torch.randperm(pool.numel(), generator=gen)[:v]] for _ in range(n)]
+    return torch.stack(rows).to(dtype)
+
+
+def _run_and_check(
+    s,
+    t,
+    target,
+    top_m,
+    temperature,
+    reverse,
+    block_v,
+    *,
+    compare_ids=True,
+    grads=(True, True),
+):
+    """Run forward + backward of the Triton launchers and compare everything with the oracle."""
+    n, _ = s.shape
+    gen = torch.Generator().manual_seed(1234)
+    # Random upstream gradients on every output (the teacher's includes the privilege's).
+    u_kl, u_ls, u_lt = (torch.randn(n, generator=gen).to(s.device) for _ in range(3))
+
+    # Small blocks and 4 warps for the interpreter; None: the launchers' GPU defaults.
+    warps = None if block_v is None else 4
+    out = topk_tail_kl_fwd_triton(
+        s, t, target, top_m, temperature, reverse, IGNORE, block_v=block_v, num_warps=warps
+    )
+    kl, slp, tlp, ids, lse, blp = out
+    s64 = s.detach().double().requires_grad_(grads[0])
+    t64 = t.detach().double().requires_grad_(grads[1])
+    r_kl, r_slp, r_tlp, r_ids, r_lse, r_blp = _oracle(s64, t64, target, top_m, temperature, reverse)
+
+    # Forward outputs are float32 whatever the inputs: compare at float32 tolerance.
+    f32 = torch.float32
+    assert kl.dtype == slp.dtype == tlp.dtype == lse.dtype == blp.dtype == f32
+    assert ids.dtype == torch.int64 and ids.shape == (n, top_m)
+    assert blp.shape == (n, 2, top_m + 1) and lse.shape == (n, 2)
+    assert_close(kl, r_kl, f32, "kl")
+    assert_close(slp, r_slp, f32, "student_logprob")
+    assert_close(tlp, r_tlp, f32, "teacher_logprob")
+    keep = target != IGNORE
+    assert_close(lse[keep], r_lse[keep], f32, "lse")
+    finite = torch.isfinite(r_blp[keep])
+    assert torch.equal(torch.isfinite(blp[keep]), finite), "bucket_logp: -inf pattern"
+    assert_close(blp[keep][finite], r_blp[keep][finite], f32, "bucket_logp")
+    if compare_ids:
+        assert torch.equal(ids[keep], r_ids[keep]), "topk_ids"
+    ignored = ~keep
+    for name, x in (("kl", kl), ("slp", slp), ("tlp", tlp), ("lse", lse), ("blp", blp)):
+        assert not x[ignored].any(), f"{name}: ignored rows must be 0"
+    assert not ids[ignored].any(), "topk_ids: ignored rows must be 0"
+
+    if not any(grads):
+        return
+    loss = (u_kl.double() * r_kl + u_ls.double() * r_slp + u_lt.double() * r_tlp).sum()
+    loss.backward()
+    gs, gt = topk_tail_kl_bwd_triton(
+        u_kl, u_ls, u_lt, s, t, target, ids, kl, lse, blp,
+        temperature, reverse, IGNORE, grads[0], grads[1], block_v=block_v, num_warps=warps,
+    )  # fmt: skip
+    for side, (g, x, x64) in enumerate(((gs, s, s64), (gt, t, t64))):
+        name = ("grad_student", "grad_teacher")[side]
+        if grads[side]:
+            assert g.dtype == x.dtype and g.shape == x.shape, name
+            assert_close(g, x64.grad, x.dtype, name)
+        else:
+            assert g.shape == (0,), f"{name}: a side without grad returns an empty tensor"
+
+
+# ------------------------------------------------------------------------------------------
+# Correctness against the oracle
+# ------------------------------------------------------------------------------------------
+
+# (N, V, M, temperature, reverse, student dtype, teacher dtype, block_v)
+CASES = [
+    pytest.param(3, 97, 20, 0.7, True, torch.float32, torch.float32, 32, id="V97-M20-rev"),
+    pytest.param(3, 97, 20, 1.3, False, torch.float32, torch.float32, 32, id="V97-M20-fwd"),
+    pytest.param(17, 7, 1, 1.0, True, torch.float32, torch.float32, 16, id="N17-V7-M1"),
+    pytest.param(1, 1, 1, 1.0, True, torch.float32, torch.float32, 16, id="V1-M1-no-tail"),
+    pytest.param(1, 1, 0, 2.0, False, torch.float32, torch.float32, 16, id="V1-full"),
+    pytest.param(3, 97, 97, 0.9, False, torch.float32, torch.float32, 32, id="V97-M=V"),
+    pytest.param(3, 97, 0, 0.7, True, torch.float32, torch.float32, 32, id="V97-full-rev"),
+    pytest.param(3, 1000, 0, 1.5, False, torch.bfloat16, torch.float32, 128, id="V1000-full-fwd"),
+    pytest.param(3, 1000, 64, 0.5, True, torch.float32, torch.bfloat16, 128, id="V1000-M64-mixed"),
+    pytest.param(3, 1000, 20, 2.0, False, torch.bfloat16, torch.bfloat16, 128, id="V1000-bf16"),
+    pytest.param(2, 300, MAX_TOP_M, 1.0, True, torch.float32, torch.float32, 64, id="M256"),
+    pytest.param(1, 5003, 20, 0.8, True, torch.float32, torch.float32, 512, id="V5003-blocks"),
+]
+
+
+@pytest.mark.parametrize("n, v, m, temperature, reverse, s_dtype, t_dtype, block_v", CASES)
+def test_matches_oracle(n, v, m, temperature, reverse, s_dtype, t_dtype, block_v):
+    gen = torch.Generator().manual_seed(n * 1000 + v + m)
+    s = _distinct_logits(n, v, s_dtype, 3.0, gen).to(DEVICE)
+    t = _distinct_logits(n, v, t_dtype, 3.0, gen).to(DEVICE)
+    target = torch.randint(0, v, (n,), generator=gen).to(DEVICE)
+    if n > 1:
+        target[1] = IGNORE  # one ignored row among live ones
+    _run_and_check(s, t, target, m, temperature, reverse, block_v)
+
+
+def test_all_ignored_rows_are_zero():
+    gen = torch.Generator().manual_seed(0)
+    s = torch.randn(3, 97, generator=gen).to(DEVICE)
+    t = torch.randn(3, 97, generator=gen).to(DEVICE)
+    target = torch.full((3,), IGNORE, dtype=torch.int64, device=DEVICE)
+    for m in (20, 0):
+        out = topk_tail_kl_fwd_triton(s, t, target, m, 0.7, True, IGNORE, block_v=32, num_warps=4)
+        for x in out:
+            assert not x.any(), "every output of an ignored row is 0"
+        ones = torch.ones(3, device=DEVICE)
+        gs, gt = topk_tail_kl_bwd_triton(
+            ones, ones, ones, s, t, target, *out[3:4], out[0], out[4], out[5],
+            0.7, True, IGNORE, True, True, block_v=32, num_warps=4,
+        )  # fmt: skip
+        assert not gs.any() and not gt.any(), "ignored rows get 0 gradient"
+
+
+@pytest.mark.parametrize("reverse", [True, False], ids=["rev", "fwd"])
+def test_neg_inf_logits(reverse):
+    """Padded vocabularies (-inf on both sides) and masked entries: no NaN anywhere."""
+    gen = torch.Generator().manual_seed(7)
+    n, v = 3, 200
+    s = torch.randn(n, v, generator=gen) * 2
+    t = torch.randn(n, v, generator=gen) * 2
+    pad = torch.zeros(n, v, dtype=torch.bool)
+    pad[:, 150:] = True  # padded vocabulary tail, spans whole blocks
+    pad[:, ::17] = True  # scattered masked ids, inside the top-M's blocks too
+    pad[2, 12:] = True  # row 2: fewer finite entries (12 - 1 masked) than M
+    s, t = s.masked_fill(pad, -torch.inf), t.masked_fill(pad, -torch.inf)
+    target = torch.tensor([3, 5, 1])
+    for m in (20, 0):
+        # Row 2 puts -inf entries in its top-M; they tie and carry zero mass, so which of them
+        # are picked is arbitrary: compare everything but the ids.
+        _run_and_check(
+            s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), m, 0.9, reverse, 32, compare_ids=False
+        )
+
+
+@pytest.mark.parametrize("reverse", [True, False], ids=["rev", "fwd"])
+def test_tiny_tail_is_exact(reverse):
+    """A sharp teacher leaves ~1e-30 mass in the tail: its log-mass must still be exact.
+
+    ``1 - sum(top)`` would give 0 (log = -inf) and a clamp at 1e-7 would give -16; the KL's tail
+    term (student mass times log Q_tail ~ -69) and the gradients depend on the exact value.
+    """
+    gen = torch.Generator().manual_seed(3)
+    n, v, m = 2, 300, 8
+    t = torch.randn(n, v, generator=gen)
+    top = torch.randperm(v, generator=gen)[:m]
+    t[:, top] += 75.0 + torch.arange(m, dtype=torch.float32)  # distinct, far above the rest
+    s = torch.randn(n, v, generator=gen)
+    target = torch.tensor([int(top[0]), 5])
+    out = topk_tail_kl_fwd_triton(
+        s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), m, 1.0, reverse, IGNORE, block_v=64
+    )
+    lq_tail = out[5][:, 1, m].cpu().double()
+    expected = _oracle(s.double(), t.double(), target, m, 1.0, reverse)[5][:, 1, m]
+    assert (expected < -60).all(), "the test needs a tail far below float32 epsilon"
+    torch.testing.assert_close(lq_tail, expected, rtol=1e-5, atol=0)
+    _run_and_check(s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), m, 1.0, reverse, 64)
+
+
+@pytest.mark.parametrize("grads", [(True, False), (False, True)], ids=["student", "teacher"])
+def test_one_side_gradient(grads):
+    gen = torch.Generator().manual_seed(11)
+    s = torch.randn(3, 97, generator=gen).to(DEVICE)
+    t = torch.randn(3, 97, generator=gen).to(DEVICE)
+    target = torch.tensor([4, IGNORE, 90], device=DEVICE)
+    _run_and_check(s, t, target, 20, 1.7, True, 32, grads=grads)
+
+
+def test_strided_rows():
+    """Rows of a wider buffer (row stride > V) are read in place, not copied wrongly."""
+    gen = torch.Generator().manual_seed(5)
+    s = torch.randn(3, 130, generator=gen)[:, :97]
+    t = torch.randn(3, 160, generator=gen)[:, 5:102]
+    assert s.stride(0) != 97 and t.stride(0) != 97
+    target = torch.tensor([0, 96, 50])
+    _run_and_check(s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), 20, 0.7, False, 32)
+
+
+def test_empty_batch():
+    s = torch.zeros(0, 10, device=DEVICE)
+    target = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    out = topk_tail_kl_fwd_triton(s, s, target, 4, 1.0, True, IGNORE)
+    shapes = [tuple(x.shape) for x in out]
+    assert shapes == [(0,), (0,), (0,), (0, 4), (0, 2), (0, 2, 5)]
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"top_m": MAX_TOP_M + 1}, ValueError, "top_m"),
+        ({"top_m": 98}, ValueError, "top_m"),
+        ({"top_m": -1}, ValueError, "top_m"),
+        ({"temperature": 0.0}, ValueError, "temperature"),
+        ({"temperature": float("nan")}, ValueError, "temperature"),
+        ({"teacher_logits": torch.zeros(3, 96)}, ValueError, "teacher_logits"),
+        ({"student_logits": torch.zeros(3, 97, dtype=torch.int32)}, TypeError, "student_logits"),
+        ({"student_logits": torch.zeros(97)}, ValueError, "student_logits"),
+        ({"target_ids": torch.zeros(3, dtype=torch.int32)}, TypeError, "target_ids"),
+        ({"target_ids": torch.zeros(4, dtype=torch.int64)}, ValueError, "target_ids"),
+    ],
+)
+def test_bad_input(kwargs, exc, match):
+    args = {
+        "student_logits": torch.zeros(3, 97),
+        "teacher_logits": torch.zeros(3, 97),
+        "target_ids": torch.zeros(3, dtype=torch.int64),
+        "top_m": 20,
+        "temperature": 1.0,
+        "reverse": True,
+        "ignore_index": IGNORE,
+    }
+    args.update(kwargs)
+    args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    with pytest.raises(exc, match=match):
+        topk_tail_kl_fwd_triton(**args)
+
+
+# ------------------------------------------------------------------------------------------
+# GPU-only: production shapes
+# ------------------------------------------------------------------------------------------
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [20, 64, 256, 0])
+@pytest.mark.parametrize("reverse", [True, False], ids=["rev", "fwd"])
+def test_gpu_qwen_vocab_bf16(m, reverse):
+    """Qwen3 vocabulary (151,936) in bf16 with the default GPU launch configuration."""
+    gen = torch.Generator().manual_seed(m)
+    n, v = 16, 151_936
+    s = (torch.randn(n, v, generator=gen) * 4).to(torch.bfloat16).cuda()
+    t = (torch.randn(n, v, generator=gen) * 4).cuda()  # fp32 teacher: no bf16 ties in top-M
+    target = torch.randint(0, v, (n,), generator=gen).cuda()
+    target[3] = IGNORE
+    _run_and_check(s, t, target, m, 0.8, reverse, None)
