@@ -1,0 +1,408 @@
+"""Tool-use worlds: parsing, dynamics, final-state rewards, oracle demos, splits, JSONL."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from lopd.envs import (
+    TASK_COMPLETED,
+    ToolCall,
+    ToolCallParseError,
+    ToolUseEnv,
+    builtin_tasks,
+    evaluate_checks,
+    format_tool_call,
+    get_world,
+    load_tasks_jsonl,
+    make_env,
+    oracle_actions,
+    parse_tool_calls,
+    run_actions,
+    save_tasks_jsonl,
+    world_names,
+)
+from lopd.envs.loaders import TaskFormatError
+from lopd.envs.tool_use import NO_TOOL_CALL_MESSAGE, TemplateNotApplicable, make_task
+from lopd.types import Task
+
+WORLDS = ["insurance", "logistics", "shop"]
+
+
+def call(tool_name: str, /, **args) -> str:
+    return format_tool_call(ToolCall(tool_name, args))
+
+
+def first(world: str, template: str, split: str = "train") -> Task:
+    return next(
+        t
+        for t in builtin_tasks("tool_use", split)
+        if t.world == world and t.spec["template"] == template
+    )
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def test_parse_qwen3_format_think_and_unclosed_tail():
+    text = (
+        '<think>maybe <tool_call>{"name": "x"}</tool_call></think>\n<tool_call>\n'
+        '{"name": "find_customer", "arguments": {"name": "Lena Park"}}\n</tool_call>'
+    )
+    assert parse_tool_calls(text) == [ToolCall("find_customer", {"name": "Lena Park"})]
+    # Generation stopped before the closing tag.
+    assert parse_tool_calls('<tool_call>\n{"name": "a", "arguments": {"k": 1}}\n') == [
+        ToolCall("a", {"k": 1})
+    ]
+    # Arguments serialized as a JSON string, or absent.
+    assert parse_tool_calls(
+        '<tool_call>{"name": "a", "arguments": "{\\"k\\": 2}"}</tool_call>'
+    ) == [ToolCall("a", {"k": 2})]
+    assert parse_tool_calls('<tool_call>{"name": "a"}</tool_call>') == [ToolCall("a", {})]
+    assert parse_tool_calls("no call here") == []
+    two = call("a", x=1) + "\n" + call("b", y="z")
+    assert [c.name for c in parse_tool_calls(two)] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ('{"name": "a", "arguments": {"x": 1}', "not valid JSON"),
+        ('["a", {}]', "JSON object"),
+        ('{"arguments": {}}', "no 'name'"),
+        ('{"name": 5, "arguments": {}}', "no 'name'"),
+        ('{"name": "a", "arguments": [1, 2]}', "must be a JSON object"),
+        ('{"name": "a", "arguments": "not json"}', "not a JSON object"),
+    ],
+)
+def test_parse_malformed_raises(body, fragment):
+    with pytest.raises(ToolCallParseError, match=fragment):
+        parse_tool_calls(f"<tool_call>{body}</tool_call>")
+
+
+def test_render_and_key():
+    c = ToolCall("find_policy", {"number": "PN-1234", "n": 3})
+    assert c.render() == 'find_policy(number="PN-1234", n=3)'
+    assert c.key() == ToolCall("find_policy", {"n": 3, "number": "PN-1234"}).key()
+    assert parse_tool_calls(format_tool_call(c)) == [c]
+
+
+# --------------------------------------------------------------------------- oracle + splits
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_oracle_reaches_full_reward_on_every_task(world):
+    for split in ("train", "test"):
+        tasks = [t for t in builtin_tasks("tool_use", split) if t.world == world]
+        for t in tasks:
+            env = make_env(t)
+            assert run_actions(env, t, oracle_actions(t)) == 1.0, t.task_id
+            assert env.done and env.num_tool_calls == len(t.spec["oracle"])
+            assert env.repeated_tool_calls == 0
+            assert all(not s.result.startswith("Error") for s in env.trace), t.task_id
+
+
+def test_splits_sizes_disjoint_deterministic():
+    train = builtin_tasks("tool_use", "train")
+    test = builtin_tasks("tool_use", "test")
+    assert len(train) >= 500 and len(test) >= 100
+    assert {t.world for t in train} == set(WORLDS) == set(world_names()) & set(WORLDS)
+    assert {t.split for t in train} == {"train"} and {t.split for t in test} == {"test"}
+    # No shared ids, entity combinations (instructions) or database seeds.
+    assert len({t.task_id for t in train + test}) == len(train) + len(test)
+    assert not {t.instruction for t in train} & {t.instruction for t in test}
+    assert len({t.instruction for t in train}) == len(train)
+    assert not {t.spec["seed"] for t in train} & {t.spec["seed"] for t in test}
+    # Deterministic: regenerating from the spec gives the same task; other seeds differ.
+    for t in train[:30] + test[:30]:
+        again = make_task(t.world, t.spec["template"], t.spec["seed"], t.task_id, t.split)
+        assert again == t
+    assert builtin_tasks("tool_use", "train", n=7) == train[:7]
+    assert [t.world for t in train[:3]] == sorted(WORLDS)
+    other = builtin_tasks("tool_use", "train", seed=1)
+    assert {t.instruction for t in other[:50]} != {t.instruction for t in train[:50]}
+    # Difficulty varies: 2- to 5-call tasks.
+    assert {len(t.spec["oracle"]) for t in train} == {2, 3, 4, 5}
+
+
+def test_builtin_tasks_bad_arguments():
+    with pytest.raises(ValueError, match="split"):
+        builtin_tasks("tool_use", "valid")
+    with pytest.raises(ValueError, match="domain"):
+        builtin_tasks("math")
+    with pytest.raises(ValueError, match="n must be"):
+        builtin_tasks(n=-1)
+
+
+def test_tools_schemas_match_implementations():
+    for name in WORLDS:
+        cls = get_world(name)
+        env = ToolUseEnv()
+        env.reset(first(name, cls.templates[0]))
+        schemas = env.tools()
+        assert len(schemas) == len(cls.tools_spec) >= 6
+        for s in schemas:
+            fn = s["function"]
+            assert s["type"] == "function" and callable(getattr(cls, f"tool_{fn['name']}"))
+            assert fn["parameters"]["required"] == list(fn["parameters"]["properties"])
+        assert {t.kind for t in cls.tools_spec} == {"query", "modify"}
+        for template in cls.templates:
+            assert callable(getattr(cls, f"gen_{template}"))
+
+
+# --------------------------------------------------------------------------- dynamics
+
+
+def test_shop_episode_dynamics_and_stats():
+    t = first("shop", "change_address")
+    env = make_env(t)
+    assert env.reset(t) == t.instruction
+    name = t.spec["params"]["name"]
+    obs, done = env.step(call("find_customer", name=name))
+    cid = json.loads(obs)["customer_id"]
+    assert not done and cid.startswith("C-")
+    obs, _ = env.step(call("get_orders", customer_id=cid))
+    orders = json.loads(obs)["orders"]
+    oid = next(o["order_id"] for o in orders if o["number"] == t.spec["params"]["number"])
+    obs, _ = env.step(call("get_orders", customer_id=cid))  # a repeat
+    assert env.repeated_tool_calls == 1
+    assert env.reward() == 0.0  # nothing changed yet
+    obs, _ = env.step(
+        call("update_order_address", order_id=oid, address=t.spec["params"]["address"])
+    )
+    assert json.loads(obs)["address"] == t.spec["params"]["address"]
+    obs, done = env.step("I think we are done. Task Completed.")
+    assert (obs, done) == ("", True)
+    assert env.reward() == 1.0
+    assert env.stats() == {"num_steps": 5, "num_tool_calls": 4, "repeated_tool_calls": 1}
+    assert env.trace[0].action == f'find_customer(name="{name}")'
+    assert env.trace[0].result == json.dumps({"customer_id": cid})
+    with pytest.raises(RuntimeError, match="after the episode ended"):
+        env.step(call("get_orders", customer_id=cid))
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (call("no_such_tool", x=1), "Error: unknown tool 'no_such_tool'"),
+        (call("call", tool="x"), "Error: unknown tool 'call'"),  # World.call is not a tool
+        (call("__init__", db={}), "Error: unknown tool '__init__'"),
+        (call("find_customer"), "Error: missing argument 'name' for find_customer"),
+        (call("find_customer", name="A B", admin=True), "Error: unexpected argument 'admin'"),
+        (call("find_customer", name=7), "Error: argument 'name' must be a string"),
+        (call("find_customer", name={"$ne": ""}), "Error: argument 'name' must be a string"),
+        (call("find_customer", name="' OR 1=1 --"), "Error: no customer named"),
+        (call("get_orders", customer_id="C-999"), "Error: no customer with id 'C-999'"),
+        (call("update_email", customer_id="C-1", email="nope"), "Error: invalid email"),
+        (
+            '<tool_call>{"name": "find_customer", "arguments": {"name": "x"</tool_call>',
+            "Error: tool call is not valid JSON",
+        ),
+        ("Let me look that up.", NO_TOOL_CALL_MESSAGE),
+        (
+            call("get_orders", customer_id="C-1") + call("get_orders", customer_id="C-2"),
+            "Error: 2 tool calls in one step",
+        ),
+    ],
+)
+def test_bad_calls_give_error_observations_and_episode_goes_on(text, expected):
+    t = first("shop", "cancel_order")
+    env = make_env(t)
+    env.reset(t)
+    obs, done = env.step(text)
+    assert obs.startswith(expected) and not done
+    assert env.reward() == 0.0  # no bad call touched the database
+    # The episode continues and can still be solved.
+    for a in oracle_actions(t):
+        env.step(a)
+    assert env.done and env.reward() == 1.0
+
+
+def test_parallel_calls_execute_nothing_and_count_each():
+    t = first("shop", "cancel_order")
+    env = make_env(t)
+    env.reset(t)
+    acts = oracle_actions(t)
+    env.step(acts[0])
+    env.step(acts[1])
+    obs, _ = env.step(acts[2] + acts[2])
+    assert "none was executed" in obs and env.reward() == 0.0
+    assert env.num_tool_calls == 4
+
+
+def test_type_checks_bool_is_not_a_number_and_enum():
+    t = first("insurance", "file_claim")
+    env = make_env(t)
+    env.reset(t)
+    obs, _ = env.step(call("file_claim", policy_id="PL-1", amount=True))
+    assert obs == "Error: argument 'amount' must be a integer"
+    obs, _ = env.step(call("file_claim", policy_id="PL-1", amount=12.5))
+    assert obs == "Error: argument 'amount' must be a integer"
+    obs, _ = env.step(call("file_claim", policy_id="PL-1", amount=-5))
+    assert obs.startswith("Error: amount must be between")
+    lt = first("logistics", "expedite")
+    env = make_env(lt)
+    env.reset(lt)
+    obs, _ = env.step(call("set_priority", shipment_id="S-1", priority="overnight"))
+    assert obs == "Error: argument 'priority' must be one of: standard, express"
+
+
+def test_tool_call_wins_over_task_completed_text():
+    t = first("logistics", "expedite")
+    env = make_env(t)
+    env.reset(t)
+    obs, done = env.step(TASK_COMPLETED + "\n" + oracle_actions(t)[0])
+    assert not done and obs.startswith('{"shipment_id"')
+
+
+def test_max_steps_ends_episode_and_reset_is_required():
+    env = ToolUseEnv(max_steps=3)
+    with pytest.raises(RuntimeError, match="before reset"):
+        env.step("x")
+    t = first("insurance", "set_limit")
+    env.reset(t)
+    assert env.step("hello") == (NO_TOOL_CALL_MESSAGE, False)
+    assert env.step("hello")[1] is False
+    assert env.step("hello")[1] is True and env.num_steps == 3
+    with pytest.raises(ValueError, match="max_steps"):
+        ToolUseEnv(max_steps=0)
+    with pytest.raises(ValueError, match="not 'tool_use'"):
+        env.reset(builtin_tasks("coding", "train", n=1)[0])
+    with pytest.raises(TypeError, match=r"lopd\.types\.Task"):
+        env.reset({"task_id": "x"})
+
+
+def test_early_completion_scores_zero_not_a_string_match():
+    for world in WORLDS:
+        t = builtin_tasks("tool_use", "test")[WORLDS.index(world)]
+        env = make_env(t)
+        env.reset(t)
+        assert env.step(TASK_COMPLETED) == ("", True)
+        assert env.reward() == 0.0
+
+
+def test_partial_progress_earns_partial_reward():
+    # reroute_assign: 3 goal checks + 1 guard; do only the reroute.
+    t = first("logistics", "reroute_assign")
+    acts = oracle_actions(t)
+    env = make_env(t)
+    env.reset(t)
+    for a in acts[:3]:
+        env.step(a)
+    assert env.reward() == pytest.approx(2 / 4)
+    assert env.check_results() == [True, False, False, True]
+
+
+def test_collateral_damage_fails_the_guard_check():
+    t = first("shop", "cancel_order")
+    env = make_env(t)
+    env.reset(t)
+    for a in oracle_actions(t)[:-1]:
+        env.step(a)
+    # Also cancel some other pending order: the goal holds, the "others unchanged" guard fails.
+    target = t.spec["oracle"][-1]["arguments"]["order_id"]
+    other = next(
+        k for k, o in env.world.db["orders"].items() if o["status"] == "pending" and k != target
+    )
+    env.step(call("cancel_order", order_id=other))
+    assert env.reward() == pytest.approx(1 / 2)
+    assert env.check_results() == [True, False]
+
+
+def test_insurance_swap_and_claims_checks():
+    t = first("insurance", "swap_coverage")
+    env = make_env(t)
+    acts = oracle_actions(t)
+    # Adding the new coverage without removing the old one: map check and absent check fail.
+    env.reset(t)
+    for a in acts[:2] + acts[3:]:
+        env.step(a)
+    assert env.check_results() == [False, False, True]
+    # Filing the claim twice: the count_new check and the guard fail.
+    c = first("insurance", "file_claim")
+    env.reset(c)
+    for a in oracle_actions(c)[:-1] + oracle_actions(c)[-2:-1]:
+        env.step(a)
+    assert env.check_results() == [False, False]
+    assert env.reward() == 0.0
+
+
+def test_logistics_busy_driver_and_delivered_shipment_errors():
+    t = first("logistics", "assign_driver")
+    env = make_env(t)
+    env.reset(t)
+    db = env.world.db
+    busy = next((d for d, r in db["drivers"].items() if r["shipment_id"]), None)
+    delivered = next((s for s, r in db["shipments"].items() if r["status"] == "delivered"), None)
+    sid = t.spec["oracle"][-1]["arguments"]["shipment_id"]
+    if busy is not None:
+        obs, _ = env.step(call("assign_driver", shipment_id=sid, driver_id=busy))
+        assert obs.startswith(f"Error: driver {busy} is busy")
+    if delivered is not None:
+        obs, _ = env.step(call("set_priority", shipment_id=delivered, priority="express"))
+        assert obs == f"Error: shipment {delivered} is already delivered"
+    assert busy is not None or delivered is not None
+    assert env.reward() == 0.0
+
+
+def test_modifying_a_shipped_order_is_refused():
+    t = first("shop", "add_item")
+    env = make_env(t)
+    env.reset(t)
+    shipped = [k for k, o in env.world.db["orders"].items() if o["status"] != "pending"]
+    for oid in shipped[:3]:
+        obs, _ = env.step(call("cancel_order", order_id=oid))
+        assert obs.startswith(f"Error: order {oid} is")
+    assert shipped and env.reward() == 0.0
+
+
+# --------------------------------------------------------------------------- checks + JSONL
+
+
+def test_evaluate_checks_language():
+    db = {"t": {"a": {"x": 1, "m": {"k": 2}}}}
+    init = copy.deepcopy(db)
+    db["t"]["b"] = {"x": 5}
+    checks = [
+        {"op": "equals", "table": "t", "id": "a", "path": "m.k", "value": 2},
+        {"op": "absent", "table": "t", "id": "a", "path": "m.z"},
+        {"op": "count_new", "table": "t", "where": {"x": 5}, "count": 1},
+        {"op": "unchanged", "allow": {}, "new": {"t": 1}},
+        {"op": "unchanged", "allow": {}},
+        {"op": "equals", "table": "t", "id": "zz", "path": "x", "value": 1},
+    ]
+    assert evaluate_checks(checks, db, init) == [True, True, True, True, False, False]
+    with pytest.raises(ValueError, match="unknown check op"):
+        evaluate_checks([{"op": "regex"}], db, init)
+
+
+def test_jsonl_roundtrip_and_explicit_db(tmp_path):
+    tasks = builtin_tasks("tool_use", "test", n=12)
+    path = tmp_path / "tasks.jsonl"
+    save_tasks_jsonl(tasks, path)
+    assert load_tasks_jsonl(path) == tasks
+    # An EnvScaler-style task: explicit initial database instead of a seed.
+    t = copy.deepcopy(tasks[0])
+    t.spec["db"] = get_world(t.world).build_db(t.spec.pop("seed"))
+    t.task_id = "explicit-db"
+    save_tasks_jsonl([t], path)
+    (loaded,) = load_tasks_jsonl(path)
+    assert run_actions(make_env(loaded), loaded, oracle_actions(loaded)) == 1.0
+    bad = dict(t.to_dict(), spec={"checks": [], "seed": 1})
+    path.write_text(json.dumps(t.to_dict()) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(
+        TaskFormatError, match=r"tasks.jsonl:2: tool-use spec needs a non-empty 'checks'"
+    ):
+        load_tasks_jsonl(path)
+
+
+def test_unknown_world_and_inapplicable_template():
+    t = copy.deepcopy(builtin_tasks(n=1)[0])
+    t.world = "casino"
+    with pytest.raises(KeyError, match="unknown world 'casino'"):
+        make_env(t).reset(t)
+    with pytest.raises(ValueError, match="no template"):
+        make_task("shop", "launch_rocket", 1, "x", "train")
+    assert issubclass(TemplateNotApplicable, Exception)
