@@ -96,7 +96,7 @@ def test_injected_token_embeddings_equal_the_token_id_path(tiny, conversation):
 
 def test_right_padded_batch_keeps_logits_of_real_positions(tiny, conversation):
     model, tok = tiny
-    demo, prompt_len, user = conversation
+    demo, prompt_len, _ = conversation
     short = demo.input_ids[: prompt_len + 10]
     ids, mask = pad_batch([demo.input_ids, short], tok.pad_token_id)
     assert mask[1].sum() == len(short) and ids[1, len(short) :].eq(tok.pad_token_id).all()
