@@ -115,8 +115,12 @@ def _reap() -> None:
 
 
 def _kill_all(child_pgid: int, uid) -> int:
-    """SIGKILL the child's group and every descendant until none is left; returns kill count."""
-    killed = 0
+    """SIGKILL the child's group and every descendant until none is left.
+
+    Returns:
+        How many distinct processes were left over and killed.
+    """
+    killed = set()
     with contextlib.suppress(OSError):
         os.killpg(child_pgid, signal.SIGKILL)
     me = os.getpid()
@@ -130,13 +134,13 @@ def _kill_all(child_pgid: int, uid) -> int:
         for pid in victims:
             try:
                 os.kill(pid, signal.SIGKILL)
-                killed += 1
+                killed.add(pid)
             except OSError:
                 pass
         time.sleep(0.002)
         _reap()
     _reap()
-    return killed
+    return len(killed)
 
 
 def _run_child(cfg: dict) -> None:

@@ -1,0 +1,204 @@
+"""The subprocess sandbox against hostile programs (real subprocesses, no mocks)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import lopd
+from lopd.envs.sandbox import SandboxLimits, run_python, run_sandboxed
+
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(
+    not ROOT, reason="uid switching and mount/network namespaces need root (euid 0)"
+)
+FAST = SandboxLimits(wall_time_s=1.5, cpu_time_s=5)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_runs_program_with_stdin_and_files():
+    r = run_sandboxed(
+        ["main.py", "arg"],
+        {
+            "main.py": "import sys\nprint(input().upper(), sys.argv[1], open('data/x.txt').read())",
+            "data/x.txt": "payload",
+        },
+        stdin="hello\n",
+    )
+    assert r.ok and r.stdout == "HELLO arg payload\n" and r.stderr == ""
+    r = run_python("import sys; sys.exit(3)")
+    assert r.returncode == 3 and not r.ok
+
+
+def test_timeout_kills_sleeping_program():
+    t0 = time.monotonic()
+    r = run_python("import time; time.sleep(60)", limits=SandboxLimits(wall_time_s=1.0))
+    assert r.timed_out and r.returncode < 0
+    assert time.monotonic() - t0 < 10
+
+
+def test_infinite_loop_is_killed_by_the_cpu_limit():
+    # Wall clock generous, CPU limit 1 s: RLIMIT_CPU stops the loop (SIGXCPU, then SIGKILL).
+    r = run_python("while True:\n    pass", limits=SandboxLimits(wall_time_s=20, cpu_time_s=1))
+    assert not r.timed_out and r.returncode < 0
+    r = run_python("while True:\n    pass", limits=FAST)
+    assert r.timed_out and not r.ok
+
+
+def test_memory_bomb_fails_fast():
+    r = run_python(
+        "x = bytearray(8 << 30)\nprint('allocated')", limits=SandboxLimits(memory_bytes=512 << 20)
+    )
+    assert r.returncode != 0 and "MemoryError" in r.stderr and "allocated" not in r.stdout
+    # Growing allocation too.
+    r = run_python(
+        "xs = []\nwhile True:\n    xs.append(bytearray(64 << 20))",
+        limits=SandboxLimits(memory_bytes=512 << 20),
+    )
+    assert r.returncode != 0 and "MemoryError" in r.stderr
+
+
+def test_fork_bomb_is_contained_and_cleaned_up():
+    code = (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    )
+    before = len(os.listdir("/proc"))
+    t0 = time.monotonic()
+    r = run_python(code, limits=SandboxLimits(wall_time_s=1.5, max_processes=16))
+    assert r.timed_out and time.monotonic() - t0 < 15
+    if r.isolation["uid"] is not None:
+        uid = r.isolation["uid"]
+        owned = [p for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid]
+        assert owned == []
+        assert 1 <= r.isolation["stray_processes_killed"] <= 16  # RLIMIT_NPROC held
+    assert len(os.listdir("/proc")) < before + 5
+
+
+def _uid_of(pid: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def test_escaped_daemon_is_killed():
+    # Double fork + setsid: leaves the process group; the subreaper supervisor still kills it.
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        print(os.getpid(), flush=True)\n"
+        "        time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "time.sleep(0.3)\n"
+    )
+    r = run_python(code, limits=SandboxLimits(wall_time_s=5))
+    assert r.ok
+    pid = int(r.stdout.split()[0])
+    assert not _alive(pid)
+
+
+def test_no_inherited_environment(monkeypatch):
+    monkeypatch.setenv("LOPD_TEST_SECRET", "hunter2")
+    monkeypatch.setenv("PYTHONPATH", "/nonexistent/evil")
+    r = run_python("import os, sys, json\nprint(json.dumps(dict(os.environ)))\nprint(sys.path)")
+    assert r.ok and "hunter2" not in r.stdout and "evil" not in r.stdout
+    env = json.loads(r.stdout.splitlines()[0])
+    assert sorted(env) == ["HOME", "LANG", "PATH", "TMPDIR"]
+
+
+@needs_root
+def test_cannot_read_the_callers_environment_via_proc(monkeypatch):
+    monkeypatch.setenv("LOPD_TEST_SECRET", "hunter2")
+    r = run_python(f"print(open('/proc/{os.getpid()}/environ').read())")
+    assert r.returncode != 0 and "PermissionError" in r.stderr and "hunter2" not in r.stdout
+
+
+def test_work_dir_is_writable_and_is_home():
+    r = run_python(
+        "import os\nopen('out.txt', 'w').write('ok')\n"
+        "print(os.getcwd() == os.environ['HOME'], open(os.path.expanduser('~/out.txt')).read())"
+    )
+    assert r.ok and r.stdout == "True ok\n"
+
+
+@needs_root
+def test_writing_outside_the_work_dir_fails(tmp_path):
+    # The installed package directory stands for any root-owned place (the repo, other files).
+    target = Path(lopd.__file__).parent / f"pwned-{uuid.uuid4().hex}.txt"
+    try:
+        r = run_python(f"open({str(target)!r}, 'w').write('x')")
+        assert r.returncode != 0 and "PermissionError" in r.stderr
+        assert not target.exists()
+    finally:
+        target.unlink(missing_ok=True)
+    # A root-owned dir under /tmp is not even visible (private /tmp).
+    r = run_python(f"open({str(tmp_path / 'pwned.txt')!r}, 'w').write('x')")
+    assert r.returncode != 0 and not (tmp_path / "pwned.txt").exists()
+    r = run_python("import os\nos.makedirs('../escape')")
+    assert r.returncode != 0 and "PermissionError" in r.stderr
+
+
+@needs_root
+def test_world_writable_dirs_are_private():
+    name = f"lopd-sandbox-probe-{uuid.uuid4().hex}"
+    code = (
+        f"for d in ('/tmp', '/var/tmp', '/dev/shm'):\n"
+        f"    open(d + '/{name}', 'w').write('x')\n"
+        f"import os\nprint(sorted(os.listdir('/tmp')))"
+    )
+    r = run_python(code)
+    assert r.ok, r.stderr
+    assert r.isolation["private_tmp"]
+    for d in ("/tmp", "/var/tmp", "/dev/shm"):
+        assert not Path(d, name).exists()
+    # The host's /tmp content is invisible: only the probe and the path to the work dir.
+    assert len(ast.literal_eval(r.stdout)) == 2
+
+
+@needs_root
+def test_no_network():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    try:
+        r = run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)")
+    finally:
+        srv.close()
+    assert r.returncode != 0 and "OSError" in r.stderr and r.isolation["no_network"]
+
+
+def test_file_size_limit():
+    r = run_python(
+        "with open('big', 'wb') as f:\n    f.write(b'x' * (8 << 20))\nprint('done')",
+        limits=SandboxLimits(file_size_bytes=1 << 20),
+    )
+    assert not r.ok and "done" not in r.stdout
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="wall_time_s"):
+        SandboxLimits(wall_time_s=0)
+    with pytest.raises(ValueError, match="max_processes"):
+        SandboxLimits(max_processes=0)
+    with pytest.raises(ValueError, match="escapes the work dir"):
+        run_sandboxed(["main.py"], {"../x.py": "pass"})
