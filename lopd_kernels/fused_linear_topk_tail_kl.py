@@ -629,8 +629,8 @@ def _bwd_op(
         grads = fused_linear_bwd_triton(*args, tuple(needs), shared_weight)
     else:
         grads = _chunked_bwd(*args, chunk_size, tuple(needs), shared_weight)
-    empty = student_hidden.new_empty(0)
-    return [empty if g is None else g for g in grads]
+    # One fresh empty per unused slot: a custom op's outputs must not alias each other.
+    return [student_hidden.new_empty(0) if g is None else g for g in grads]
 
 
 @_bwd_op.register_fake
@@ -903,8 +903,7 @@ def _head_params(head: torch.nn.Module | Tensor, name: str) -> tuple[Tensor, Ten
 
 def _scatter_rows(values: Tensor, flat_rows: Tensor, shape: tuple[int, ...]) -> Tensor:
     """Put packed per-row values back at their (flattened) positions; zeros elsewhere."""
-    n_pos = math.prod(shape[: len(shape) - values.dim() + 1])
-    full = values.new_zeros((n_pos, *values.shape[1:]))
+    full = values.new_zeros((math.prod(shape), *values.shape[1:]))
     return full.index_put((flat_rows,), values).reshape(*shape, *values.shape[1:])
 
 

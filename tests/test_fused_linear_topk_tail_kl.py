@@ -1,0 +1,423 @@
+"""fused_linear_topk_tail_kl: every backend against the float64 materialized reference.
+
+Outputs and all gradients (hidden states, weights, biases) are compared at the tolerance of the
+input dtype (tests/utils.py). Shapes keep V off every tile/chunk multiple; logits are scaled so
+that the top-M boundary has no near-ties (the selection is then the same in every precision).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import lopd_kernels as lk
+from lopd_kernels.fused_linear_topk_tail_kl import (
+    auto_chunk_rows,
+    causal_lm_topk_tail_kl,
+    fused_linear_topk_tail_kl,
+    fused_linear_topk_tail_kl_reference,
+    lm_head_topk_tail_kl,
+)
+from tests.utils import assert_close, triton_interpret
+
+NAMES = ("student_hidden", "student_weight", "teacher_hidden", "teacher_weight")
+OUTS = ("kl", "privilege", "student_logprob", "teacher_logprob")
+
+
+def make_inputs(n, d, vocab, dtype=torch.float32, *, bias=False, tied=False, seed=0, d_t=None):
+    """Hidden states and heads whose logits have std ~2 (well-separated top-M)."""
+    g = torch.Generator().manual_seed(seed)
+    d_t = d if d_t is None else d_t
+    x = {
+        "student_hidden": torch.randn(n, d, generator=g),
+        "student_weight": torch.randn(vocab, d, generator=g) * (2 / math.sqrt(d)),
+        "teacher_hidden": torch.randn(n, d_t, generator=g),
+        "teacher_weight": torch.randn(vocab, d_t, generator=g) * (2 / math.sqrt(d_t)),
+    }
+    if tied:
+        x["teacher_weight"] = x["student_weight"]
+    if bias:
+        x["student_bias"] = torch.randn(vocab, generator=g) * 0.5
+        x["teacher_bias"] = torch.randn(vocab, generator=g) * 0.5
+    target = torch.randint(0, vocab, (n,), generator=g)
+    target[1::4] = -100
+    return {k: v.to(dtype) for k, v in x.items()}, target
+
+
+def run(inputs, target, backend, *, requires=None, seed=1, upcast=False, **kw):
+    """Forward + backward with random upstream gradients on the four float outputs.
+
+    Returns (outputs, {name: grad}) for the inputs that require grad (``requires``: names; default
+    all). A tied head is one leaf tensor for both models, like a shared nn.Parameter.
+    """
+    tied = inputs["teacher_weight"] is inputs["student_weight"]
+    leaves = {}
+    for k, v in inputs.items():
+        if tied and k == "teacher_weight":
+            continue
+        leaf = (
+            (v.double() if upcast else v).clone().requires_grad_(requires is None or k in requires)
+        )
+        leaves[k] = leaf
+    args = dict(leaves)
+    if tied:
+        args["teacher_weight"] = args["student_weight"]
+    out = fused_linear_topk_tail_kl(
+        args.pop("student_hidden"),
+        args.pop("student_weight"),
+        args.pop("teacher_hidden"),
+        args.pop("teacher_weight"),
+        target,
+        backend=backend,
+        **args,
+        **kw,
+    )
+    g = torch.Generator().manual_seed(seed)
+    ups = [torch.randn(target.shape[0], generator=g, dtype=torch.float64) for _ in OUTS]
+    loss = sum((getattr(out, name).double() * u).sum() for name, u in zip(OUTS, ups))
+    want = [v for v in leaves.values() if v.requires_grad]
+    if loss.requires_grad:
+        loss.backward()
+    grads = {k: v.grad for k, v in leaves.items() if v.requires_grad}
+    assert all(w.grad is not None for w in want) or not loss.requires_grad
+    return out, grads
+
+
+def check(inputs, target, backend, dtype, requires=None, **kw):
+    ref_out, ref_grads = run(inputs, target, "torch", requires=requires, upcast=True, **kw)
+    out, grads = run(inputs, target, backend, requires=requires, **kw)
+    for name in OUTS:
+        assert getattr(out, name).dtype == torch.float32, name
+        assert_close(getattr(out, name), getattr(ref_out, name), dtype, f"{backend} {name}")
+    assert torch.equal(out.topk_ids, ref_out.topk_ids), f"{backend} topk_ids"
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert grad.dtype == inputs[name].dtype, name
+        assert_close(grad, ref_grads[name], dtype, f"{backend} d{name}")
+    ignored = target == -100
+    assert not out.kl[ignored].any() and not out.topk_ids[ignored].any()
+    return out, grads
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked CPU path
+# ---------------------------------------------------------------------------------------------
+
+CASES = [
+    # (n, d, V, top_m, temperature, divergence, bias, chunk_size)
+    (13, 8, 37, 5, 1.0, "reverse", False, 4),
+    (13, 8, 37, 5, 0.7, "forward", True, None),
+    (9, 64, 301, 20, 1.3, "reverse", True, 3),
+    (9, 64, 301, None, 1.0, "forward", False, 2),
+    (6, 1024, 129, 20, 0.8, "reverse", True, 1),
+    (6, 8, 11, 16, 1.0, "reverse", False, 5),  # M >= V: no tail bucket
+    (6, 8, 11, 16, 2.0, "forward", True, None),
+    (7, 64, 53, None, 0.5, "reverse", True, 7),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cpu_matches_reference_fp32(case):
+    n, d, vocab, top_m, temp, div, bias, chunk = case
+    inputs, target = make_inputs(n, d, vocab, bias=bias)
+    check(
+        inputs, target, "cpu", torch.float32,
+        top_m=top_m, temperature=temp, divergence=div, chunk_size=chunk,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_half_precision(dtype):
+    inputs, target = make_inputs(11, 64, 203, dtype, bias=True, seed=3)
+    check(inputs, target, "cpu", dtype, top_m=8, temperature=0.9, chunk_size=4)
+
+
+@pytest.mark.parametrize("divergence", ["reverse", "forward"])
+def test_tied_head(divergence):
+    """One weight tensor for both models: its gradient is the sum of both sides'."""
+    inputs, target = make_inputs(10, 16, 67, bias=True, tied=True, seed=4)
+    _, grads = check(inputs, target, "cpu", torch.float32, top_m=6, divergence=divergence)
+    assert "teacher_weight" not in grads and "student_weight" in grads
+
+
+@pytest.mark.parametrize(
+    "requires",
+    [
+        set(c)
+        for r in range(len(NAMES) + 1)
+        for c in itertools.combinations((*NAMES, "student_bias", "teacher_bias"), r)
+        if r <= 1 or set(c) <= set(NAMES)
+    ],
+    ids=lambda s: "+".join(sorted(s)) or "none",
+)
+def test_requires_grad_combinations(requires):
+    """Each subset of {hidden, weight} x {student, teacher} (and each bias alone)."""
+    inputs, target = make_inputs(8, 8, 29, bias=True, seed=5)
+    _, grads = check(inputs, target, "cpu", torch.float32, requires=requires, top_m=4)
+    assert set(grads) == requires
+
+
+def test_tied_head_one_side_requires_grad():
+    """A shared head that requires grad while only the teacher's hidden states flow."""
+    inputs, target = make_inputs(8, 8, 29, tied=True, seed=6)
+    _, grads = check(
+        inputs, target, "cpu", torch.float32, requires={"student_weight", "teacher_hidden"}
+    )
+    assert set(grads) == {"student_weight", "teacher_hidden"}
+
+
+def test_different_hidden_sizes():
+    """A wider teacher (d_t != d_s) over the same vocabulary."""
+    inputs, target = make_inputs(7, 8, 41, bias=True, d_t=24, seed=7)
+    check(inputs, target, "cpu", torch.float32, top_m=5, chunk_size=3)
+
+
+def test_all_rows_ignored():
+    inputs, target = make_inputs(5, 8, 19)
+    target[:] = -100
+    out, grads = run(inputs, target, "cpu", top_m=3)
+    assert not out.kl.any() and not out.student_logprob.any() and not out.topk_ids.any()
+    assert all(not g.any() for g in grads.values())
+
+
+def test_custom_ignore_index_and_int32_targets():
+    inputs, target = make_inputs(9, 8, 31, seed=8)
+    target = torch.where(target == -100, torch.full_like(target, 7), target).int()
+    target[::3] = 7  # ignore_index=7 drops these rows although 7 is a valid id
+    ref, _ = run(inputs, target.long(), "torch", upcast=True, ignore_index=7, top_m=4)
+    out, _ = run(inputs, target, "cpu", ignore_index=7, top_m=4)
+    assert_close(out.kl, ref.kl, torch.float32, "kl")
+    assert not out.kl[::3].any()
+
+
+def test_masked_vocabulary_is_finite():
+    """-inf logits (padded vocabulary through a -inf bias) give finite outputs and gradients."""
+    inputs, target = make_inputs(8, 8, 40, bias=True, seed=9)
+    for key in ("student_bias", "teacher_bias"):
+        inputs[key][-6:] = -math.inf
+    target = torch.where(target >= 34, target - 10, target)
+    out, grads = check(inputs, target, "cpu", torch.float32, top_m=5, chunk_size=3)
+    assert torch.isfinite(out.kl).all()
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_sharp_teacher_exact_tail():
+    """A teacher whose top-M holds all but ~1e-9 of the mass: the tail must be a direct
+    log-sum-exp over the complement (1 - sum(top-M) is 0 or noise in float32, and a clamp floors
+    it at 1e-7), so the KL and its gradients match the float64 reference."""
+    inputs, target = make_inputs(6, 8, 50, seed=10)
+    inputs["teacher_weight"] = inputs["teacher_weight"] * 4
+    t = inputs["teacher_hidden"].double() @ inputs["teacher_weight"].double().T / 0.5
+    tail_mass = -torch.expm1(t.topk(10).values.logsumexp(-1) - t.logsumexp(-1))
+    assert (tail_mass < 1e-8).sum() >= 3  # the regime this test is about
+    check(inputs, target, "cpu", torch.float32, top_m=10, temperature=0.5)
+
+
+def test_auto_chunk_rows():
+    assert auto_chunk_rows(151_936, 4096) == 104  # 256 MiB cap / (4 blocks x 4 B x V), 8-aligned
+    assert auto_chunk_rows(151_936, 5) == 5
+    assert auto_chunk_rows(10**12, 100) == 1
+    assert auto_chunk_rows(1000, 0) == 1
+
+
+def test_reference_backend_is_reference():
+    inputs, target = make_inputs(6, 8, 23, bias=True)
+    args = [inputs[k] for k in NAMES] + [target]
+    kw = {"student_bias": inputs["student_bias"], "teacher_bias": inputs["teacher_bias"]}
+    a = fused_linear_topk_tail_kl(*args, backend="torch", top_m=3, **kw)
+    b = fused_linear_topk_tail_kl_reference(*args, top_m=3, **kw)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_exported():
+    assert lk.fused_linear_topk_tail_kl is fused_linear_topk_tail_kl
+    assert lk.lm_head_topk_tail_kl is lm_head_topk_tail_kl
+
+
+# ---------------------------------------------------------------------------------------------
+# Input validation
+# ---------------------------------------------------------------------------------------------
+
+
+def _args():
+    inputs, target = make_inputs(4, 8, 13)
+    return [inputs[k] for k in NAMES] + [target]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "kw", "match"),
+    [
+        (lambda a: a.__setitem__(0, a[0][:, :4]), {}, "student_hidden .* disagree on d"),
+        (lambda a: a.__setitem__(3, a[3][:5]), {}, "teacher_weight has 5 vocabulary rows"),
+        (lambda a: a.__setitem__(2, a[2][:3]), {}, "teacher_hidden has 3 rows"),
+        (lambda a: a.__setitem__(0, a[0][None]), {}, "student_hidden must be 2-D"),
+        (lambda a: a.__setitem__(4, a[4].float()), {}, "target_ids must be int64/int32"),
+        (lambda a: a[4].__setitem__(0, 13), {}, r"target_ids must lie in \[0, 13\)"),
+        (lambda a: a.__setitem__(1, a[1].double()), {}, "share its weight's dtype"),
+        (lambda a: None, {"top_m": 0}, "top_m must be a positive int"),
+        (lambda a: None, {"temperature": 0.0}, "temperature must be a finite number"),
+        (lambda a: None, {"divergence": "js"}, "divergence must be one of"),
+        (lambda a: None, {"backend": "tpu"}, "backend must be one of"),
+        (lambda a: None, {"chunk_size": 0}, "chunk_size must be a positive int"),
+        (lambda a: None, {"student_bias": torch.zeros(12)}, r"student_bias must have shape"),
+        (lambda a: None, {"backend": "cuda"}, "backend='cuda' needs CUDA tensors"),
+    ],
+)
+def test_validation(mutate, kw, match):
+    args = _args()
+    mutate(args)
+    with pytest.raises((ValueError, TypeError), match=match):
+        fused_linear_topk_tail_kl(*args, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["chunked", "triton"])
+def test_opcheck(impl):
+    if impl == "triton" and not lk._backend.triton_available():
+        pytest.skip("Triton cannot run here (no CUDA device and TRITON_INTERPRET unset)")
+    inputs, target = make_inputs(6, 16, 37, bias=True, seed=11)
+    leaves = {k: v.requires_grad_() for k, v in inputs.items()}
+    args = (
+        leaves["student_hidden"], leaves["student_weight"], leaves["student_bias"],
+        leaves["teacher_hidden"], leaves["teacher_weight"], leaves["teacher_bias"],
+        target, 4, 0.9, True, -100, 2, impl,
+    )  # fmt: skip
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(
+        torch.ops.lopd.fused_linear_topk_tail_kl_fwd.default, args, test_utils=tests
+    )
+    fwd = torch.ops.lopd.fused_linear_topk_tail_kl_fwd(*args)
+    kl, _, _, ids, lse, bucket = fwd
+    grads = [torch.randn(6) for _ in range(3)]
+    bwd_args = (
+        *grads, *(x.detach() for x in args[:7]), ids, kl.detach(), lse, bucket, 0.9, True, -100,
+        2, impl, [True, True, False, True, False, True], False,
+    )  # fmt: skip
+    torch.library.opcheck(
+        torch.ops.lopd.fused_linear_topk_tail_kl_bwd.default,
+        bwd_args,
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton (interpreter on CPU: tiny shapes)
+# ---------------------------------------------------------------------------------------------
+
+TRITON_CASES = [
+    # (n, d, V, top_m, temperature, divergence, bias, tied, dtype)
+    (19, 16, 45, 5, 0.7, "reverse", True, False, torch.float32),
+    (10, 24, 37, 3, 1.0, "forward", False, True, torch.float32),
+    (9, 16, 23, None, 1.2, "reverse", True, False, torch.float32),
+    (9, 16, 23, None, 1.0, "forward", False, False, torch.float32),
+    (7, 8, 9, 12, 1.0, "reverse", True, False, torch.float32),  # M >= V
+    (12, 16, 40, 4, 0.8, "reverse", True, False, torch.bfloat16),
+]
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() or triton_interpret()),
+    reason="Triton needs a CUDA device or TRITON_INTERPRET=1",
+)
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_triton_matches_reference(case):
+    n, d, vocab, top_m, temp, div, bias, tied, dtype = case
+    inputs, target = make_inputs(n, d, vocab, dtype, bias=bias, tied=tied, seed=12)
+    check(inputs, target, "triton", dtype, top_m=top_m, temperature=temp, divergence=div)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() or triton_interpret()),
+    reason="Triton needs a CUDA device or TRITON_INTERPRET=1",
+)
+def test_triton_partial_requires_grad_and_masked_vocab():
+    """Frozen heads (the LoRA + frozen-teacher setting) and -inf logits in some tiles."""
+    inputs, target = make_inputs(9, 16, 41, bias=True, seed=13)
+    for key in ("student_bias", "teacher_bias"):
+        inputs[key][:5] = -math.inf
+    target = torch.where((target >= 0) & (target < 5), target + 5, target)
+    requires = {"student_hidden", "teacher_hidden"}
+    _, grads = check(inputs, target, "triton", torch.float32, requires=requires, top_m=4)
+    assert set(grads) == requires
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _tiny_llama(seed):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).float()
+
+
+def test_causal_lm_helper_matches_materialized_logits():
+    """Two real HF causal LMs: the helper equals reference-on-full-logits, gradients included."""
+    student, teacher = _tiny_llama(0), _tiny_llama(1)
+    teacher.requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 97, (2, 12), generator=g)
+    action = torch.zeros(2, 12, dtype=torch.bool)
+    action[0, 5:10] = True
+    action[1, 3:12] = True
+    out = causal_lm_topk_tail_kl(student, teacher, ids, action, top_m=5, backend="cpu")
+    assert out.kl.shape == (2, 12) and out.topk_ids.shape == (2, 12, 5)
+    assert not out.kl[~action].any()
+    out.kl.sum().backward()
+    fused_grads = [p.grad.clone() for p in student.parameters()]
+    student.zero_grad()
+
+    s_logits = student(ids).logits[:, :-1]
+    t_logits = teacher(ids).logits[:, :-1]
+    rows = action[:, 1:]
+    # The logits of the rows, as [R, V]; an identity "head" turns them into the reference's input.
+    eye = torch.eye(97)
+    ref = fused_linear_topk_tail_kl_reference(
+        s_logits[rows], eye, t_logits[rows], eye, ids[:, 1:][rows], top_m=5
+    )
+    ref.kl.sum().backward()
+    assert_close(out.kl[action], ref.kl, torch.float32, "kl")
+    assert_close(out.privilege[action], ref.privilege, torch.float32, "privilege")
+    assert torch.equal(out.topk_ids[action], ref.topk_ids)
+    for p, fused in zip(student.parameters(), fused_grads):
+        torch.testing.assert_close(fused, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_lm_head_helper_teacher_with_prefix():
+    """The teacher sees extra (privileged) positions: its action rows are shifted."""
+    g = torch.Generator().manual_seed(1)
+    hs = torch.randn(2, 6, 8, generator=g)
+    ht = torch.randn(2, 9, 8, generator=g)
+    target = torch.randint(0, 31, (2, 6), generator=g)
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 1, 0, 0, 0, 1]], dtype=torch.bool)
+    t_mask = torch.zeros(2, 9, dtype=torch.bool)
+    t_mask[:, 3:] = mask
+    head_s = torch.nn.Linear(8, 31)
+    head_t = torch.nn.Linear(8, 31, bias=False)
+    out = lm_head_topk_tail_kl(
+        hs, head_s, ht, head_t, target, mask, teacher_action_mask=t_mask, top_m=4
+    )
+    ref = fused_linear_topk_tail_kl_reference(
+        hs[mask], head_s.weight, ht[t_mask], head_t.weight, target[mask],
+        student_bias=head_s.bias, top_m=4,
+    )  # fmt: skip
+    assert_close(out.kl[mask], ref.kl, torch.float32, "kl")
+    assert_close(out.teacher_logprob[mask], ref.teacher_logprob, torch.float32, "lp_t")
+    assert not out.kl[~mask].any()
+    t_mask[0, 0] = True  # one teacher row too many in sequence 0
+    with pytest.raises(ValueError, match="as many rows per sequence"):
+        lm_head_topk_tail_kl(hs, head_s, ht, head_t, target, mask, teacher_action_mask=t_mask)
