@@ -291,6 +291,10 @@ def test_add_and_search_validate_inputs(tmp_path):
 # ------------------------------------------------------------------ embedders (real model)
 @pytest.fixture(scope="module")
 def tiny_lm():
+    return build_tiny_lm()
+
+
+def build_tiny_lm():
     """A real (randomly initialized) tiny Qwen3 causal LM and a BPE tokenizer built offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -417,3 +421,25 @@ def test_save_load_without_embedder_and_incremental_sync(tiny_lm, tmp_path):
 
     with pytest.raises(ValueError, match="built with embedder"):
         Retriever.load(bank, embedder=Other(model, tokenizer, name="other"), index="cpu")
+
+
+def test_sentence_transformer_embedder_matches_hidden_state_pooling(tiny_lm, tmp_path):
+    """A local sentence-transformers model (mean pooling) over the same backbone gives the same
+    embeddings as HiddenStateEmbedder: two independent implementations of eq. 15 agree."""
+    pytest.importorskip("sentence_transformers", reason="optional: pip install 'lopd[embed]'")
+    from lopd.memory import SentenceTransformerEmbedder
+
+    model, tokenizer = tiny_lm
+    model.model.save_pretrained(tmp_path)  # the bare Qwen3Model + tokenizer: an ST text model
+    tokenizer.save_pretrained(tmp_path)
+    st = SentenceTransformerEmbedder(tmp_path, device="cpu", batch_size=2)
+    ref = HiddenStateEmbedder(model, tokenizer)
+    texts = [make_task(i).instruction * (1 + i) for i in range(3)]
+    assert (st.dim, st.name) == (32, f"st:{tmp_path}")
+    np.testing.assert_allclose(st.embed_documents(texts), ref.embed_documents(texts), atol=1e-5)
+    np.testing.assert_allclose(st.embed_queries(texts), ref.embed_queries(texts), atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(st.embed_queries(texts), axis=1), 1.0, atol=1e-5)
+    # Plugged into the retriever like any embedder.
+    bank = _bank_of_tasks(tmp_path / "bank", [make_task(i) for i in range(4)])
+    r = Retriever(bank, st, index="cpu")
+    assert [e.task_id != make_task(0).task_id for e in r.retrieve(make_task(0), k=3)] == [True] * 3

@@ -262,8 +262,9 @@ class SentenceTransformerEmbedder:
             default_name = f"st:{type(model).__name__}"
         self.batch_size = int(batch_size)
         self.query_instruction = query_instruction
-        get_dim = getattr(self.model, "get_sentence_embedding_dimension", None) or getattr(
-            self.model, "get_embedding_dimension", None
+        # Newer sentence-transformers renamed the method (the old name warns).
+        get_dim = getattr(self.model, "get_embedding_dimension", None) or getattr(
+            self.model, "get_sentence_embedding_dimension", None
         )
         dim = get_dim() if get_dim is not None else None
         if dim is None:
