@@ -95,6 +95,7 @@ signal.signal(signal.SIGALRM, on_alarm)
 with open("inputs.json") as f:
     inputs = json.load(f)
 ns = {"__name__": "solution"}
+fn, error = None, None
 try:
     with open("solution.py") as f:
         src = f.read()
@@ -107,10 +108,12 @@ try:
     elif callable(ns.get(fn_name)):
         fn = ns[fn_name]
     else:
-        emit({"error": "no function named " + fn_name})
-        sys.exit(0)
+        error = "no function named " + fn_name
 except BaseException as e:
-    emit({"error": type(e).__name__ + ": " + str(e)[:200]})
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    error = type(e).__name__ + ": " + str(e)[:200]
+if fn is None:
+    emit({"error": error})
     sys.exit(0)
 results = []
 for args in inputs:
