@@ -1,0 +1,220 @@
+// Per-row math of the top-M + tail-bucket KL (lopd::topk_tail_kl_*), shared by the C++ CPU kernel
+// and the CUDA kernel so both evaluate exactly the same float32 arithmetic. Derivations and
+// notation: ../../../shared/design/math.md ("Top-M + tail bucket", "Gradients").
+//
+// Everything here is scalar float32 and free of dynamic allocation. `-inf` logits (masked or padded
+// vocabulary entries) are legal input: every function below maps a zero-mass bucket to a zero
+// contribution instead of producing `0 * inf = NaN`.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define LOPD_HOST_DEVICE __host__ __device__
+#else
+#define LOPD_HOST_DEVICE
+#endif
+
+namespace lopd::topk_tail_kl {
+
+#define LOPD_NEG_INF (-INFINITY)
+
+// ---------------------------------------------------------------------------------------------
+// Online log-sum-exp. A state (max, sum) represents max + log(sum); an empty set is (-inf, 0).
+// `sum` is always relative to `max`, so no term ever overflows, and a state whose max is -inf
+// holds exactly zero mass whatever `sum` says.
+// ---------------------------------------------------------------------------------------------
+struct LseState {
+  float max;
+  float sum;
+};
+
+LOPD_HOST_DEVICE inline LseState lse_empty() { return LseState{LOPD_NEG_INF, 0.0f}; }
+
+// Adds exp(x). x == -inf adds nothing (and must not reach `x - max`, which would be NaN when the
+// state is still empty).
+LOPD_HOST_DEVICE inline void lse_add(LseState& st, float x) {
+  if (x == LOPD_NEG_INF) return;
+  if (x > st.max) {
+    // exp(-inf - x) == 0 when the state was empty: the old (zero) sum stays zero.
+    st.sum = st.sum * expf(st.max - x) + 1.0f;
+    st.max = x;
+  } else {
+    st.sum += expf(x - st.max);
+  }
+}
+
+// Merges a partial state (other_max, other_sum), e.g. one L1 block's masked max and its sum of
+// exp(x - other_max). Either side may be empty.
+LOPD_HOST_DEVICE inline void lse_merge(LseState& st, float other_max, float other_sum) {
+  if (other_max == LOPD_NEG_INF) return;
+  if (st.max == LOPD_NEG_INF) {
+    st.max = other_max;
+    st.sum = other_sum;
+    return;
+  }
+  if (other_max > st.max) {
+    st.sum = st.sum * expf(st.max - other_max) + other_sum;
+    st.max = other_max;
+  } else {
+    st.sum += other_sum * expf(other_max - st.max);
+  }
+}
+
+LOPD_HOST_DEVICE inline float lse_value(const LseState& st) {
+  return st.max == LOPD_NEG_INF ? LOPD_NEG_INF : st.max + logf(st.sum);
+}
+
+// x - lse with -inf safety: a row (or set) of zero total mass gives -inf log-probabilities, never
+// NaN from (-inf) - (-inf).
+LOPD_HOST_DEVICE inline float log_normalize(float x, float lse) {
+  return lse == LOPD_NEG_INF ? LOPD_NEG_INF : x - lse;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Buckets. logp = log P_b (student), logq = log Q_b (teacher).
+// ---------------------------------------------------------------------------------------------
+
+// One bucket's contribution to the divergence. Reverse: P_b (log P_b - log Q_b); forward:
+// Q_b (log Q_b - log P_b). The weighting bucket with zero mass contributes exactly 0.
+LOPD_HOST_DEVICE inline float bucket_kl_term(float logp, float logq, bool reverse) {
+  if (reverse) {
+    return logp == LOPD_NEG_INF ? 0.0f : expf(logp) * (logp - logq);
+  }
+  return logq == LOPD_NEG_INF ? 0.0f : expf(logq) * (logq - logp);
+}
+
+// Per-bucket gradient coefficients, so that for every vocabulary entry j in bucket b
+//   d(u_kl * KL)/ds_j = S_j * coef_s   and   d(u_kl * KL)/dt_j = T_j * coef_t
+// (before the 1/temperature chain factor). Reverse KL: coef_s = u_kl (g_b - KL),
+// coef_t = u_kl (1 - P_b / Q_b) with g_b = log P_b - log Q_b. Forward KL: coef_s =
+// u_kl (1 - Q_b / P_b), coef_t = u_kl (h_b - F) with h_b = -g_b. A zero-mass bucket on a side has
+// S_j = 0 (resp. T_j = 0) for all its entries, so its coefficient is set to 0 rather than the
+// NaN its formula would give.
+LOPD_HOST_DEVICE inline void bucket_grad_coefs(float logp, float logq, float kl, bool reverse,
+                                               float u_kl, float* coef_s, float* coef_t) {
+  const bool p_zero = logp == LOPD_NEG_INF;
+  const bool q_zero = logq == LOPD_NEG_INF;
+  if (reverse) {
+    *coef_s = p_zero ? 0.0f : u_kl * ((logp - logq) - kl);
+    *coef_t = q_zero ? 0.0f : u_kl * (1.0f - expf(logp - logq));
+  } else {
+    *coef_s = p_zero ? 0.0f : u_kl * (1.0f - expf(logq - logp));
+    *coef_t = q_zero ? 0.0f : u_kl * ((logq - logp) - kl);
+  }
+}
+
+// Gradient of one vocabulary entry given its probability `prob` (S_j or T_j), its bucket's
+// coefficient, the upstream gradient of that side's sampled-token log-prob `u_lp` and whether j is
+// the target: (prob * coef + u_lp * (1[j = a] - prob)) / temperature.
+LOPD_HOST_DEVICE inline float entry_grad(float prob, float coef, float u_lp, bool is_target,
+                                         float inv_temperature) {
+  const float g = prob * (coef - u_lp) + (is_target ? u_lp : 0.0f);
+  return g * inv_temperature;
+}
+
+// Finishes a top-M row. Inputs: the selected entries' scaled logits s_top[i], t_top[i]
+// (i < m) and the running tail states over the complement of the selection. Writes
+// logp[0..m] and logq[0..m] (index m is the tail bucket), the full log-sum-exps, and returns
+// the divergence. lse_s = logaddexp(lse(s_top), tail_s) is a sum of non-negative masses: the
+// tail is never recovered as `1 - sum(top)`.
+LOPD_HOST_DEVICE inline float topk_row_finalize(const float* s_top, const float* t_top,
+                                                int64_t m, const LseState& tail_s,
+                                                const LseState& tail_t, bool reverse,
+                                                float* logp, float* logq, float* lse_s_out,
+                                                float* lse_t_out) {
+  LseState all_s = tail_s;
+  LseState all_t = tail_t;
+  for (int64_t i = 0; i < m; ++i) {
+    lse_add(all_s, s_top[i]);
+    lse_add(all_t, t_top[i]);
+  }
+  const float lse_s = lse_value(all_s);
+  const float lse_t = lse_value(all_t);
+  float kl = 0.0f;
+  for (int64_t i = 0; i < m; ++i) {
+    logp[i] = log_normalize(s_top[i], lse_s);
+    logq[i] = log_normalize(t_top[i], lse_t);
+    kl += bucket_kl_term(logp[i], logq[i], reverse);
+  }
+  logp[m] = log_normalize(lse_value(tail_s), lse_s);
+  logq[m] = log_normalize(lse_value(tail_t), lse_t);
+  kl += bucket_kl_term(logp[m], logq[m], reverse);
+  *lse_s_out = lse_s;
+  *lse_t_out = lse_t;
+  return kl;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Full-vocabulary mode (top_m == 0): every entry is its own bucket, computed in one pass.
+// With w the weighting side (student for reverse KL, teacher for forward) and o the other side,
+//   KL = sum_j W_j (log W_j - log O_j) = A / Z_w - log Z_w + log Z_o,
+//   A  = sum_j exp(w_j - m_w) ((w_j - m_w) - (o_j - m_o)),  Z = sum_j exp(x_j - m_x).
+// A is kept relative to the running maxima, so its terms stay small and merging two partial
+// states (a running one and one L1 block's) needs only the shifts of both maxima.
+// ---------------------------------------------------------------------------------------------
+struct FullKLState {
+  float max_w, sum_w;  // online lse of the weighting side
+  float max_o, sum_o;  // online lse of the other side
+  float a;             // A above, relative to (max_w, max_o)
+};
+
+LOPD_HOST_DEVICE inline FullKLState full_kl_empty() {
+  return FullKLState{LOPD_NEG_INF, 0.0f, LOPD_NEG_INF, 0.0f, 0.0f};
+}
+
+// Re-expresses a partial state relative to new maxima (new_max_w >= st.max_w,
+// new_max_o >= st.max_o). A part with no weighting mass stays (0, 0).
+LOPD_HOST_DEVICE inline void full_kl_rebase(FullKLState& st, float new_max_w, float new_max_o) {
+  // Shifts of equal maxima are 0, also when both are -inf (no NaN from -inf - -inf).
+  const float d_w = st.max_w == new_max_w ? 0.0f : st.max_w - new_max_w;
+  const float d_o = st.max_o == new_max_o ? 0.0f : st.max_o - new_max_o;
+  if (st.max_w != LOPD_NEG_INF) {
+    const float r = expf(d_w);
+    // A' = sum exp(w - M_w) ((w - M_w) - (o - M_o)) = r (A + Z_w ((m_w - M_w) - (m_o - M_o))).
+    st.a = r * (st.a + st.sum_w * (d_w - d_o));
+    st.sum_w *= r;
+  }
+  st.sum_o *= expf(d_o);
+  st.max_w = new_max_w;
+  st.max_o = new_max_o;
+}
+
+LOPD_HOST_DEVICE inline void full_kl_merge(FullKLState& st, FullKLState part) {
+  const float mw = fmaxf(st.max_w, part.max_w);
+  const float mo = fmaxf(st.max_o, part.max_o);
+  full_kl_rebase(st, mw, mo);
+  full_kl_rebase(part, mw, mo);
+  st.sum_w += part.sum_w;
+  st.sum_o += part.sum_o;
+  st.a += part.a;
+}
+
+// Adds one entry (w, o) to a state (scalar remainder loops and the CUDA kernel).
+LOPD_HOST_DEVICE inline void full_kl_add(FullKLState& st, float w, float o) {
+  FullKLState one = full_kl_empty();
+  if (w != LOPD_NEG_INF) {
+    one.max_w = w;
+    one.sum_w = 1.0f;
+    // Relative to its own maxima the entry's difference term is 0; an entry with weighting mass
+    // where the other side has none is a true infinite divergence.
+    one.a = (o == LOPD_NEG_INF) ? INFINITY : 0.0f;
+  }
+  if (o != LOPD_NEG_INF) {
+    one.max_o = o;
+    one.sum_o = 1.0f;
+  }
+  full_kl_merge(st, one);
+}
+
+// Returns the divergence and writes lse_w, lse_o.
+LOPD_HOST_DEVICE inline float full_kl_finalize(const FullKLState& st, float* lse_w,
+                                               float* lse_o) {
+  *lse_w = lse_value(LseState{st.max_w, st.sum_w});
+  *lse_o = lse_value(LseState{st.max_o, st.sum_o});
+  if (st.max_w == LOPD_NEG_INF) return 0.0f;
+  return st.a / st.sum_w - logf(st.sum_w) + logf(st.sum_o);
+}
+
+}  // namespace lopd::topk_tail_kl

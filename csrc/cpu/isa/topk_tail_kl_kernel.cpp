@@ -1,0 +1,488 @@
+// Vectorized CPU kernels of lopd::topk_tail_kl_fwd / _bwd. Compiled once per ISA
+// (CPU_CAPABILITY = DEFAULT | AVX2 | AVX512, see csrc/cpu/isa_dispatch.h); the per-row math is in
+// csrc/common/topk_tail_kl_math.h, shared with the CUDA kernel.
+//
+// Forward, one row (top-M mode): a single streaming pass over both logit rows in L1-sized blocks.
+// The running teacher top-M lives in a binary min-heap (worst kept entry on top, its logit is the
+// admission threshold). Each block is read twice while it sits in L1:
+//   pass 1: load + scale, compare against the block's threshold; lanes at or below it (nearly all
+//           of them once the heap has warmed up) are tail entries and feed a masked block max,
+//           the rare lanes above it go through the heap (an evicted entry joins the tail);
+//   pass 2: masked sum of exp(x - block max) for the tail lanes, merged into the running tail
+//           log-sum-exps of student and teacher.
+// The tail is thus accumulated directly over the complement of the selection, with its own
+// running max (no underflow however small it is), and the full log-sum-exps are
+// logaddexp(lse(top), tail) at the end.
+// Backward, one row: one pass per tensor writes S_j * c_tail (or T_j * c_tail) for every entry,
+// then the M selected entries and the target are rewritten with their own bucket coefficients.
+// GCC 12 reports -Wmaybe-uninitialized false positives inside its own avx512fintrin.h (the
+// `_mm512_undefined_*` placeholders ATen's Vectorized uses); they are not about this file's code.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "common/topk_tail_kl_math.h"
+#include "cpu/topk_tail_kl.h"
+
+namespace lopd::cpu::CPU_CAPABILITY {
+namespace {
+
+namespace math = ::lopd::topk_tail_kl;
+using Vec = at::vec::Vectorized<float>;
+
+// Elements per vector step: two float vectors, i.e. one full vector of a 16-bit input type.
+constexpr int64_t kVF = Vec::size();
+constexpr int64_t kStep = 2 * kVF;
+// Elements per L1 block: 2 x 2048 fp32 values = 16 KiB, read twice while resident in L1.
+constexpr int64_t kBlock = 2048;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+inline void load2(const T* p, Vec& a, Vec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a = Vec::loadu(p);
+    b = Vec::loadu(p + kVF);
+  } else {
+    // bf16 / fp16 are widened to fp32 in registers.
+    at::vec::load_to_float<T>(p, a, b);
+  }
+}
+
+template <typename T>
+inline void store2(T* p, const Vec& a, const Vec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a.store(p);
+    b.store(p + kVF);
+  } else {
+    at::vec::convert_from_float<T>(a, b).store(p);
+  }
+}
+
+inline float hmax(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, v);
+}
+
+inline float hsum(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
+}
+
+// A kept top-M entry: scaled teacher logit, scaled student logit, vocabulary index.
+struct Entry {
+  float t;
+  float s;
+  int64_t idx;
+};
+
+// Strict order "a ranks before b": larger teacher logit first, ties to the lower index (the
+// deterministic rule the reference implements with a stable descending sort).
+inline bool ranks_before(const Entry& a, const Entry& b) {
+  return a.t > b.t || (a.t == b.t && a.idx < b.idx);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+// ---------------------------------------------------------------------------------------------
+
+// Per-thread scratch, O(M).
+struct FwdScratch {
+  std::vector<Entry> heap;
+  std::vector<float> s_top, t_top, logp, logq;
+  explicit FwdScratch(int64_t m)
+      : heap(m), s_top(m), t_top(m), logp(m + 1), logq(m + 1) {}
+};
+
+struct RowResult {
+  float kl, lse_s, lse_t;
+};
+
+template <typename TS, typename TT>
+RowResult fwd_topk_row(const TS* s, const TT* t, int64_t V, int64_t M, float inv, bool reverse,
+                       FwdScratch& scr, int64_t* ids_out, float* bucket_out) {
+  Entry* heap = scr.heap.data();
+  // The heap is a max-heap under ranks_before reversed, i.e. heap[0] is the worst kept entry.
+  auto worse_first = [](const Entry& a, const Entry& b) { return ranks_before(a, b); };
+  for (int64_t j = 0; j < M; ++j) {
+    heap[j] = Entry{static_cast<float>(t[j]) * inv, static_cast<float>(s[j]) * inv, j};
+  }
+  std::make_heap(heap, heap + M, worse_first);
+
+  math::LseState tail_s = math::lse_empty();
+  math::LseState tail_t = math::lse_empty();
+  // Offers entry j (larger than every index in the heap, so it must beat the worst kept logit
+  // strictly); whatever does not stay in the heap is folded into both tails.
+  auto offer = [&](float tj, float sj, int64_t j) {
+    if (tj > heap[0].t) {
+      math::lse_add(tail_t, heap[0].t);
+      math::lse_add(tail_s, heap[0].s);
+      std::pop_heap(heap, heap + M, worse_first);
+      heap[M - 1] = Entry{tj, sj, j};
+      std::push_heap(heap, heap + M, worse_first);
+    } else {
+      math::lse_add(tail_t, tj);
+      math::lse_add(tail_s, sj);
+    }
+  };
+
+  const Vec vinv(inv);
+  const Vec vneg(kNegInf);
+  const Vec vzero(0.0f);
+  int64_t j = M;
+  while (V - j >= kStep) {
+    const int64_t blk_end = j + std::min<int64_t>(kBlock, (V - j) / kStep * kStep);
+    // The threshold is frozen for the whole block, so passes 1 and 2 classify every lane the
+    // same way: t <= thr0 -> tail (vectorized), t > thr0 -> offered to the heap (scalar).
+    const float thr0 = heap[0].t;
+    const Vec vthr(thr0);
+    Vec mx_s(kNegInf), mx_t(kNegInf);
+    for (int64_t k = j; k < blk_end; k += kStep) {
+      Vec t0, t1, s0, s1;
+      load2(t + k, t0, t1);
+      load2(s + k, s0, s1);
+      t0 = t0 * vinv;
+      t1 = t1 * vinv;
+      s0 = s0 * vinv;
+      s1 = s1 * vinv;
+      const Vec c0 = t0 > vthr;
+      const Vec c1 = t1 > vthr;
+      mx_t = at::vec::maximum(mx_t, at::vec::maximum(Vec::blendv(t0, vneg, c0),
+                                                      Vec::blendv(t1, vneg, c1)));
+      mx_s = at::vec::maximum(mx_s, at::vec::maximum(Vec::blendv(s0, vneg, c0),
+                                                      Vec::blendv(s1, vneg, c1)));
+      // All-ones lanes of a comparison are NaN bit patterns, so zero_mask() is all set exactly
+      // when no lane is a candidate.
+      if ((c0 | c1).zero_mask() != (1 << kVF) - 1) {
+        float tb[kStep], sb[kStep];
+        t0.store(tb);
+        t1.store(tb + kVF);
+        s0.store(sb);
+        s1.store(sb + kVF);
+        for (int64_t l = 0; l < kStep; ++l) {
+          if (tb[l] > thr0) offer(tb[l], sb[l], k + l);
+        }
+      }
+    }
+    const float bm_t = hmax(mx_t);
+    const float bm_s = hmax(mx_s);
+    if (bm_t != kNegInf || bm_s != kNegInf) {
+      // A block max of -inf means every tail lane of that side is -inf (zero mass): skip its
+      // exp, which would see (-inf) - (-inf).
+      const Vec vbm_t(bm_t == kNegInf ? 0.0f : bm_t);
+      const Vec vbm_s(bm_s == kNegInf ? 0.0f : bm_s);
+      Vec sum_t(0.0f), sum_s(0.0f);
+      for (int64_t k = j; k < blk_end; k += kStep) {
+        Vec t0, t1, s0, s1;
+        load2(t + k, t0, t1);
+        load2(s + k, s0, s1);
+        t0 = t0 * vinv;
+        t1 = t1 * vinv;
+        s0 = s0 * vinv;
+        s1 = s1 * vinv;
+        const Vec c0 = t0 > vthr;
+        const Vec c1 = t1 > vthr;
+        sum_t = sum_t + Vec::blendv((t0 - vbm_t).exp(), vzero, c0) +
+                Vec::blendv((t1 - vbm_t).exp(), vzero, c1);
+        sum_s = sum_s + Vec::blendv((s0 - vbm_s).exp(), vzero, c0) +
+                Vec::blendv((s1 - vbm_s).exp(), vzero, c1);
+      }
+      if (bm_t != kNegInf) math::lse_merge(tail_t, bm_t, hsum(sum_t));
+      if (bm_s != kNegInf) math::lse_merge(tail_s, bm_s, hsum(sum_s));
+    }
+    j = blk_end;
+  }
+  for (; j < V; ++j) {
+    offer(static_cast<float>(t[j]) * inv, static_cast<float>(s[j]) * inv, j);
+  }
+
+  std::sort(heap, heap + M, ranks_before);
+  float* s_top = scr.s_top.data();
+  float* t_top = scr.t_top.data();
+  for (int64_t i = 0; i < M; ++i) {
+    ids_out[i] = heap[i].idx;
+    s_top[i] = heap[i].s;
+    t_top[i] = heap[i].t;
+  }
+  RowResult r;
+  r.kl = math::topk_row_finalize(s_top, t_top, M, tail_s, tail_t, reverse, bucket_out,
+                                 bucket_out + (M + 1), &r.lse_s, &r.lse_t);
+  return r;
+}
+
+// Full-vocabulary row (top_m == 0). W is the weighting side (student for reverse KL, teacher for
+// forward KL), O the other one; see FullKLState in the math header.
+template <typename TW, typename TO>
+RowResult fwd_full_row(const TW* w, const TO* o, int64_t V, float inv) {
+  const Vec vinv(inv);
+  const Vec vneg(kNegInf);
+  const Vec vzero(0.0f);
+  math::FullKLState st = math::full_kl_empty();
+  int64_t j = 0;
+  while (V - j >= kStep) {
+    const int64_t blk_end = j + std::min<int64_t>(kBlock, (V - j) / kStep * kStep);
+    Vec mx_w(kNegInf), mx_o(kNegInf);
+    for (int64_t k = j; k < blk_end; k += kStep) {
+      Vec w0, w1, o0, o1;
+      load2(w + k, w0, w1);
+      load2(o + k, o0, o1);
+      mx_w = at::vec::maximum(mx_w, at::vec::maximum(w0 * vinv, w1 * vinv));
+      mx_o = at::vec::maximum(mx_o, at::vec::maximum(o0 * vinv, o1 * vinv));
+    }
+    math::FullKLState part = math::full_kl_empty();
+    part.max_w = hmax(mx_w);
+    part.max_o = hmax(mx_o);
+    const bool w_any = part.max_w != kNegInf;
+    const bool o_any = part.max_o != kNegInf;
+    if (w_any || o_any) {
+      const Vec vbw(w_any ? part.max_w : 0.0f);
+      const Vec vbo(o_any ? part.max_o : 0.0f);
+      Vec zw(0.0f), zo(0.0f), acc(0.0f);
+      for (int64_t k = j; k < blk_end; k += kStep) {
+        Vec w0, w1, o0, o1;
+        load2(w + k, w0, w1);
+        load2(o + k, o0, o1);
+        const Vec dw0 = w0 * vinv - vbw;
+        const Vec dw1 = w1 * vinv - vbw;
+        const Vec do0 = o0 * vinv - vbo;
+        const Vec do1 = o1 * vinv - vbo;
+        const Vec ew0 = dw0.exp();
+        const Vec ew1 = dw1.exp();
+        zw = zw + ew0 + ew1;
+        zo = zo + do0.exp() + do1.exp();
+        // Entries without weighting mass contribute 0, not 0 * (-inf - x).
+        acc = acc + Vec::blendv(ew0 * (dw0 - do0), vzero, dw0 == vneg) +
+              Vec::blendv(ew1 * (dw1 - do1), vzero, dw1 == vneg);
+      }
+      part.sum_w = w_any ? hsum(zw) : 0.0f;
+      part.sum_o = o_any ? hsum(zo) : 0.0f;
+      // Weighting mass against an all -inf other side is a true infinite divergence.
+      part.a = w_any ? (o_any ? hsum(acc) : std::numeric_limits<float>::infinity()) : 0.0f;
+      math::full_kl_merge(st, part);
+    }
+    j = blk_end;
+  }
+  for (; j < V; ++j) {
+    math::full_kl_add(st, static_cast<float>(w[j]) * inv, static_cast<float>(o[j]) * inv);
+  }
+  RowResult r;
+  r.kl = math::full_kl_finalize(st, &r.lse_s, &r.lse_t);  // (lse_w, lse_o): caller maps back
+  return r;
+}
+
+template <typename TS, typename TT>
+void fwd_impl(const TopKTailKLFwdArgs& a) {
+  const int64_t N = a.student.size(0);
+  const int64_t V = a.student.size(1);
+  const int64_t M = a.top_m;
+  const TS* s_base = a.student.data_ptr<TS>();
+  const TT* t_base = a.teacher.data_ptr<TT>();
+  const int64_t* target = a.target.data_ptr<int64_t>();
+  float* kl = a.kl.data_ptr<float>();
+  float* slp = a.student_logprob.data_ptr<float>();
+  float* tlp = a.teacher_logprob.data_ptr<float>();
+  int64_t* ids = a.topk_ids.data_ptr<int64_t>();
+  float* lse = a.lse.data_ptr<float>();
+  float* bucket = a.bucket_logp.data_ptr<float>();
+  const float inv = a.inv_temperature;
+  // Enough rows per task that small vocabularies do not drown in scheduling overhead.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    FwdScratch scr(M);
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t tgt = target[n];
+      int64_t* ids_n = ids + n * M;
+      float* bucket_n = bucket + n * 2 * (M + 1);
+      if (tgt == a.ignore_index) {
+        kl[n] = slp[n] = tlp[n] = 0.0f;
+        lse[2 * n] = lse[2 * n + 1] = 0.0f;
+        std::fill(ids_n, ids_n + M, int64_t{0});
+        std::fill(bucket_n, bucket_n + 2 * (M + 1), 0.0f);
+        continue;
+      }
+      const TS* s = s_base + n * V;
+      const TT* t = t_base + n * V;
+      RowResult r;
+      if (M > 0) {
+        r = fwd_topk_row(s, t, V, M, inv, a.reverse, scr, ids_n, bucket_n);
+      } else if (a.reverse) {
+        r = fwd_full_row(s, t, V, inv);
+      } else {
+        r = fwd_full_row(t, s, V, inv);
+        std::swap(r.lse_s, r.lse_t);
+      }
+      if (M == 0) {
+        // Full-vocabulary mode: the single "bucket" is the whole vocabulary, of mass 1 (log 0)
+        // on both sides. The backward does not read it.
+        bucket_n[0] = bucket_n[1] = 0.0f;
+      }
+      kl[n] = r.kl;
+      lse[2 * n] = r.lse_s;
+      lse[2 * n + 1] = r.lse_t;
+      slp[n] = math::log_normalize(static_cast<float>(s[tgt]) * inv, r.lse_s);
+      tlp[n] = math::log_normalize(static_cast<float>(t[tgt]) * inv, r.lse_t);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+// ---------------------------------------------------------------------------------------------
+
+// grad[j] = exp(x[j] * inv - lse) * k for the whole row, then the selected entries and the target
+// rewritten with their own coefficients. coef[i] is entry i's bucket coefficient (coef[M]: tail).
+template <typename T>
+void bwd_topk_side(const T* x, T* g, int64_t V, int64_t M, const int64_t* ids, const float* coef,
+                   float lse, float u_lp, int64_t tgt, float inv) {
+  const float k = (coef[M] - u_lp) * inv;
+  const Vec vinv(inv), vlse(lse), vk(k);
+  int64_t j = 0;
+  for (; V - j >= kStep; j += kStep) {
+    Vec x0, x1;
+    load2(x + j, x0, x1);
+    store2(g + j, (x0 * vinv - vlse).exp() * vk, (x1 * vinv - vlse).exp() * vk);
+  }
+  for (; j < V; ++j) {
+    g[j] = static_cast<T>(std::exp(static_cast<float>(x[j]) * inv - lse) * k);
+  }
+  bool target_selected = false;
+  for (int64_t i = 0; i < M; ++i) {
+    const int64_t id = ids[i];
+    const float p = std::exp(math::log_normalize(static_cast<float>(x[id]) * inv, lse));
+    g[id] = static_cast<T>(math::entry_grad(p, coef[i], u_lp, id == tgt, inv));
+    target_selected |= id == tgt;
+  }
+  if (!target_selected) {
+    const float p = std::exp(math::log_normalize(static_cast<float>(x[tgt]) * inv, lse));
+    g[tgt] = static_cast<T>(math::entry_grad(p, coef[M], u_lp, true, inv));
+  }
+}
+
+// Full-vocabulary backward: every entry is its own bucket, so both sides need both logits.
+template <typename TS, typename TT>
+void bwd_full_row(const TS* s, const TT* t, TS* gs, TT* gt, int64_t V, float lse_s, float lse_t,
+                  float kl, bool reverse, float u_kl, float u_ls, float u_lt, int64_t tgt,
+                  float inv) {
+  const Vec vinv(inv), vlse_s(lse_s), vlse_t(lse_t), vkl(kl), vukl(u_kl), vuls(u_ls), vult(u_lt);
+  const Vec vneg(kNegInf), vzero(0.0f), vone(1.0f);
+  auto grads = [&](const Vec& ls, const Vec& lt, Vec& out_s, Vec& out_t) {
+    Vec cs, ct;
+    if (reverse) {
+      cs = vukl * ((ls - lt) - vkl);
+      ct = vukl * (vone - (ls - lt).exp());
+    } else {
+      cs = vukl * (vone - (lt - ls).exp());
+      ct = vukl * ((lt - ls) - vkl);
+    }
+    cs = Vec::blendv(cs, vzero, ls == vneg);
+    ct = Vec::blendv(ct, vzero, lt == vneg);
+    out_s = ls.exp() * (cs - vuls) * vinv;
+    out_t = lt.exp() * (ct - vult) * vinv;
+  };
+  int64_t j = 0;
+  for (; V - j >= kStep; j += kStep) {
+    Vec s0, s1, t0, t1, gs0, gs1, gt0, gt1;
+    load2(s + j, s0, s1);
+    load2(t + j, t0, t1);
+    grads(s0 * vinv - vlse_s, t0 * vinv - vlse_t, gs0, gt0);
+    grads(s1 * vinv - vlse_s, t1 * vinv - vlse_t, gs1, gt1);
+    if (gs != nullptr) store2(gs + j, gs0, gs1);
+    if (gt != nullptr) store2(gt + j, gt0, gt1);
+  }
+  auto scalar = [&](int64_t i, bool is_target) {
+    const float ls = math::log_normalize(static_cast<float>(s[i]) * inv, lse_s);
+    const float lt = math::log_normalize(static_cast<float>(t[i]) * inv, lse_t);
+    float cs, ct;
+    math::bucket_grad_coefs(ls, lt, kl, reverse, u_kl, &cs, &ct);
+    if (gs != nullptr) gs[i] = static_cast<TS>(math::entry_grad(std::exp(ls), cs, u_ls, is_target, inv));
+    if (gt != nullptr) gt[i] = static_cast<TT>(math::entry_grad(std::exp(lt), ct, u_lt, is_target, inv));
+  };
+  for (; j < V; ++j) scalar(j, false);
+  scalar(tgt, true);
+}
+
+template <typename TS, typename TT>
+void bwd_impl(const TopKTailKLBwdArgs& a) {
+  const int64_t N = a.student.size(0);
+  const int64_t V = a.student.size(1);
+  const int64_t M = a.topk_ids.size(1);
+  const TS* s_base = a.student.data_ptr<TS>();
+  const TT* t_base = a.teacher.data_ptr<TT>();
+  TS* gs_base = a.grad_student.defined() ? a.grad_student.data_ptr<TS>() : nullptr;
+  TT* gt_base = a.grad_teacher.defined() ? a.grad_teacher.data_ptr<TT>() : nullptr;
+  const int64_t* target = a.target.data_ptr<int64_t>();
+  const int64_t* ids = a.topk_ids.data_ptr<int64_t>();
+  const float* g_kl = a.grad_kl.data_ptr<float>();
+  const float* g_ls = a.grad_student_logprob.data_ptr<float>();
+  const float* g_lt = a.grad_teacher_logprob.data_ptr<float>();
+  const float* kl = a.kl.data_ptr<float>();
+  const float* lse = a.lse.data_ptr<float>();
+  const float* bucket = a.bucket_logp.data_ptr<float>();
+  const float inv = a.inv_temperature;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> cs(M + 1), ct(M + 1);
+    for (int64_t n = begin; n < end; ++n) {
+      TS* gs = gs_base != nullptr ? gs_base + n * V : nullptr;
+      TT* gt = gt_base != nullptr ? gt_base + n * V : nullptr;
+      const int64_t tgt = target[n];
+      if (tgt == a.ignore_index) {
+        // Ignored rows: zero gradient, and the logits are never read.
+        if (gs != nullptr) std::memset(static_cast<void*>(gs), 0, sizeof(TS) * V);
+        if (gt != nullptr) std::memset(static_cast<void*>(gt), 0, sizeof(TT) * V);
+        continue;
+      }
+      const TS* s = s_base + n * V;
+      const TT* t = t_base + n * V;
+      const float lse_s = lse[2 * n];
+      const float lse_t = lse[2 * n + 1];
+      if (M == 0) {
+        bwd_full_row(s, t, gs, gt, V, lse_s, lse_t, kl[n], a.reverse, g_kl[n], g_ls[n], g_lt[n],
+                     tgt, inv);
+        continue;
+      }
+      const float* logp = bucket + n * 2 * (M + 1);
+      const float* logq = logp + (M + 1);
+      for (int64_t b = 0; b <= M; ++b) {
+        math::bucket_grad_coefs(logp[b], logq[b], kl[n], a.reverse, g_kl[n], &cs[b], &ct[b]);
+      }
+      const int64_t* ids_n = ids + n * M;
+      if (gs != nullptr) bwd_topk_side(s, gs, V, M, ids_n, cs.data(), lse_s, g_ls[n], tgt, inv);
+      if (gt != nullptr) bwd_topk_side(t, gt, V, M, ids_n, ct.data(), lse_t, g_lt[n], tgt, inv);
+    }
+  });
+}
+
+// Instantiates F<TS, TT> for the (student, teacher) dtype pair.
+#define LOPD_DISPATCH_PAIR(S_DTYPE, T_DTYPE, NAME, F, ARGS)                                      \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, S_DTYPE, NAME, [&] {                 \
+    using TS_ = scalar_t;                                                                        \
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, T_DTYPE, NAME, [&] {               \
+      if constexpr (std::is_same_v<TS_, double> || std::is_same_v<scalar_t, double>) {           \
+        TORCH_CHECK(false, NAME, ": float64 logits are not supported by the C++ kernel");        \
+      } else {                                                                                   \
+        F<TS_, scalar_t>(ARGS);                                                                  \
+      }                                                                                          \
+    });                                                                                          \
+  })
+
+}  // namespace
+
+void topk_tail_kl_fwd_kernel(const TopKTailKLFwdArgs& args) {
+  LOPD_DISPATCH_PAIR(args.student.scalar_type(), args.teacher.scalar_type(), "topk_tail_kl_fwd",
+                     fwd_impl, args);
+}
+
+void topk_tail_kl_bwd_kernel(const TopKTailKLBwdArgs& args) {
+  LOPD_DISPATCH_PAIR(args.student.scalar_type(), args.teacher.scalar_type(), "topk_tail_kl_bwd",
+                     bwd_impl, args);
+}
+
+}  // namespace lopd::cpu::CPU_CAPABILITY

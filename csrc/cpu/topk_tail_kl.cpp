@@ -1,0 +1,153 @@
+// CPU implementation of lopd::topk_tail_kl_fwd / lopd::topk_tail_kl_bwd (schemas: csrc/ops.cpp):
+// argument checks, output allocation, and the choice of the per-ISA kernel
+// (csrc/cpu/isa/topk_tail_kl_kernel.cpp).
+//
+// Supported logit dtypes: float32, bfloat16, float16 (student and teacher independently); the
+// math is float32. float64 is rejected with a message pointing to backend="torch", the float64
+// reference.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <tuple>
+
+#include "cpu/isa_dispatch.h"
+#include "cpu/topk_tail_kl.h"
+
+namespace lopd::cpu {
+namespace {
+
+void check_logits(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), "topk_tail_kl (CPU): ", name, " must be a CPU tensor, got ",
+              x.device());
+  TORCH_CHECK(x.dim() == 2, "topk_tail_kl: ", name, " must be 2-D [N, V], got shape ", x.sizes());
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "topk_tail_kl (CPU): ",
+              name, " must be float32, bfloat16 or float16, got ", dt,
+              " (float64 runs only on backend='torch', the reference)");
+}
+
+void check_row_vector(const at::Tensor& x, const char* name, int64_t n, at::ScalarType dtype) {
+  TORCH_CHECK(x.device().is_cpu(), "topk_tail_kl (CPU): ", name, " must be a CPU tensor, got ",
+              x.device());
+  TORCH_CHECK(x.dim() == 1 && x.size(0) == n, "topk_tail_kl: ", name, " must have shape [", n,
+              "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == dtype, "topk_tail_kl: ", name, " must be ", dtype, ", got ",
+              x.scalar_type());
+}
+
+void check_targets(const at::Tensor& target, int64_t vocab, int64_t ignore_index) {
+  const int64_t* p = target.data_ptr<int64_t>();
+  for (int64_t n = 0; n < target.numel(); ++n) {
+    TORCH_CHECK(p[n] == ignore_index || (p[n] >= 0 && p[n] < vocab), "topk_tail_kl: target_ids[",
+                n, "] = ", p[n], " is outside [0, V = ", vocab, ") and is not ignore_index (",
+                ignore_index, ")");
+  }
+}
+
+float checked_inv_temperature(double temperature) {
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0,
+              "topk_tail_kl: temperature must be a finite number > 0, got ", temperature);
+  return static_cast<float>(1.0 / temperature);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+topk_tail_kl_fwd_cpu(const at::Tensor& student_logits, const at::Tensor& teacher_logits,
+                     const at::Tensor& target_ids, int64_t top_m, double temperature,
+                     bool reverse, int64_t ignore_index) {
+  check_logits(student_logits, "student_logits");
+  check_logits(teacher_logits, "teacher_logits");
+  TORCH_CHECK(student_logits.sizes() == teacher_logits.sizes(),
+              "topk_tail_kl: student_logits and teacher_logits must have the same shape, got ",
+              student_logits.sizes(), " and ", teacher_logits.sizes());
+  const int64_t n = student_logits.size(0);
+  const int64_t v = student_logits.size(1);
+  TORCH_CHECK(v >= 1, "topk_tail_kl: the vocabulary (last dim of student_logits) is empty");
+  check_row_vector(target_ids, "target_ids", n, at::kLong);
+  TORCH_CHECK(top_m == 0 || (top_m >= 1 && top_m < v), "topk_tail_kl: top_m must be 0 (full ",
+              "vocabulary) or in [1, V = ", v, "), got ", top_m);
+  TopKTailKLFwdArgs a;
+  a.student = student_logits.contiguous();
+  a.teacher = teacher_logits.contiguous();
+  a.target = target_ids.contiguous();
+  check_targets(a.target, v, ignore_index);
+  a.top_m = top_m;
+  a.inv_temperature = checked_inv_temperature(temperature);
+  a.reverse = reverse;
+  a.ignore_index = ignore_index;
+  const auto f32 = student_logits.options().dtype(at::kFloat);
+  a.kl = at::empty({n}, f32);
+  a.student_logprob = at::empty({n}, f32);
+  a.teacher_logprob = at::empty({n}, f32);
+  a.topk_ids = at::empty({n, top_m}, f32.dtype(at::kLong));
+  a.lse = at::empty({n, 2}, f32);
+  a.bucket_logp = at::empty({n, 2, top_m + 1}, f32);
+  LOPD_CPU_ISA_CALL(topk_tail_kl_fwd_kernel, a);
+  return {a.kl, a.student_logprob, a.teacher_logprob, a.topk_ids, a.lse, a.bucket_logp};
+}
+
+std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cpu(
+    const at::Tensor& grad_kl, const at::Tensor& grad_student_logprob,
+    const at::Tensor& grad_teacher_logprob, const at::Tensor& student_logits,
+    const at::Tensor& teacher_logits, const at::Tensor& target_ids, const at::Tensor& topk_ids,
+    const at::Tensor& kl, const at::Tensor& lse, const at::Tensor& bucket_logp,
+    double temperature, bool reverse, int64_t ignore_index, bool student_requires_grad,
+    bool teacher_requires_grad) {
+  check_logits(student_logits, "student_logits");
+  check_logits(teacher_logits, "teacher_logits");
+  TORCH_CHECK(student_logits.sizes() == teacher_logits.sizes(),
+              "topk_tail_kl: student_logits and teacher_logits must have the same shape, got ",
+              student_logits.sizes(), " and ", teacher_logits.sizes());
+  const int64_t n = student_logits.size(0);
+  const int64_t v = student_logits.size(1);
+  check_row_vector(target_ids, "target_ids", n, at::kLong);
+  check_row_vector(grad_kl, "grad_kl", n, at::kFloat);
+  check_row_vector(grad_student_logprob, "grad_student_logprob", n, at::kFloat);
+  check_row_vector(grad_teacher_logprob, "grad_teacher_logprob", n, at::kFloat);
+  check_row_vector(kl, "kl", n, at::kFloat);
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == n && topk_ids.size(1) < v &&
+                  topk_ids.scalar_type() == at::kLong,
+              "topk_tail_kl: topk_ids must be int64 [N = ", n, ", M < V = ", v, "], got ",
+              topk_ids.scalar_type(), " ", topk_ids.sizes());
+  const int64_t m = topk_ids.size(1);
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == n && lse.size(1) == 2 &&
+                  lse.scalar_type() == at::kFloat,
+              "topk_tail_kl: lse must be float32 [N = ", n, ", 2], got ", lse.scalar_type(), " ",
+              lse.sizes());
+  TORCH_CHECK(bucket_logp.dim() == 3 && bucket_logp.size(0) == n && bucket_logp.size(1) == 2 &&
+                  bucket_logp.size(2) == m + 1 && bucket_logp.scalar_type() == at::kFloat,
+              "topk_tail_kl: bucket_logp must be float32 [N = ", n, ", 2, M + 1 = ", m + 1,
+              "], got ", bucket_logp.scalar_type(), " ", bucket_logp.sizes());
+  TopKTailKLBwdArgs a;
+  a.grad_kl = grad_kl.contiguous();
+  a.grad_student_logprob = grad_student_logprob.contiguous();
+  a.grad_teacher_logprob = grad_teacher_logprob.contiguous();
+  a.student = student_logits.contiguous();
+  a.teacher = teacher_logits.contiguous();
+  a.target = target_ids.contiguous();
+  check_targets(a.target, v, ignore_index);
+  a.topk_ids = topk_ids.contiguous();
+  a.kl = kl.contiguous();
+  a.lse = lse.contiguous();
+  a.bucket_logp = bucket_logp.contiguous();
+  a.inv_temperature = checked_inv_temperature(temperature);
+  a.reverse = reverse;
+  a.ignore_index = ignore_index;
+  if (student_requires_grad) a.grad_student = at::empty_like(a.student);
+  if (teacher_requires_grad) a.grad_teacher = at::empty_like(a.teacher);
+  if (student_requires_grad || teacher_requires_grad) {
+    LOPD_CPU_ISA_CALL(topk_tail_kl_bwd_kernel, a);
+  }
+  // A side without gradient gets an empty float32 [0] tensor (the same for every backend).
+  const auto none = student_logits.options().dtype(at::kFloat);
+  return {student_requires_grad ? a.grad_student : at::empty({0}, none),
+          teacher_requires_grad ? a.grad_teacher : at::empty({0}, none)};
+}
+
+}  // namespace
+}  // namespace lopd::cpu
+
+TORCH_LIBRARY_IMPL(lopd, CPU, m) {
+  m.impl("topk_tail_kl_fwd", &lopd::cpu::topk_tail_kl_fwd_cpu);
+  m.impl("topk_tail_kl_bwd", &lopd::cpu::topk_tail_kl_bwd_cpu);
+}

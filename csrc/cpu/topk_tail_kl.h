@@ -1,0 +1,54 @@
+// Interface between the topk_tail_kl op (csrc/cpu/topk_tail_kl.cpp: checks, allocation, ISA
+// choice) and its per-ISA kernels (csrc/cpu/isa/topk_tail_kl_kernel.cpp, compiled once per ISA).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "cpu/isa_dispatch.h"
+
+namespace lopd::cpu {
+
+// All tensors contiguous and already checked; outputs preallocated by the op.
+struct TopKTailKLFwdArgs {
+  at::Tensor student;  // [N, V] float32 | bfloat16 | float16
+  at::Tensor teacher;  // [N, V] float32 | bfloat16 | float16 (may differ from student)
+  at::Tensor target;   // [N] int64
+  int64_t top_m;       // 0 (full vocabulary) or in [1, V)
+  float inv_temperature;
+  bool reverse;
+  int64_t ignore_index;
+  at::Tensor kl;               // [N] float32
+  at::Tensor student_logprob;  // [N] float32
+  at::Tensor teacher_logprob;  // [N] float32
+  at::Tensor topk_ids;         // [N, top_m] int64
+  at::Tensor lse;              // [N, 2] float32
+  at::Tensor bucket_logp;      // [N, 2, top_m + 1] float32
+};
+
+struct TopKTailKLBwdArgs {
+  at::Tensor grad_kl;               // [N] float32
+  at::Tensor grad_student_logprob;  // [N] float32
+  at::Tensor grad_teacher_logprob;  // [N] float32 (includes the privilege's upstream gradient)
+  at::Tensor student;               // [N, V]
+  at::Tensor teacher;               // [N, V]
+  at::Tensor target;                // [N] int64
+  at::Tensor topk_ids;              // [N, M] int64
+  at::Tensor kl;                    // [N] float32
+  at::Tensor lse;                   // [N, 2] float32
+  at::Tensor bucket_logp;           // [N, 2, M + 1] float32
+  float inv_temperature;
+  bool reverse;
+  int64_t ignore_index;
+  at::Tensor grad_student;  // [N, V] in student's dtype, or undefined when not required
+  at::Tensor grad_teacher;  // [N, V] in teacher's dtype, or undefined when not required
+};
+
+}  // namespace lopd::cpu
+
+#define LOPD_TOPK_TAIL_KL_DECLARE(ISA)                                 \
+  namespace lopd::cpu::ISA {                                           \
+  void topk_tail_kl_fwd_kernel(const ::lopd::cpu::TopKTailKLFwdArgs&); \
+  void topk_tail_kl_bwd_kernel(const ::lopd::cpu::TopKTailKLBwdArgs&); \
+  }
+LOPD_FOR_EACH_CPU_ISA(LOPD_TOPK_TAIL_KL_DECLARE)
+#undef LOPD_TOPK_TAIL_KL_DECLARE

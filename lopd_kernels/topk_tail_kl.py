@@ -1,0 +1,635 @@
+"""Top-M + tail-bucket KL with the per-token privilege (paper eq. 9-11): the LOPD loss kernel.
+
+For every token row (student logits ``s``, teacher logits ``t``, sampled token ``a``, all divided
+by the temperature first) the op returns
+
+* ``kl``: the divergence between student and teacher over ``M + 1`` buckets: the teacher's
+  top-M vocabulary ids and one tail bucket holding the rest of the vocabulary. Reverse KL
+  ``sum_b P_b (log P_b - log Q_b)`` (the paper's) or forward KL ``sum_b Q_b (log Q_b - log P_b)``.
+  The tail's log-mass is the log-sum-exp over the complement of the top-M, never
+  ``log(1 - sum(top))`` (see ``design/math.md``).
+* ``student_logprob`` / ``teacher_logprob``: ``log_softmax(.)[a]`` of each side.
+* ``privilege = teacher_logprob - stopgrad(student_logprob)``.
+* ``topk_ids``: the teacher's top-M ids, by descending teacher logit (ties: lower id first).
+
+Gradients flow to both logits: ``kl`` to both, ``student_logprob`` to the student,
+``privilege`` and ``teacher_logprob`` to the teacher.
+
+Layering (see ``design/architecture.md``): kernels (C++ ``csrc/cpu/``, Triton
+``lopd_kernels/triton/topk_tail_kl.py``, CUDA later) -> custom ops
+``torch.ops.lopd.topk_tail_kl_fwd`` / ``_bwd`` (C++, schema in ``csrc/ops.cpp``) and
+``torch.ops.lopd.topk_tail_kl_triton_fwd`` / ``_bwd`` (``torch.library.custom_op`` here), each
+with a fake impl -> autograd registered once
+per forward op (``torch.library.register_autograd``) -> :func:`topk_tail_kl` ->
+:class:`TopKTailKL`. :func:`topk_tail_kl_reference` is the plain-autograd PyTorch oracle
+(float64-capable) every backend is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from lopd_kernels._backend import check_backend, has_cpp_op, has_cuda_kernel, triton_available
+
+__all__ = ["TopKTailKL", "TopKTailKLOutput", "topk_tail_kl", "topk_tail_kl_reference"]
+
+_DIVERGENCES = ("reverse", "forward")
+_REDUCTIONS = ("none", "mean", "sum")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+# Resolved once at import (the extension is loaded here if it exists), so that backend choice
+# is plain Python on constants and torch.compile traces it without graph breaks.
+_HAS_CPP = has_cpp_op("topk_tail_kl_fwd")
+_HAS_CUDA_KERNEL = _HAS_CPP and has_cuda_kernel("topk_tail_kl_fwd")
+
+
+class TopKTailKLOutput(NamedTuple):
+    """Outputs of :func:`topk_tail_kl`; leading shape ``[...]`` is that of ``target_ids``.
+
+    Attributes:
+        kl: ``[...]`` float32 divergence over the top-M buckets plus the tail bucket.
+        privilege: ``[...]`` ``teacher_logprob - stopgrad(student_logprob)`` (gradient to the
+            teacher only).
+        student_logprob: ``[...]`` ``log_softmax(student_logits / T)[target]``.
+        teacher_logprob: ``[...]`` ``log_softmax(teacher_logits / T)[target]``.
+        topk_ids: ``[..., M]`` int64 teacher top-M ids (``[..., 0]`` in full-vocabulary mode).
+    """
+
+    kl: Tensor
+    privilege: Tensor
+    student_logprob: Tensor
+    teacher_logprob: Tensor
+    topk_ids: Tensor
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+def _check_inputs(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    target_ids: Tensor,
+    top_m: int | None,
+    temperature: float,
+    divergence: str,
+    ignore_index: int,
+) -> int:
+    """Validates everything knowable without reading tensor data; returns the op's ``top_m``.
+
+    Only metadata is inspected (shapes, dtypes, devices, Python scalars), so this runs under
+    ``torch.compile`` without graph breaks. Target *values* are checked by each backend.
+    """
+    for name, x in (("student_logits", student_logits), ("teacher_logits", teacher_logits)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"{name} must be a floating tensor (float32, bfloat16, float16 or float64), "
+                f"got {x.dtype}"
+            )
+        if x.dim() < 1 or x.shape[-1] < 1:
+            raise ValueError(f"{name} must have shape [..., V] with V >= 1, got {tuple(x.shape)}")
+    if teacher_logits.shape[-1] != student_logits.shape[-1]:
+        raise ValueError(
+            f"vocabulary size mismatch: student_logits has V={student_logits.shape[-1]}, "
+            f"teacher_logits has V={teacher_logits.shape[-1]}"
+        )
+    if teacher_logits.shape != student_logits.shape:
+        raise ValueError(
+            f"teacher_logits shape {tuple(teacher_logits.shape)} must equal student_logits shape "
+            f"{tuple(student_logits.shape)}"
+        )
+    if not isinstance(target_ids, Tensor):
+        raise TypeError(f"target_ids must be a torch.Tensor, got {type(target_ids).__name__}")
+    if target_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target_ids must be int64 (or int32), got {target_ids.dtype}")
+    if target_ids.shape != student_logits.shape[:-1]:
+        raise ValueError(
+            f"target_ids must have shape {tuple(student_logits.shape[:-1])} (the logits' shape "
+            f"without the vocabulary dim), got {tuple(target_ids.shape)}"
+        )
+    if teacher_logits.device != student_logits.device:
+        raise ValueError(
+            f"teacher_logits is on {teacher_logits.device} but student_logits is on "
+            f"{student_logits.device}"
+        )
+    if target_ids.device != student_logits.device:
+        raise ValueError(
+            f"target_ids is on {target_ids.device} but student_logits is on {student_logits.device}"
+        )
+    if top_m is not None and (not isinstance(top_m, int) or isinstance(top_m, bool) or top_m < 1):
+        raise ValueError(f"top_m must be None (full vocabulary) or an int >= 1, got {top_m!r}")
+    if (
+        not isinstance(temperature, (int, float))
+        or isinstance(temperature, bool)
+        or not math.isfinite(temperature)
+        or temperature <= 0
+    ):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if divergence not in _DIVERGENCES:
+        raise ValueError(f"divergence must be one of {_DIVERGENCES}, got {divergence!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    vocab = student_logits.shape[-1]
+    return 0 if top_m is None or top_m >= vocab else top_m
+
+
+def _check_target_values(target_ids: Tensor, vocab: int, ignore_index: int) -> None:
+    """Raises if a target is neither ``ignore_index`` nor in ``[0, V)`` (reads the data)."""
+    bad = (target_ids != ignore_index) & ((target_ids < 0) | (target_ids >= vocab))
+    if bool(bad.any()):
+        i = int(bad.flatten().nonzero()[0, 0])
+        value = int(target_ids.flatten()[i])
+        raise ValueError(
+            f"target_ids[{i}] (flattened) = {value} is outside [0, V={vocab}) and is not "
+            f"ignore_index ({ignore_index})"
+        )
+
+
+# ------------------------------------------------------------------------------------ reference
+
+
+def _masked_logsumexp(x: Tensor, keep: Tensor) -> Tensor:
+    """Row log-sum-exp over ``x[keep]``; ``-inf`` (with zero, not NaN, gradient) if empty."""
+    x = x.masked_fill(~keep, -math.inf)
+    empty = (x == -math.inf).all(dim=-1, keepdim=True)
+    # logsumexp over an all -inf row has gradient exp(-inf - (-inf)) = NaN: feed it zeros there.
+    out = torch.logsumexp(x.masked_fill(empty, 0.0), dim=-1)
+    return out.masked_fill(empty.squeeze(-1), -math.inf)
+
+
+def _bucket_divergence(logp: Tensor, logq: Tensor, reverse: bool) -> Tensor:
+    """``sum_b W_b (log W_b - log O_b)`` over the last dim; zero-mass buckets add exactly 0."""
+    w, o = (logp, logq) if reverse else (logq, logp)
+    zero = w == -math.inf
+    # Double masking: the unused branch of a where still backpropagates 0 * its local gradient,
+    # so the masked entries must be finite inside the expression too.
+    w_safe = w.masked_fill(zero, 0.0)
+    o_safe = o.masked_fill(zero, 0.0)
+    terms = torch.where(zero, 0.0, w_safe.exp() * (w_safe - o_safe))
+    return terms.sum(dim=-1)
+
+
+def topk_tail_kl_reference(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    target_ids: Tensor,
+    *,
+    top_m: int | None = 20,
+    temperature: float = 1.0,
+    divergence: str = "reverse",
+    ignore_index: int = -100,
+) -> TopKTailKLOutput:
+    """PyTorch reference of :func:`topk_tail_kl` (plain autograd; the test oracle).
+
+    Computes in float64 when either input is float64, else in float32. The top-M is chosen by a
+    stable descending sort of the teacher logits, so ties go to the lower vocabulary id (the rule
+    every kernel implements). The tail log-mass is a log-sum-exp over the complement of the
+    top-M. Ignored rows are dropped before any work and come back as zeros.
+
+    Args:
+        student_logits: ``[..., V]`` floating logits.
+        teacher_logits: ``[..., V]`` floating logits (dtype may differ from the student's).
+        target_ids: ``[...]`` int64 sampled token ids, or ``ignore_index``.
+        top_m: M >= 1, or None (or >= V) for the full-vocabulary KL without a tail bucket.
+        temperature: T > 0; logits are divided by T first.
+        divergence: ``"reverse"`` (KL(student || teacher)) or ``"forward"``.
+        ignore_index: target value marking rows that produce zeros.
+
+    Returns:
+        :class:`TopKTailKLOutput`; float outputs in the compute dtype (float32 or float64).
+    """
+    m = _check_inputs(
+        student_logits, teacher_logits, target_ids, top_m, temperature, divergence, ignore_index
+    )
+    vocab = student_logits.shape[-1]
+    lead = student_logits.shape[:-1]
+    dtype = (
+        torch.float64
+        if torch.float64 in (student_logits.dtype, teacher_logits.dtype)
+        else torch.float32
+    )
+    tgt = target_ids.reshape(-1).long()
+    _check_target_values(tgt, vocab, ignore_index)
+    rows = (tgt != ignore_index).nonzero().squeeze(1)
+    s = student_logits.reshape(-1, vocab).to(dtype)[rows] / temperature
+    t = teacher_logits.reshape(-1, vocab).to(dtype)[rows] / temperature
+    a = tgt[rows].unsqueeze(1)
+
+    lse_s = torch.logsumexp(s, dim=-1, keepdim=True)
+    lse_t = torch.logsumexp(t, dim=-1, keepdim=True)
+    slp = (s.gather(1, a) - lse_s).squeeze(1)
+    tlp = (t.gather(1, a) - lse_t).squeeze(1)
+    if m == 0:
+        ids = torch.zeros(rows.numel(), 0, dtype=torch.int64, device=s.device)
+        logp, logq = s - lse_s, t - lse_t
+    else:
+        order = torch.sort(t.detach(), dim=-1, descending=True, stable=True).indices
+        ids = order[:, :m]
+        tail = torch.ones_like(s, dtype=torch.bool).scatter(1, ids, False)
+        logp = torch.cat([s.gather(1, ids), _masked_logsumexp(s, tail).unsqueeze(1)], 1) - lse_s
+        logq = torch.cat([t.gather(1, ids), _masked_logsumexp(t, tail).unsqueeze(1)], 1) - lse_t
+    kl = _bucket_divergence(logp, logq, divergence == "reverse")
+
+    n = tgt.numel()
+
+    def scatter_rows(x: Tensor) -> Tensor:
+        full = torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        return full.index_put((rows,), x)
+
+    kl, slp, tlp, ids = (scatter_rows(x) for x in (kl, slp, tlp, ids))
+    return TopKTailKLOutput(
+        kl=kl.reshape(lead),
+        privilege=(tlp - slp.detach()).reshape(lead),
+        student_logprob=slp.reshape(lead),
+        teacher_logprob=tlp.reshape(lead),
+        topk_ids=ids.reshape(*lead, ids.shape[-1]),
+    )
+
+
+# ------------------------------------------------------------------------------------ custom ops
+
+
+def _fwd_fake(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    target_ids: Tensor,
+    top_m: int,
+    temperature: float,
+    reverse: bool,
+    ignore_index: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    n = student_logits.shape[0]
+    f32 = {"dtype": torch.float32, "device": student_logits.device}
+    return (
+        torch.empty(n, **f32),
+        torch.empty(n, **f32),
+        torch.empty(n, **f32),
+        torch.empty(n, top_m, dtype=torch.int64, device=student_logits.device),
+        torch.empty(n, 2, **f32),
+        torch.empty(n, 2, top_m + 1, **f32),
+    )
+
+
+def _bwd_fake(
+    grad_kl: Tensor,
+    grad_student_logprob: Tensor,
+    grad_teacher_logprob: Tensor,
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    target_ids: Tensor,
+    topk_ids: Tensor,
+    kl: Tensor,
+    lse: Tensor,
+    bucket_logp: Tensor,
+    temperature: float,
+    reverse: bool,
+    ignore_index: int,
+    student_requires_grad: bool,
+    teacher_requires_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    dev = student_logits.device
+    none = torch.empty(0, dtype=torch.float32, device=dev)
+    gs = student_logits.new_empty(student_logits.shape) if student_requires_grad else none
+    gt = teacher_logits.new_empty(teacher_logits.shape) if teacher_requires_grad else none
+    return gs, gt
+
+
+def _triton_launchers():
+    """The Triton launchers, imported on first use (Triton is optional)."""
+    try:
+        from lopd_kernels.triton.topk_tail_kl import (
+            topk_tail_kl_bwd_triton,
+            topk_tail_kl_fwd_triton,
+        )
+    except ImportError as err:
+        raise RuntimeError(
+            f"topk_tail_kl: backend='triton' needs triton and lopd_kernels.triton.topk_tail_kl "
+            f"({err}); install triton (pip install 'lopd[gpu]') or use backend='auto'"
+        ) from err
+    return topk_tail_kl_fwd_triton, topk_tail_kl_bwd_triton
+
+
+@torch.library.custom_op("lopd::topk_tail_kl_triton_fwd", mutates_args=())
+def _triton_fwd(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    target_ids: Tensor,
+    top_m: int,
+    temperature: float,
+    reverse: bool,
+    ignore_index: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Triton forward as an opaque op (same contract as ``lopd::topk_tail_kl_fwd``)."""
+    fwd, _ = _triton_launchers()
+    vocab = student_logits.shape[-1]
+    if target_ids.is_cuda:
+        # Device-side assert: validating on the host would synchronize every step.
+        bad = (target_ids != ignore_index) & ((target_ids < 0) | (target_ids >= vocab))
+        torch._assert_async(
+            ~bad.any(), "topk_tail_kl: target_ids outside [0, V) that are not ignore_index"
+        )
+    else:
+        _check_target_values(target_ids, vocab, ignore_index)
+    return fwd(
+        student_logits.contiguous(),
+        teacher_logits.contiguous(),
+        target_ids.contiguous(),
+        top_m,
+        temperature,
+        reverse,
+        ignore_index,
+    )
+
+
+@torch.library.custom_op("lopd::topk_tail_kl_triton_bwd", mutates_args=())
+def _triton_bwd(
+    grad_kl: Tensor,
+    grad_student_logprob: Tensor,
+    grad_teacher_logprob: Tensor,
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    target_ids: Tensor,
+    topk_ids: Tensor,
+    kl: Tensor,
+    lse: Tensor,
+    bucket_logp: Tensor,
+    temperature: float,
+    reverse: bool,
+    ignore_index: int,
+    student_requires_grad: bool,
+    teacher_requires_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    """Triton backward as an opaque op (same contract as ``lopd::topk_tail_kl_bwd``)."""
+    _, bwd = _triton_launchers()
+    return bwd(
+        grad_kl.contiguous(),
+        grad_student_logprob.contiguous(),
+        grad_teacher_logprob.contiguous(),
+        student_logits.contiguous(),
+        teacher_logits.contiguous(),
+        target_ids.contiguous(),
+        topk_ids.contiguous(),
+        kl.contiguous(),
+        lse.contiguous(),
+        bucket_logp.contiguous(),
+        temperature,
+        reverse,
+        ignore_index,
+        student_requires_grad,
+        teacher_requires_grad,
+    )
+
+
+def _make_autograd(bwd_op):
+    """setup_context/backward pair for a forward op, differentiating through ``bwd_op``."""
+
+    def setup_context(ctx, inputs, output):
+        student, teacher, target, _top_m, temperature, reverse, ignore_index = inputs
+        kl, _slp, _tlp, topk_ids, lse, bucket_logp = output
+        # O(M) per row beyond the inputs themselves: lse [N, 2], bucket_logp [N, 2, M + 1].
+        ctx.save_for_backward(student, teacher, target, topk_ids, kl, lse, bucket_logp)
+        ctx.temperature = temperature
+        ctx.reverse = reverse
+        ctx.ignore_index = ignore_index
+
+    def backward(ctx, g_kl, g_slp, g_tlp, _g_ids, _g_lse, _g_bucket):
+        student, teacher, target, topk_ids, kl, lse, bucket_logp = ctx.saved_tensors
+        need_s, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        rows = (kl.shape[0],)
+
+        def upstream(g):
+            if g is None:
+                return kl.new_zeros(rows)
+            return g.to(torch.float32).contiguous()
+
+        gs, gt = bwd_op(
+            upstream(g_kl),
+            upstream(g_slp),
+            upstream(g_tlp),
+            student,
+            teacher,
+            target,
+            topk_ids,
+            kl,
+            lse,
+            bucket_logp,
+            ctx.temperature,
+            ctx.reverse,
+            ctx.ignore_index,
+            need_s,
+            need_t,
+        )
+        return (gs if need_s else None, gt if need_t else None, None, None, None, None, None)
+
+    return setup_context, backward
+
+
+torch.library.register_fake("lopd::topk_tail_kl_triton_fwd")(_fwd_fake)
+torch.library.register_fake("lopd::topk_tail_kl_triton_bwd")(_bwd_fake)
+_setup, _backward = _make_autograd(torch.ops.lopd.topk_tail_kl_triton_bwd)
+torch.library.register_autograd("lopd::topk_tail_kl_triton_fwd", _backward, setup_context=_setup)
+if _HAS_CPP:
+    torch.library.register_fake("lopd::topk_tail_kl_fwd")(_fwd_fake)
+    torch.library.register_fake("lopd::topk_tail_kl_bwd")(_bwd_fake)
+    _setup, _backward = _make_autograd(torch.ops.lopd.topk_tail_kl_bwd)
+    torch.library.register_autograd("lopd::topk_tail_kl_fwd", _backward, setup_context=_setup)
+
+
+# ------------------------------------------------------------------------------------ public API
+
+
+def _resolve_backend(backend: str, device: torch.device, fp64: bool, top_m: int) -> str:
+    """Maps ``backend`` (possibly ``"auto"``) to ``"torch" | "cpu" | "cuda" | "triton"``."""
+    check_backend(backend)
+    if backend == "auto":
+        if fp64:
+            return "torch"  # only the reference computes in float64
+        if device.type == "cpu":
+            return "cpu" if _HAS_CPP else "torch"  # _backend warned once if _C is missing
+        if device.type == "cuda":
+            if _HAS_CUDA_KERNEL:
+                return "cuda"
+            if triton_available() and top_m <= _triton_max_top_m():
+                return "triton"
+        return "torch"
+    if backend == "torch":
+        return backend
+    if fp64:
+        raise TypeError(
+            f"backend={backend!r} computes in float32 and does not accept float64 logits; "
+            "use backend='torch' (the float64 reference) or cast the logits"
+        )
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"backend='cpu' needs CPU tensors, got tensors on {device}")
+        if not _HAS_CPP:
+            raise RuntimeError(
+                "backend='cpu' needs the compiled extension lopd_kernels._C; build it with "
+                "`pip install --no-build-isolation -e .`"
+            )
+    elif backend == "cuda":
+        if device.type != "cuda":
+            raise ValueError(f"backend='cuda' needs CUDA tensors, got tensors on {device}")
+        if not _HAS_CUDA_KERNEL:
+            raise RuntimeError(
+                "backend='cuda': lopd_kernels._C was built without the CUDA topk_tail_kl kernel; "
+                "use backend='triton' or 'auto'"
+            )
+    elif backend == "triton" and not triton_available():
+        raise RuntimeError(
+            "backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 for CPU "
+            "tensors, set before triton is imported)"
+        )
+    return backend
+
+
+def _triton_max_top_m() -> int:
+    try:
+        from lopd_kernels.triton.topk_tail_kl import MAX_TOP_M
+    except ImportError:
+        return -1
+    return MAX_TOP_M
+
+
+def topk_tail_kl(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    target_ids: Tensor,
+    *,
+    top_m: int | None = 20,
+    temperature: float = 1.0,
+    divergence: str = "reverse",
+    ignore_index: int = -100,
+    backend: str = "auto",
+) -> TopKTailKLOutput:
+    """Top-M + tail-bucket KL, sampled-token log-probs and privilege, fused (paper eq. 9-11).
+
+    Args:
+        student_logits: ``[..., V]`` float32 / bfloat16 / float16 (float64: ``backend="torch"``
+            only, which ``"auto"`` picks for it).
+        teacher_logits: ``[..., V]``, same shape and device; the dtype may differ.
+        target_ids: ``[...]`` int64 (or int32) sampled token ids in ``[0, V)``, or
+            ``ignore_index`` for rows that produce 0 everywhere (outputs and gradients).
+        top_m: M, the number of teacher top ids kept as their own buckets; ``None`` (or
+            ``>= V``) computes the full-vocabulary KL with no tail bucket.
+        temperature: T > 0; both logits are divided by T first.
+        divergence: ``"reverse"`` = KL(student || teacher) (the paper's) or ``"forward"``.
+        ignore_index: target value marking ignored rows.
+        backend: ``"auto"`` (CPU tensors: the C++ kernel; CUDA tensors: the CUDA kernel if built,
+            else Triton; float64: the reference), ``"torch"``, ``"cpu"``, ``"triton"``,
+            ``"cuda"``.
+
+    Returns:
+        :class:`TopKTailKLOutput` ``(kl, privilege, student_logprob, teacher_logprob,
+        topk_ids)``; float outputs are float32 ``[...]`` (float64 from the float64 reference),
+        ``topk_ids`` is int64 ``[..., M]``.
+
+    Raises:
+        TypeError / ValueError: bad dtypes, shapes, devices, ``top_m``, ``temperature``,
+            ``divergence`` or ``backend``; the message names the argument.
+        ValueError / RuntimeError: a target outside ``[0, V)`` that is not ``ignore_index``.
+    """
+    m = _check_inputs(
+        student_logits, teacher_logits, target_ids, top_m, temperature, divergence, ignore_index
+    )
+    fp64 = torch.float64 in (student_logits.dtype, teacher_logits.dtype)
+    name = _resolve_backend(backend, student_logits.device, fp64, m)
+    if name == "torch":
+        return topk_tail_kl_reference(
+            student_logits,
+            teacher_logits,
+            target_ids,
+            top_m=top_m,
+            temperature=temperature,
+            divergence=divergence,
+            ignore_index=ignore_index,
+        )
+    vocab = student_logits.shape[-1]
+    lead = student_logits.shape[:-1]
+    op = (
+        torch.ops.lopd.topk_tail_kl_triton_fwd
+        if name == "triton"
+        else torch.ops.lopd.topk_tail_kl_fwd
+    )
+    kl, slp, tlp, ids, _lse, _bucket = op(
+        student_logits.reshape(-1, vocab).contiguous(),
+        teacher_logits.reshape(-1, vocab).contiguous(),
+        target_ids.reshape(-1).to(torch.int64).contiguous(),
+        m,
+        float(temperature),
+        divergence == "reverse",
+        int(ignore_index),
+    )
+    return TopKTailKLOutput(
+        kl=kl.reshape(lead),
+        privilege=(tlp - slp.detach()).reshape(lead),
+        student_logprob=slp.reshape(lead),
+        teacher_logprob=tlp.reshape(lead),
+        topk_ids=ids.reshape(*lead, m),
+    )
+
+
+class TopKTailKL(nn.Module):
+    """Module form of :func:`topk_tail_kl` returning the (reduced) KL loss.
+
+    Args:
+        top_m, temperature, divergence, ignore_index, backend: as in :func:`topk_tail_kl`.
+        reduction: ``"none"`` (``[...]`` per-token KL, 0 at ignored tokens), ``"mean"`` (over
+            non-ignored tokens; 0, never NaN, when every token is ignored) or ``"sum"``.
+
+    Shapes:
+        student_logits, teacher_logits: ``[..., V]``; target_ids: ``[...]``; output: ``[...]``
+        for ``"none"``, else a scalar.
+    """
+
+    def __init__(
+        self,
+        top_m: int | None = 20,
+        temperature: float = 1.0,
+        divergence: str = "reverse",
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        if divergence not in _DIVERGENCES:
+            raise ValueError(f"divergence must be one of {_DIVERGENCES}, got {divergence!r}")
+        check_backend(backend)
+        self.top_m = top_m
+        self.temperature = temperature
+        self.divergence = divergence
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.backend = backend
+
+    def forward(self, student_logits: Tensor, teacher_logits: Tensor, target_ids: Tensor) -> Tensor:
+        kl = topk_tail_kl(
+            student_logits,
+            teacher_logits,
+            target_ids,
+            top_m=self.top_m,
+            temperature=self.temperature,
+            divergence=self.divergence,
+            ignore_index=self.ignore_index,
+            backend=self.backend,
+        ).kl
+        if self.reduction == "none":
+            return kl
+        if self.reduction == "sum":
+            return kl.sum()
+        count = (target_ids != self.ignore_index).sum().clamp(min=1)
+        return kl.sum() / count
+
+    def extra_repr(self) -> str:
+        return (
+            f"top_m={self.top_m}, temperature={self.temperature}, divergence={self.divergence!r}, "
+            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+            f"backend={self.backend!r}"
+        )
