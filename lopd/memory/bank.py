@@ -30,7 +30,7 @@ import os
 import threading
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,17 @@ class BankEntry:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Spelled out rather than dataclasses.asdict, whose recursive deep copy dominated the
+        # cost of a bank write (about 5x slower for 100k records).
+        return {
+            "entry_id": self.entry_id,
+            "task_id": self.task_id,
+            "world": self.world,
+            "instruction": self.instruction,
+            "trace_text": self.trace_text,
+            "reward": self.reward,
+            "meta": dict(self.meta),
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BankEntry:
