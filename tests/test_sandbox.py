@@ -61,13 +61,13 @@ def test_infinite_loop_is_killed_by_the_cpu_limit():
 
 def test_memory_bomb_fails_fast():
     r = run_python(
-        "x = bytearray(8 << 30)\nprint('allocated')", limits=SandboxLimits(memory_bytes=512 << 20)
+        "x = bytearray(8 << 30)\nprint('allocated')", limits=SandboxLimits(memory_bytes=256 << 20)
     )
     assert r.returncode != 0 and "MemoryError" in r.stderr and "allocated" not in r.stdout
     # Growing allocation too.
     r = run_python(
         "xs = []\nwhile True:\n    xs.append(bytearray(64 << 20))",
-        limits=SandboxLimits(memory_bytes=512 << 20),
+        limits=SandboxLimits(memory_bytes=256 << 20),
     )
     assert r.returncode != 0 and "MemoryError" in r.stderr
 
@@ -202,3 +202,17 @@ def test_bad_arguments():
         SandboxLimits(max_processes=0)
     with pytest.raises(ValueError, match="escapes the work dir"):
         run_sandboxed(["main.py"], {"../x.py": "pass"})
+
+
+def test_without_privilege_drop_still_clean_and_killed(monkeypatch):
+    # The mode used when the caller is not root: same clean env, timeout and cleanup.
+    monkeypatch.setenv("LOPD_TEST_SECRET", "hunter2")
+    r = run_python(
+        "import os\nprint(os.getcwd())\nprint('LOPD_TEST_SECRET' in os.environ)",
+        drop_privileges=False,
+    )
+    assert r.ok and r.isolation["uid"] is None and r.stdout.splitlines()[1] == "False"
+    work = Path(r.stdout.splitlines()[0])
+    assert not work.exists() and not work.parent.exists()  # the whole run dir is removed
+    r = run_python("import time\ntime.sleep(30)", limits=FAST, drop_privileges=False)
+    assert r.timed_out

@@ -33,6 +33,7 @@ not a security boundary against a determined attacker: use a container or VM for
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -42,6 +43,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,6 +159,30 @@ def sandbox_python(unprivileged: bool | None = None) -> str:
     )
 
 
+@functools.lru_cache(maxsize=1)
+def _privilege_drop_available() -> bool:
+    """Whether this process can run children under another uid (root with CAP_SETUID).
+
+    Probed once with a throwaway child, since containers may run as root without the capability.
+    """
+    if os.geteuid() != 0:
+        return False
+    try:
+        sandbox_python(True)
+        uid = _pick_uid()
+    except RuntimeError:
+        return False
+    probe = f"import os; os.setgroups([]); os.setgid({uid}); os.setuid({uid})"
+    r = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", probe],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        env={"PATH": "/usr/bin:/bin"},
+        timeout=60,
+    )
+    return r.returncode == 0
+
+
 def _mapped(uid: int) -> bool:
     try:
         lines = Path("/proc/self/uid_map").read_text().splitlines()
@@ -205,6 +231,11 @@ def _tasks_of_current_user() -> int:
     return n
 
 
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def _read_capped(path: Path, limit: int) -> str:
     try:
         with open(path, "rb") as f:
@@ -233,7 +264,8 @@ def run_sandboxed(
         stdin: the program's standard input.
         limits: resource limits (defaults: 10 s wall, 10 s CPU, 1 GiB, 32 processes).
         python: interpreter path (default: :func:`sandbox_python`).
-        drop_privileges: run under a fresh unprivileged uid; default: when running as root.
+        drop_privileges: run under a fresh unprivileged uid; default: when running as root and
+            the uid switch works (probed once; a warning is issued if root cannot switch).
         isolate: with dropped privileges, also use private ``/tmp``-style mounts and, if
             ``no_network``, a network namespace without interfaces (when the kernel allows).
         no_network: see ``isolate``.
@@ -247,7 +279,13 @@ def run_sandboxed(
     """
     limits = limits or SandboxLimits()
     if drop_privileges is None:
-        drop_privileges = os.geteuid() == 0
+        drop_privileges = _privilege_drop_available()
+        if not drop_privileges and os.geteuid() == 0:
+            _warn_once(
+                "lopd sandbox: running as root but cannot switch to an unprivileged uid "
+                "(no CAP_SETUID, or no interpreter readable by other users): sandboxed code runs "
+                "as root without a process cap; see lopd.envs.sandbox"
+            )
     if drop_privileges and os.geteuid() != 0:
         raise ValueError("drop_privileges=True needs root (euid 0)")
     python = python or sandbox_python(drop_privileges)
