@@ -237,9 +237,9 @@ def test_type_checks_bool_is_not_a_number_and_enum():
     env = make_env(t)
     env.reset(t)
     obs, _ = env.step(call("file_claim", policy_id="PL-1", amount=True))
-    assert obs == "Error: argument 'amount' must be a integer"
+    assert obs == "Error: argument 'amount' must be an integer"
     obs, _ = env.step(call("file_claim", policy_id="PL-1", amount=12.5))
-    assert obs == "Error: argument 'amount' must be a integer"
+    assert obs == "Error: argument 'amount' must be an integer"
     obs, _ = env.step(call("file_claim", policy_id="PL-1", amount=-5))
     assert obs.startswith("Error: amount must be between")
     lt = first("logistics", "expedite")

@@ -31,7 +31,7 @@ Reward = fraction of the checks that hold, except that an episode which leaves t
 untouched scores 0: guard checks hold trivially for an unchanged database and must not pay for
 inaction.
 
-Tool results are observations in one format: the compact JSON of the result object (a few dozen
+Tool results are observations in one format: the JSON text of the result object (a few dozen
 tokens), or ``Error: <reason>`` for a failed call. See :class:`ToolUseEnv` for the turn rules.
 """
 
@@ -133,7 +133,8 @@ class ToolSpec:
             # bool is an int subclass in Python; JSON true/false is never a valid number here.
             wrong_bool = isinstance(v, bool) and p.type != "boolean"
             if wrong_bool or not isinstance(v, _JSON_TYPES[p.type]):
-                raise ToolError(f"argument '{pname}' must be a {p.type}")
+                article = "an" if p.type[0] in "aeiou" else "a"
+                raise ToolError(f"argument '{pname}' must be {article} {p.type}")
             if p.enum is not None and v not in p.enum:
                 allowed = ", ".join(map(str, p.enum))
                 raise ToolError(f"argument '{pname}' must be one of: {allowed}")
@@ -303,7 +304,7 @@ def format_tool_call(call: ToolCall) -> str:
 
 
 def format_result(result: Any) -> str:
-    """The observation text of a successful tool result: its compact JSON."""
+    """The observation text of a successful tool result: its JSON text."""
     return json.dumps(result, ensure_ascii=False)
 
 
@@ -417,6 +418,7 @@ class ToolUseEnv(Env):
         return evaluate_checks(self.task.spec["checks"], self.world.db, self._initial)
 
     def reward(self) -> float:
+        """Fraction of the task's checks holding on the current database; 0 if it is unchanged."""
         if self.world is None or self.task is None:
             raise RuntimeError("reward() called before reset(task)")
         if self.world.db == self._initial:
