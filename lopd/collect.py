@@ -10,6 +10,7 @@ retrieval) but never entries.
 Usage::
 
     python -m lopd.collect                          # tiny model, built-in tool-use train split
+    python -m lopd.collect --domain coding --min-reward 1   # built-in coding train split
     python -m lopd.collect --model /ckpt/Qwen3-4B --tasks train.jsonl --bank runs/bank \\
         --rollouts-per-task 4 --embedder Qwen/Qwen3-Embedding-8B
 
@@ -47,6 +48,8 @@ class CollectResult:
         bank_size: entries in the bank afterwards.
         seconds: wall-clock time of the whole call.
         rollout_seconds: of which generating rollouts.
+        rewards: every episode's reward, in rollout order (task-major: ``rollouts_per_task``
+            consecutive episodes per task).
         successes: the successful trajectories, in rollout order (the cold-start data).
         retriever: the built retriever (``None`` with ``build_index=False``).
     """
@@ -59,6 +62,7 @@ class CollectResult:
     bank_size: int
     seconds: float
     rollout_seconds: float
+    rewards: list[float] = field(default_factory=list, repr=False)
     successes: list[Trajectory] = field(default_factory=list, repr=False)
     retriever: Retriever | None = field(default=None, repr=False)
 
@@ -153,7 +157,8 @@ def collect_bank(
 
         bar = tqdm(total=len(episodes), desc="collect", unit="ep")
     successes: list[Trajectory] = []
-    reward_sum, added, rollout_s = 0.0, 0, 0.0
+    rewards: list[float] = []
+    added, rollout_s = 0, 0.0
     try:
         for c, s in enumerate(range(0, len(episodes), chunk_size)):
             chunk = episodes[s : s + chunk_size]
@@ -165,7 +170,7 @@ def collect_bank(
             wins = [t for t in trajs if bank.is_success(t)]
             added += len(bank.add_many(wins, meta={"collect_seed": seed}))
             successes += wins
-            reward_sum += sum(float(t.reward) for t in trajs)
+            rewards += [float(t.reward) for t in trajs]
             if bar is not None:
                 bar.update(len(chunk))
                 bar.set_postfix(success=f"{len(successes) / (s + len(chunk)):.2f}", bank=len(bank))
@@ -185,32 +190,15 @@ def collect_bank(
         num_tasks=len(tasks),
         num_rollouts=len(episodes),
         num_success=len(successes),
-        mean_reward=reward_sum / len(episodes) if episodes else 0.0,
+        mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
         num_added=added,
         bank_size=len(bank),
         seconds=time.perf_counter() - t_start,
         rollout_seconds=rollout_s,
+        rewards=rewards,
         successes=successes,
         retriever=retriever,
     )
-
-
-def load_task_file(path: str | Path) -> list[Task]:
-    """Read tasks from a JSONL file of :meth:`lopd.types.Task.to_dict` records.
-
-    Raises:
-        ValueError: a line is not a valid task record (names the line).
-    """
-    tasks = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                tasks.append(Task.from_dict(json.loads(line)))
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"{path}:{i}: not a task record ({e})") from e
-    return tasks
 
 
 def _make_embedder(spec: str, model: Any, tokenizer: Any, device: str) -> Embedder:
@@ -233,7 +221,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--tasks",
         default=None,
-        help="JSONL of train tasks (Task.to_dict records; default: built-in tool-use train split)",
+        help="JSONL of train tasks (lopd tasks or TACO rows, see lopd.envs.load_tasks_jsonl; "
+        "default: the built-in train split of --domain)",
+    )
+    p.add_argument(
+        "--domain",
+        default="tool_use",
+        choices=["tool_use", "coding"],
+        help="built-in task set when --tasks is not given",
     )
     p.add_argument("--bank", default=DEFAULT_BANK_DIR, help="bank directory (appended to)")
     p.add_argument("--n", type=int, default=None, help="use the first N tasks")
@@ -244,6 +239,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chunk-size", type=int, default=256, help="episodes per durable chunk")
     p.add_argument("--temperature", type=float, default=GenerationConfig.temperature)
     p.add_argument("--max-steps", type=int, default=GenerationConfig.max_steps)
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=GenerationConfig.max_new_tokens_per_turn,
+        help="generated tokens per assistant turn",
+    )
     p.add_argument(
         "--embedder",
         default="hidden",
@@ -270,12 +271,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tasks is None:
         from lopd.envs import builtin_tasks
 
-        tasks = builtin_tasks("tool_use", "train", n=args.n, seed=args.seed)
+        tasks = builtin_tasks(args.domain, "train", n=args.n, seed=args.seed)
         if not args.no_test_queries:
-            query_tasks = tasks + builtin_tasks("tool_use", "test", seed=args.seed)
+            query_tasks = tasks + builtin_tasks(args.domain, "test", seed=args.seed)
     else:
-        tasks = load_task_file(args.tasks)[: args.n]
-    gen = GenerationConfig(temperature=args.temperature, max_steps=args.max_steps)
+        from lopd.envs import load_tasks_jsonl
+
+        tasks = load_tasks_jsonl(args.tasks)[: args.n]
+    gen = GenerationConfig(
+        temperature=args.temperature,
+        max_steps=args.max_steps,
+        max_new_tokens_per_turn=args.max_new_tokens,
+    )
     embedder = _make_embedder(args.embedder, model, tokenizer, args.device)
     res = collect_bank(
         model,
