@@ -60,7 +60,7 @@ def make_env(task: Task, max_steps: int | None = None) -> Env:
 
     Args:
         task: the task; its ``domain`` picks the env class.
-        max_steps: override the domain's step cap (tool use: 30).
+        max_steps: override the tool-use step cap (default 30; coding is always one turn).
 
     Raises:
         ValueError: unknown ``task.domain``.

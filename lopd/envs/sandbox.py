@@ -382,7 +382,9 @@ def run_sandboxed(
         shutil.rmtree(base, ignore_errors=True)
 
 
-def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None, **kw: Any):
+def run_python(
+    code: str, stdin: str = "", limits: SandboxLimits | None = None, **kw: Any
+) -> SandboxResult:
     """Run a Python program text in the sandbox (``main.py`` in the work dir).
 
     Args:

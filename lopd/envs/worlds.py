@@ -4,7 +4,7 @@ Each world is small on purpose (6-8 people, a dozen records): instructions and t
 few dozen tokens, so the embedded ~5M-parameter default model can learn the tasks by SFT on the
 oracle demonstrations. Every task needs *dependent* calls: human-visible keys from the instruction
 (a name, an order number, a policy or tracking number) are looked up to internal ids, which the
-modification tools take. Templates span 2 to 4 calls.
+modification tools take. Templates span 2 to 5 calls.
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ def _eq(table: str, rid: str, path: str, value: Any) -> dict[str, Any]:
     return {"op": "equals", "table": table, "id": rid, "path": path, "value": value}
 
 
-S = "string"
-I = "integer"  # noqa: E741
+STR = "string"
+INT = "integer"
 
 
 # =========================================================================== shop
@@ -100,41 +100,41 @@ class ShopWorld(World):
         ToolSpec(
             "find_customer",
             "Look up a customer by full name.",
-            {"name": Param(S, "Full name, e.g. 'Lena Park'.")},
+            {"name": Param(STR, "Full name, e.g. 'Lena Park'.")},
         ),
         ToolSpec(
             "get_orders",
             "List a customer's orders.",
-            {"customer_id": Param(S, "Customer id, e.g. 'C-3'.")},
+            {"customer_id": Param(STR, "Customer id, e.g. 'C-3'.")},
         ),
-        ToolSpec("get_order", "Show one order.", {"order_id": Param(S, "Order id, e.g. 'O-7'.")}),
+        ToolSpec("get_order", "Show one order.", {"order_id": Param(STR, "Order id, e.g. 'O-7'.")}),
         ToolSpec(
             "find_product",
             "Look up a product by name.",
-            {"name": Param(S, "Product name, e.g. 'Desk Lamp'.")},
+            {"name": Param(STR, "Product name, e.g. 'Desk Lamp'.")},
         ),
         ToolSpec(
             "update_email",
             "Change a customer's email.",
-            {"customer_id": Param(S, "Customer id."), "email": Param(S, "New email.")},
+            {"customer_id": Param(STR, "Customer id."), "email": Param(STR, "New email.")},
             kind="modify",
         ),
         ToolSpec(
             "update_order_address",
             "Change the shipping address of a pending order.",
-            {"order_id": Param(S, "Order id."), "address": Param(S, "New address.")},
+            {"order_id": Param(STR, "Order id."), "address": Param(STR, "New address.")},
             kind="modify",
         ),
         ToolSpec(
             "cancel_order",
             "Cancel a pending order.",
-            {"order_id": Param(S, "Order id.")},
+            {"order_id": Param(STR, "Order id.")},
             kind="modify",
         ),
         ToolSpec(
             "add_item",
             "Add one unit of a product to a pending order.",
-            {"order_id": Param(S, "Order id."), "product_id": Param(S, "Product id.")},
+            {"order_id": Param(STR, "Order id."), "product_id": Param(STR, "Product id.")},
             kind="modify",
         ),
     )
@@ -309,49 +309,49 @@ class InsuranceWorld(World):
         ToolSpec(
             "find_holder",
             "Look up a policy holder by full name.",
-            {"name": Param(S, "Full name, e.g. 'Alice Chan'.")},
+            {"name": Param(STR, "Full name, e.g. 'Alice Chan'.")},
         ),
         ToolSpec(
             "get_policies",
             "List a holder's policies.",
-            {"holder_id": Param(S, "Holder id, e.g. 'H-2'.")},
+            {"holder_id": Param(STR, "Holder id, e.g. 'H-2'.")},
         ),
         ToolSpec(
             "find_policy",
             "Look up a policy by its policy number.",
-            {"number": Param(S, "Policy number, e.g. 'PN-4821'.")},
+            {"number": Param(STR, "Policy number, e.g. 'PN-4821'.")},
         ),
         ToolSpec(
             "get_claims",
             "List the claims on a policy.",
-            {"policy_id": Param(S, "Policy id, e.g. 'PL-5'.")},
+            {"policy_id": Param(STR, "Policy id, e.g. 'PL-5'.")},
         ),
         ToolSpec(
             "set_coverage",
             "Add a coverage to a policy or change its limit.",
             {
-                "policy_id": Param(S, "Policy id."),
-                "coverage": Param(S, "Coverage name, e.g. 'Dental'."),
-                "limit": Param(I, "Limit in dollars."),
+                "policy_id": Param(STR, "Policy id."),
+                "coverage": Param(STR, "Coverage name, e.g. 'Dental'."),
+                "limit": Param(INT, "Limit in dollars."),
             },
             kind="modify",
         ),
         ToolSpec(
             "remove_coverage",
             "Remove a coverage from a policy.",
-            {"policy_id": Param(S, "Policy id."), "coverage": Param(S, "Coverage name.")},
+            {"policy_id": Param(STR, "Policy id."), "coverage": Param(STR, "Coverage name.")},
             kind="modify",
         ),
         ToolSpec(
             "file_claim",
             "File a new claim on a policy.",
-            {"policy_id": Param(S, "Policy id."), "amount": Param(I, "Amount in dollars.")},
+            {"policy_id": Param(STR, "Policy id."), "amount": Param(INT, "Amount in dollars.")},
             kind="modify",
         ),
         ToolSpec(
             "approve_claim",
             "Approve an open claim.",
-            {"claim_id": Param(S, "Claim id, e.g. 'CL-3'.")},
+            {"claim_id": Param(STR, "Claim id, e.g. 'CL-3'.")},
             kind="modify",
         ),
     )
@@ -578,48 +578,54 @@ class LogisticsWorld(World):
         ToolSpec(
             "find_shipment",
             "Look up a shipment by tracking number.",
-            {"tracking": Param(S, "Tracking number, e.g. 'TRK-4821'.")},
+            {"tracking": Param(STR, "Tracking number, e.g. 'TRK-4821'.")},
         ),
         ToolSpec(
             "get_shipment",
             "Show one shipment.",
-            {"shipment_id": Param(S, "Shipment id, e.g. 'S-4'.")},
+            {"shipment_id": Param(STR, "Shipment id, e.g. 'S-4'.")},
         ),
         ToolSpec(
             "find_warehouse",
             "Look up the warehouse of a city.",
-            {"city": Param(S, "City, e.g. 'Denver'.")},
+            {"city": Param(STR, "City, e.g. 'Denver'.")},
         ),
         ToolSpec(
             "find_driver",
             "Look up a driver by full name.",
-            {"name": Param(S, "Full name, e.g. 'Omar Diaz'.")},
+            {"name": Param(STR, "Full name, e.g. 'Omar Diaz'.")},
         ),
         ToolSpec(
             "update_destination",
             "Change the destination city of a shipment not yet delivered.",
-            {"shipment_id": Param(S, "Shipment id."), "city": Param(S, "New destination city.")},
+            {
+                "shipment_id": Param(STR, "Shipment id."),
+                "city": Param(STR, "New destination city."),
+            },
             kind="modify",
         ),
         ToolSpec(
             "set_priority",
             "Set the priority of a shipment.",
             {
-                "shipment_id": Param(S, "Shipment id."),
-                "priority": Param(S, "Priority.", enum=("standard", "express")),
+                "shipment_id": Param(STR, "Shipment id."),
+                "priority": Param(STR, "Priority.", enum=("standard", "express")),
             },
             kind="modify",
         ),
         ToolSpec(
             "reroute",
             "Route a shipment through a warehouse.",
-            {"shipment_id": Param(S, "Shipment id."), "warehouse_id": Param(S, "Warehouse id.")},
+            {
+                "shipment_id": Param(STR, "Shipment id."),
+                "warehouse_id": Param(STR, "Warehouse id."),
+            },
             kind="modify",
         ),
         ToolSpec(
             "assign_driver",
             "Assign a free driver to a shipment.",
-            {"shipment_id": Param(S, "Shipment id."), "driver_id": Param(S, "Driver id.")},
+            {"shipment_id": Param(STR, "Shipment id."), "driver_id": Param(STR, "Driver id.")},
             kind="modify",
         ),
     )
