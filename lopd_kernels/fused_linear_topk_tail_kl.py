@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from lopd_kernels._backend import check_backend, has_cpp_op, triton_available
+from lopd_kernels.topk_tail_kl import TopKTailKLOutput, topk_tail_kl_reference
 
 __all__ = [
-    "FusedLinearTopKTailKLOutput",
     "auto_chunk_rows",
     "causal_lm_topk_tail_kl",
     "fused_linear_topk_tail_kl",
@@ -54,25 +53,6 @@ _LIVE_BLOCKS = 4
 _SLAB_BYTES = 64 << 20
 
 
-class FusedLinearTopKTailKLOutput(NamedTuple):
-    """Per-row outputs, identical in meaning to ``topk_tail_kl``'s.
-
-    Attributes:
-        kl: ``[N]`` float32, the top-M + tail KL of each row (0 for ignored rows).
-        privilege: ``[N]`` float32, ``teacher_logprob - stopgrad(student_logprob)``.
-        student_logprob: ``[N]`` float32, ``log softmax(s / T)[target]``.
-        teacher_logprob: ``[N]`` float32, ``log softmax(t / T)[target]``.
-        topk_ids: ``[N, M]`` int64, the teacher's top-M vocabulary ids (descending teacher logit;
-            ``M = 0`` for the full-vocabulary KL).
-    """
-
-    kl: Tensor
-    privilege: Tensor
-    student_logprob: Tensor
-    teacher_logprob: Tensor
-    topk_ids: Tensor
-
-
 # ----------------------------------------------------------------------------------------------
 # Per-row math on a logit block (PyTorch). Used by the reference and, when the compiled
 # topk_tail_kl kernels are missing, by the chunked path.
@@ -80,22 +60,22 @@ class FusedLinearTopKTailKLOutput(NamedTuple):
 
 
 def _effective_m(top_m: int, vocab: int) -> int:
-    """Number of top buckets: ``top_m == 0`` (full vocabulary) stays 0, else ``min(top_m, V)``."""
-    return 0 if top_m == 0 else min(top_m, vocab)
+    """Number of top buckets M; 0 (the full-vocabulary KL) for ``top_m`` 0 or ``>= V``, as in
+    ``topk_tail_kl``."""
+    return 0 if top_m == 0 or top_m >= vocab else top_m
 
 
 def _xlogx_ratio(logp: Tensor, logq: Tensor) -> Tensor:
     """``exp(logp) * (logp - logq)`` with the convention ``0 * anything = 0`` (never NaN)."""
     p = logp.exp()
-    # Mask the difference too, not only the product: where() passes NaN gradients through the
-    # branch it does not select (here -inf - -inf).
     return p * torch.where(p > 0, logp - logq, torch.zeros_like(p))
 
 
 def _rows_math(
     s: Tensor, t: Tensor, target: Tensor, top_m: int, temperature: float, reverse: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Top-M + tail KL of every row of a logit block; differentiable through ``s`` and ``t``.
+    """Top-M + tail KL of every row of a logit block (no autograd: ``_rows_bwd_torch`` is the
+    closed-form backward; the differentiable oracle is ``topk_tail_kl_reference``).
 
     Args:
         s, t: ``[R, V]`` logits (float32 or float64; all rows have a real target).
@@ -120,17 +100,13 @@ def _rows_math(
         bucket = torch.zeros(s.shape[0], 2, 1, dtype=s.dtype, device=s.device)
         kl_terms = _xlogx_ratio(logp, logq) if reverse else _xlogx_ratio(logq, logp)
         return kl_terms.sum(-1), lp_s, lp_t, ids, torch.stack([lse_s, lse_t], -1), bucket
-    # The selection is piecewise constant: no gradient flows through it.
-    ids = torch.topk(t.detach(), m, dim=-1, sorted=True).indices
+    # Stable descending sort: ties go to the lower vocabulary id, the rule of every kernel.
+    ids = torch.sort(t, dim=-1, descending=True, stable=True).indices[:, :m]
     in_top = torch.zeros_like(t, dtype=torch.bool).scatter_(-1, ids, True)
     # The tail is the log-sum-exp over the complement of the top-M, accumulated directly (never
     # 1 - sum of the top-M masses, which cancels to garbage when the top-M holds nearly all).
-    if m < s.shape[-1]:
-        tail_s = torch.logsumexp(s.masked_fill(in_top, -math.inf), dim=-1, keepdim=True)
-        tail_t = torch.logsumexp(t.masked_fill(in_top, -math.inf), dim=-1, keepdim=True)
-    else:
-        # M >= V: the tail bucket is empty (zero mass, no gradient).
-        tail_s = tail_t = s.new_full((s.shape[0], 1), -math.inf)
+    tail_s = torch.logsumexp(s.masked_fill(in_top, -math.inf), dim=-1, keepdim=True)
+    tail_t = torch.logsumexp(t.masked_fill(in_top, -math.inf), dim=-1, keepdim=True)
     logp = torch.cat([s.gather(-1, ids), tail_s], -1) - lse_s.unsqueeze(-1)
     logq = torch.cat([t.gather(-1, ids), tail_t], -1) - lse_t.unsqueeze(-1)
     kl_terms = _xlogx_ratio(logp, logq) if reverse else _xlogx_ratio(logq, logp)
@@ -248,13 +224,16 @@ def _rows_bwd_torch(
 
 def _kernels_for(device: torch.device) -> tuple[Callable, Callable]:
     """Per-row fwd/bwd on a logit block: the compiled ``topk_tail_kl`` kernels when this device
-    has them, else their PyTorch twins."""
+    has them, on a GPU without them ``topk_tail_kl``'s Triton kernels, else the PyTorch twins
+    (a pure-Python install: still memory-bounded, only slower)."""
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device.type)
     if key and all(
         has_cpp_op(op) and torch._C._dispatch_has_kernel_for_dispatch_key(f"lopd::{op}", key)
         for op in ("topk_tail_kl_fwd", "topk_tail_kl_bwd")
     ):
         return torch.ops.lopd.topk_tail_kl_fwd, torch.ops.lopd.topk_tail_kl_bwd
+    if device.type == "cuda" and triton_available():
+        return torch.ops.lopd.topk_tail_kl_triton_fwd, torch.ops.lopd.topk_tail_kl_triton_bwd
     return _rows_fwd_torch, _rows_bwd_torch
 
 
@@ -283,34 +262,27 @@ def fused_linear_topk_tail_kl_reference(
     temperature: float = 1.0,
     divergence: str = "reverse",
     ignore_index: int = -100,
-) -> FusedLinearTopKTailKLOutput:
-    """Materialized reference: the LM-head matmuls, then the top-M + tail KL with autograd.
+) -> TopKTailKLOutput:
+    """Materialized reference: the LM-head matmuls, then ``topk_tail_kl_reference`` (autograd).
 
     Holds both ``[N, V]`` logit tensors (and autograd their gradients): the ground truth every
     backend is tested against, not something to run at scale. Logits are formed in float32
     (float64 inputs stay float64). Arguments as :func:`fused_linear_topk_tail_kl`.
     """
-    top_m = _check_scalars(top_m, temperature, divergence, ignore_index, "torch", None)
-    s = _linear_f32(student_hidden, student_weight, student_bias)
-    t = _linear_f32(teacher_hidden, teacher_weight, teacher_bias)
-    n, vocab = s.shape
-    m = _effective_m(top_m, vocab)
-    rows = (target_ids != ignore_index).nonzero().squeeze(-1)
-    kl, lp_s, lp_t, ids, _, _ = _rows_math(
-        s.index_select(0, rows),
-        t.index_select(0, rows),
-        target_ids.index_select(0, rows),
-        top_m,
-        temperature,
-        divergence == "reverse",
+    _check_scalars(top_m, temperature, divergence, ignore_index, "torch", None)
+    _check_tensors(
+        student_hidden, student_weight, teacher_hidden, teacher_weight, target_ids,
+        student_bias, teacher_bias, ignore_index,
+    )  # fmt: skip
+    return topk_tail_kl_reference(
+        _linear_f32(student_hidden, student_weight, student_bias),
+        _linear_f32(teacher_hidden, teacher_weight, teacher_bias),
+        target_ids.long(),
+        top_m=top_m,
+        temperature=temperature,
+        divergence=divergence,
+        ignore_index=ignore_index,
     )
-
-    def scatter(x: Tensor, shape: tuple[int, ...]) -> Tensor:
-        return x.new_zeros(shape).index_copy(0, rows, x)
-
-    kl, lp_s, lp_t = (scatter(x, (n,)) for x in (kl, lp_s, lp_t))
-    ids = scatter(ids, (n, m))
-    return FusedLinearTopKTailKLOutput(kl, lp_t - lp_s.detach(), lp_s, lp_t, ids)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -796,7 +768,18 @@ def _check_tensors(
 
 
 def _resolve_impl(backend: str, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> str:
+    """``"torch"`` (the reference), ``"chunked"`` or ``"triton"`` for this backend and input."""
     triton_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    if torch.float64 in dtypes:
+        # Only the reference computes in float64 (as for topk_tail_kl).
+        if backend in ("auto", "torch"):
+            return "torch"
+        raise TypeError(
+            f"backend={backend!r} computes in float32 and does not accept float64 inputs; use "
+            "backend='torch' (the float64 reference) or cast them"
+        )
+    if backend == "torch":
+        return "torch"
     if backend == "triton":
         if not triton_available():
             raise RuntimeError(
@@ -835,7 +818,7 @@ def fused_linear_topk_tail_kl(
     ignore_index: int = -100,
     backend: str = "auto",
     chunk_size: int | None = None,
-) -> FusedLinearTopKTailKLOutput:
+) -> TopKTailKLOutput:
     """Top-M + tail KL between a student and a teacher, straight from their LM-head inputs.
 
     Equivalent to ``topk_tail_kl(student_hidden @ student_weight.T + student_bias,
@@ -864,7 +847,7 @@ def fused_linear_topk_tail_kl(
             memory (:func:`auto_chunk_rows`).
 
     Returns:
-        :class:`FusedLinearTopKTailKLOutput` ``(kl, privilege, student_logprob, teacher_logprob,
+        :class:`TopKTailKLOutput` ``(kl, privilege, student_logprob, teacher_logprob,
         topk_ids)``. Gradients reach the hidden states, weights and biases wherever they require
         grad; weight gradients are accumulated in float32 and returned in the weight's dtype.
     """
@@ -872,18 +855,19 @@ def fused_linear_topk_tail_kl(
     hs, ws, ht, wt = student_hidden, student_weight, teacher_hidden, teacher_weight
     _check_tensors(hs, ws, ht, wt, target_ids, student_bias, teacher_bias, ignore_index)
     target = target_ids.long()
-    if backend == "torch":
+    impl = _resolve_impl(backend, hs.device, (hs.dtype, ht.dtype))
+    if impl == "torch":
         return fused_linear_topk_tail_kl_reference(
             hs, ws, ht, wt, target,
             student_bias=student_bias, teacher_bias=teacher_bias, top_m=top_m,
             temperature=temperature, divergence=divergence, ignore_index=ignore_index,
         )  # fmt: skip
-    impl = _resolve_impl(backend, hs.device, (hs.dtype, ht.dtype))
     kl, lp_s, lp_t, ids, _, _ = _fwd_op(
-        hs, ws, student_bias, ht, wt, teacher_bias, target, m, float(temperature),
+        hs, ws, student_bias, ht, wt, teacher_bias, target, _effective_m(m, ws.shape[0]),
+        float(temperature),
         divergence == "reverse", ignore_index, chunk_size or 0, impl,
     )  # fmt: skip
-    return FusedLinearTopKTailKLOutput(kl, lp_t - lp_s.detach(), lp_s, lp_t, ids)
+    return TopKTailKLOutput(kl, lp_t - lp_s.detach(), lp_s, lp_t, ids)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -917,7 +901,7 @@ def lm_head_topk_tail_kl(
     *,
     teacher_action_mask: Tensor | None = None,
     **kwargs,
-) -> FusedLinearTopKTailKLOutput:
+) -> TopKTailKLOutput:
     """:func:`fused_linear_topk_tail_kl` on the action rows of batched final hidden states.
 
     Only the ``action_mask`` rows are packed and sent to the op (nothing else is multiplied by the
@@ -983,7 +967,7 @@ def lm_head_topk_tail_kl(
         **kwargs,
     )
     shape = tuple(action_mask.shape)
-    return FusedLinearTopKTailKLOutput(*(_scatter_rows(x, rows, shape) for x in out))
+    return TopKTailKLOutput(*(_scatter_rows(x, rows, shape) for x in out))
 
 
 def _final_hidden(model: torch.nn.Module, inputs: dict) -> Tensor:
@@ -1002,7 +986,7 @@ def causal_lm_topk_tail_kl(
     teacher_inputs: dict | None = None,
     teacher_action_mask: Tensor | None = None,
     **kwargs,
-) -> FusedLinearTopKTailKLOutput:
+) -> TopKTailKLOutput:
     """Distillation outputs of two HF causal LMs on a batch of trajectories, logits never formed.
 
     Runs each model's decoder (``model.get_decoder()``) for its final hidden states and feeds
@@ -1023,7 +1007,7 @@ def causal_lm_topk_tail_kl(
         **kwargs: as :func:`fused_linear_topk_tail_kl` (``top_m``, ``temperature``, ...).
 
     Returns:
-        :class:`FusedLinearTopKTailKLOutput` with ``[B, L]`` tensors (``[B, L, M]`` ids), zero
+        :class:`TopKTailKLOutput` with ``[B, L]`` tensors (``[B, L, M]`` ids), zero
         off the action tokens.
     """
     student_inputs = {"input_ids": input_ids}
@@ -1047,4 +1031,4 @@ def causal_lm_topk_tail_kl(
         **kwargs,
     )
     pad = [torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (1, 0)) for x in out]
-    return FusedLinearTopKTailKLOutput(*pad)
+    return TopKTailKLOutput(*pad)

@@ -210,6 +210,11 @@ def test_sharp_teacher_exact_tail():
     it at 1e-7), so the KL and its gradients match the float64 reference."""
     inputs, target = make_inputs(6, 8, 50, seed=10)
     inputs["teacher_weight"] = inputs["teacher_weight"] * 4
+    # A student close to the teacher (self-distillation), so the KL stays O(1): a KL of ~30
+    # would amplify float32 logit rounding past the fp32 gradient tolerance by itself.
+    g = torch.Generator().manual_seed(3)
+    inputs["student_weight"] = inputs["teacher_weight"] + 0.3 * torch.randn(50, 8, generator=g)
+    inputs["student_hidden"] = inputs["teacher_hidden"] + 0.3 * torch.randn(6, 8, generator=g)
     t = inputs["teacher_hidden"].double() @ inputs["teacher_weight"].double().T / 0.5
     tail_mass = -torch.expm1(t.topk(10).values.logsumexp(-1) - t.logsumexp(-1))
     assert (tail_mass < 1e-8).sum() >= 3  # the regime this test is about
@@ -265,6 +270,12 @@ def _args():
         (lambda a: None, {"chunk_size": 0}, "chunk_size must be a positive int"),
         (lambda a: None, {"student_bias": torch.zeros(12)}, r"student_bias must have shape"),
         (lambda a: None, {"backend": "cuda"}, "backend='cuda' needs CUDA tensors"),
+        (lambda a: a.__setitem__(0, a[0].double()), {"backend": "cpu"}, "share its weight"),
+        (
+            lambda a: a.__setitem__(slice(0, 2), [a[0].double(), a[1].double()]),
+            {"backend": "cpu"},
+            "does not accept float64",
+        ),
     ],
 )
 def test_validation(mutate, kw, match):
@@ -421,3 +432,42 @@ def test_lm_head_helper_teacher_with_prefix():
     t_mask[0, 0] = True  # one teacher row too many in sequence 0
     with pytest.raises(ValueError, match="as many rows per sequence"):
         lm_head_topk_tail_kl(hs, head_s, ht, head_t, target, mask, teacher_action_mask=t_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch twins of the per-row kernels (the chunked path without the compiled extension)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("top_m", [5, 0])
+@pytest.mark.parametrize("divergence", ["reverse", "forward"])
+def test_torch_twins_match_reference(top_m, divergence):
+    from lopd_kernels.fused_linear_topk_tail_kl import _rows_bwd_torch, _rows_fwd_torch
+    from lopd_kernels.topk_tail_kl import topk_tail_kl_reference
+
+    g = torch.Generator().manual_seed(15)
+    s = (torch.randn(9, 41, generator=g) * 2).double().requires_grad_()
+    t = (torch.randn(9, 41, generator=g) * 2).double().requires_grad_()
+    t.data[0, :3] = -math.inf  # masked vocabulary entries
+    s.data[0, :3] = -math.inf
+    target = torch.randint(3, 41, (9,), generator=g)
+    target[2] = -100
+    reverse = divergence == "reverse"
+    ref = topk_tail_kl_reference(
+        s, t, target, top_m=top_m or None, temperature=0.8, divergence=divergence
+    )
+    ups = [torch.randn(9, generator=g, dtype=torch.float64) for _ in range(3)]
+    loss = (ref.kl * ups[0] + ref.student_logprob * ups[1] + ref.teacher_logprob * ups[2]).sum()
+    loss.backward()
+    out = _rows_fwd_torch(s.detach().float(), t.detach().float(), target, top_m, 0.8, reverse, -100)
+    kl, lp_s, lp_t, ids, lse, bucket = out
+    assert_close(kl, ref.kl, torch.float32, "kl")
+    assert_close(lp_s, ref.student_logprob, torch.float32, "student_logprob")
+    assert_close(lp_t, ref.teacher_logprob, torch.float32, "teacher_logprob")
+    assert torch.equal(ids, ref.topk_ids)
+    gs, gt = _rows_bwd_torch(
+        *(u.float() for u in ups), s.detach().float(), t.detach().float(), target, ids, kl, lse,
+        bucket, 0.8, reverse, -100, True, True,
+    )  # fmt: skip
+    assert_close(gs, s.grad, torch.float32, "d student_logits")
+    assert_close(gt, t.grad, torch.float32, "d teacher_logits")

@@ -505,7 +505,7 @@ def _pack(ws: torch.Tensor, wt: torch.Tensor, bs, bt):
 def fused_linear_fwd_triton(hs, ws, bs, ht, wt, bt, target, top_m, temperature, reverse, ignore):
     """Launch the forward; same outputs as ``torch.ops.lopd.fused_linear_topk_tail_kl_fwd``."""
     n, vocab = hs.shape[0], ws.shape[0]
-    m = 0 if top_m == 0 else min(top_m, vocab)
+    m = 0 if top_m == 0 or top_m >= vocab else top_m
     dev = hs.device
     kl = torch.zeros(n, dtype=torch.float32, device=dev)
     lp_s, lp_t = torch.zeros_like(kl), torch.zeros_like(kl)
@@ -579,8 +579,9 @@ def _merge_splits(top_t, top_s, top_i, stats, m: int, reverse: bool):
         cand_i = top_i.flatten(1)
         real = cand_i >= 0
         key = torch.where(real, cand_t.clamp_min(_NEG_BIG), torch.full_like(cand_t, -math.inf))
-        # Order by teacher value, then by id (ties: the smaller id, like the kernel).
-        sel = torch.topk(key, m, dim=-1, sorted=True).indices
+        # Candidates are laid out by split (ascending ids) and, within a split, in extraction
+        # order (ties already by ascending id): a stable sort gives ties to the lower id.
+        sel = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :m]
         ids = cand_i.gather(-1, sel).long()
         top_tv, top_sv = cand_t.gather(-1, sel), cand_s.gather(-1, sel)
         left = real.clone()
