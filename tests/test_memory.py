@@ -187,7 +187,7 @@ _WRITER = textwrap.dedent(
 
 def test_concurrent_appends_from_processes_stay_whole_and_contiguous(tmp_path):
     """Four real processes append 3-record batches at once: nothing lost, torn or interleaved."""
-    ExperienceBank(tmp_path)
+    reader = ExperienceBank(tmp_path)
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _WRITER, str(tmp_path), str(w), "40"],
@@ -196,7 +196,15 @@ def test_concurrent_appends_from_processes_stay_whole_and_contiguous(tmp_path):
         )
         for w in range(4)
     ]
+    # A live reader meanwhile: never a torn record (no warning), whole batches only.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        while any(p.poll() is None for p in procs):
+            reader.refresh()
+            assert len(reader) % 3 == 0
     assert [p.wait(timeout=120) for p in procs] == [0] * 4
+    reader.refresh()
+    assert len(reader) == 4 * 40 * 3
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         bank = ExperienceBank(tmp_path)

@@ -10,7 +10,9 @@ Durability model (one JSON object per line, ``bank.jsonl`` inside the bank direc
 * A batch of records is appended with one ``write`` on an ``O_APPEND`` descriptor under an
   exclusive ``flock``, then ``fsync``-ed before :meth:`ExperienceBank.add` returns. Several
   processes (or threads, or bank objects) may append to the same bank concurrently: each batch
-  lands contiguously, never interleaved with another writer's bytes.
+  lands contiguously, never interleaved with another writer's bytes. Readers take a shared lock,
+  so they never see half of a live writer's batch; :meth:`ExperienceBank.refresh` picks up what
+  other processes appended.
 * A crash mid-write can only leave a torn *last* line (the one batch whose ``fsync`` never
   returned). Loading skips a truncated or unparsable last line with a warning; the next append
   first cuts that torn tail off so the new record starts on a clean line. A corrupt line
@@ -201,17 +203,26 @@ class ExperienceBank:
             self._read_new(final=True)
 
     def refresh(self) -> int:
-        """Load records appended (by any process) since the last read; return how many.
-
-        A partial last line (another writer mid-``write``) is left for a later refresh.
-        """
+        """Load records appended (by any process) since the last read; return how many."""
         with self._lock:
             before = len(self._entries)
             self._read_new(final=False)
             return len(self._entries) - before
 
-    def _read_new(self, final: bool) -> None:
+    def _read_new(self, final: bool, locked: bool = False) -> None:
+        """Parse the bytes past ``self._offset`` into the view.
+
+        Args:
+            final: also take (or warn about) an unterminated last line; otherwise leave it
+                for a later read.
+            locked: the caller already holds the exclusive append lock (a shared lock taken
+                on a second descriptor would then deadlock against it).
+        """
         with open(self.file, "rb") as f:
+            if not locked:
+                # Writers hold LOCK_EX for a whole batch: under LOCK_SH no live write is half
+                # done, so a torn tail seen here really is left over from a crash.
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH)
             f.seek(self._offset)
             data = f.read()
         if not data:
@@ -340,7 +351,7 @@ class ExperienceBank:
         with self._lock, self._locked_append() as fd:
             # Under the exclusive lock the file cannot grow behind our back: first catch up with
             # records other writers appended, so dedup sees them.
-            self._read_new(final=False)
+            self._read_new(final=False, locked=True)
             fresh: list[BankEntry] = []
             seen: set[str] = set()
             for e in entries:
