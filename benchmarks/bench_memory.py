@@ -15,6 +15,7 @@ Results are appended to ``benchmarks/results/memory_*.json`` via ``benchmarks.co
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -82,7 +83,13 @@ def main() -> None:
     faiss.omp_set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     entries = _entries(args.n, args.per_task)
-    common = {"threads": args.threads, "faiss": faiss.__version__}
+    # The load average goes with every record: this CPU may be shared, and timings under load
+    # are not comparable with timings on an idle machine.
+    common = {
+        "threads": args.threads,
+        "faiss": faiss.__version__,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
 
     with tempfile.TemporaryDirectory() as tmp:
         # --- bank insert: one fsync per record, then batched --------------------------------

@@ -95,6 +95,7 @@ class Retriever:
             ``"gpu"``.
         gpu_device: CUDA device ordinal for ``index="gpu"``.
         build: embed and index all current bank entries now (:meth:`sync`).
+        doc_batch_size: documents per ``embed_documents`` call while indexing.
 
     Example:
         >>> retriever = Retriever(bank, HiddenStateEmbedder(model, tokenizer))
@@ -425,7 +426,8 @@ class Retriever:
                 f"not {embedder.name!r}; rebuild it (mixing embedding spaces breaks retrieval)"
             )
         self = cls(bank, embedder, index=index, gpu_device=gpu_device, build=False)
-        self.embedder_name = meta["embedder"]
+        # An index filled through add() with outside embeddings has no embedder name.
+        self.embedder_name = meta["embedder"] or self.embedder_name
         self.dim = meta["dim"]
         faiss = _faiss()
         if (src / INDEX_FILE).is_file():
