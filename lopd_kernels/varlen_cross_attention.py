@@ -31,11 +31,14 @@ Backends:
   ``F.scaled_dot_product_attention`` loop differentiated by autograd (float64-capable). The ground
   truth for every test.
 * ``"cpu"``: ``torch.ops.lopd.varlen_cross_attention_fwd/_bwd``, registered from Python with
-  :func:`torch.library.custom_op`. Per item it runs two batched GEMMs over all heads (query heads
-  of a GQA group stacked into one GEMM so each key tile is read once) with fp32 accumulation. A
-  C++ kernel would call the same BLAS GEMMs: the work is GEMM-bound (``Lq`` rows x ``T`` keys x
-  ``D`` per head), and the per-item Python loop costs microseconds against milliseconds of GEMM.
-  The op is device-generic (it also runs on CUDA tensors, through cuBLAS).
+  :func:`torch.library.custom_op`. Per item it calls ATen's fused, vectorized flash-attention CPU
+  kernels (``_scaled_dot_product_flash_attention_for_cpu`` and its backward) on strided views of
+  the packed keys (no copy, no padding), with the ``G`` query heads of a GQA group folded into
+  ``G * Lq`` query rows so that each key is read once per kv head. Measured on one item
+  (T = 2000, 16 heads, Lq = 32, D = 64, fp32) it is ~3x faster than the same math written as
+  batched GEMMs + softmax (forward 43 vs 116 ms, backward 140 vs 515 ms, on a loaded 2-core box);
+  a hand-written C++ kernel would redo what that ATen kernel already does. A nonzero ``lse``
+  gradient, and non-CPU tensors, take the unfused GEMM path.
 * ``"triton"``: ``torch.ops.lopd.varlen_cross_attention_triton_fwd/_bwd``
   (:mod:`lopd_kernels.triton.varlen_cross_attention`): split-KV online-softmax forward, a dQ pass
   and a dK/dV pass. Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``.
@@ -169,34 +172,53 @@ def _validate(
 
 
 # --------------------------------------------------------------------------------------------
-# CPU path: per-item batched GEMMs, registered as torch.ops.lopd.varlen_cross_attention_*
+# CPU path: per item, ATen's fused flash-attention CPU kernels with the GQA group folded into the
+# query rows; registered as torch.ops.lopd.varlen_cross_attention_fwd/_bwd
 # --------------------------------------------------------------------------------------------
+
+_flash_cpu_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def _group_queries(qb: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
-    """``[Lq, Hq, D]`` -> ``[Hkv, G * Lq, D]`` fp32: a GQA group in one GEMM."""
+    """``[Lq, Hq, D]`` -> ``[Hkv, G * Lq, D]``: a GQA group's query heads as extra query rows.
+
+    Without a causal mask the rows of a query are independent, so the ``G`` heads sharing a kv
+    head are just ``G * Lq`` rows against the same keys: one attention call, keys read once.
+    """
     lq, hq, d = qb.shape
     g = hq // n_kv_heads
-    return qb.float().view(lq, n_kv_heads, g, d).permute(1, 2, 0, 3).reshape(n_kv_heads, g * lq, d)
+    return qb.view(lq, n_kv_heads, g, d).permute(1, 2, 0, 3).reshape(n_kv_heads, g * lq, d)
 
 
 def _ungroup(xg: torch.Tensor, lq: int) -> torch.Tensor:
     """Inverse of :func:`_group_queries`: ``[Hkv, G * Lq, D]`` -> ``[Lq, Hq, D]``."""
     hkv, gl, d = xg.shape
     g = gl // lq
-    return xg.view(hkv, g, lq, d).permute(2, 0, 1, 3).reshape(lq, hkv * g, d)
+    return xg.reshape(hkv, g, lq, d).permute(2, 0, 1, 3).reshape(lq, hkv * g, d)
 
 
-def _ungroup_rows(xg: torch.Tensor, lq: int) -> torch.Tensor:
-    """``[Hkv, G * Lq]`` -> ``[Hq, Lq]`` (per-row statistics such as the log-sum-exp)."""
-    hkv, gl = xg.shape
-    return xg.view(hkv * (gl // lq), lq)
+def _item_kv(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows ``start:end`` of packed ``[total_k, Hkv, D]`` as a ``[1, Hkv, T, D]`` view (no copy)."""
+    return t[start:end].transpose(0, 1).unsqueeze(0)
 
 
-def _group_rows(x: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
-    """``[Hq, Lq]`` -> ``[Hkv, G * Lq, 1]``."""
-    hq, lq = x.shape
-    return x.reshape(n_kv_heads, (hq // n_kv_heads) * lq, 1)
+def _explicit_attention_fwd(qg, kb, vb, scale):
+    """Unfused fp32 attention of one item: out ``[Hkv, GLq, D]``, lse ``[Hkv, GLq]``."""
+    s = torch.matmul(qg.float(), kb.float().transpose(-1, -2)).mul_(scale)[0]  # [Hkv, GLq, T]
+    lse = torch.logsumexp(s, -1)
+    p = s.sub_(lse.unsqueeze(-1)).exp_()
+    return torch.matmul(p, vb.float()[0]), lse
+
+
+def _explicit_attention_bwd(dog, qg, kb, vb, lse_g, delta_g, scale):
+    """Unfused fp32 backward of one item with ``delta = <do, out> - dlse`` given per row."""
+    qg, dog, kb, vb = qg.float(), dog.float(), kb.float()[0], vb.float()[0]
+    s = torch.bmm(qg, kb.transpose(1, 2)).mul_(scale)
+    p = s.sub_(lse_g.unsqueeze(-1)).exp_()  # [Hkv, GLq, T]
+    dv = torch.bmm(p.transpose(1, 2), dog)
+    ds = torch.bmm(dog, vb.transpose(1, 2)).sub_(delta_g.unsqueeze(-1)).mul_(p).mul_(scale)
+    return torch.bmm(ds, kb), torch.bmm(ds.transpose(1, 2), qg), dv
 
 
 @torch.library.custom_op("lopd::varlen_cross_attention_fwd", mutates_args=())
@@ -213,16 +235,15 @@ def _cpu_fwd(
         start, end = bounds[b], bounds[b + 1]
         if end == start:
             continue  # empty item: out = 0, lse = -inf
-        qg = _group_queries(q[b], hkv)  # [Hkv, G*Lq, D]
-        kb = k[start:end].float().transpose(0, 1)  # [Hkv, T, D]
-        vb = v[start:end].float().transpose(0, 1)
-        s = torch.bmm(qg, kb.transpose(1, 2)).mul_(scale)  # [Hkv, G*Lq, T]
-        m = s.amax(-1, keepdim=True)
-        p = s.sub_(m).exp_()
-        denom = p.sum(-1, keepdim=True)
-        og = torch.bmm(p, vb).div_(denom)  # [Hkv, G*Lq, D]
-        out[b] = _ungroup(og, lq).to(q.dtype)
-        lse[b] = _ungroup_rows((m + denom.log()).squeeze(-1), lq)
+        qg = _group_queries(q[b], hkv).unsqueeze(0)  # [1, Hkv, G*Lq, D]
+        kb, vb = _item_kv(k, start, end), _item_kv(v, start, end)  # [1, Hkv, T, D]
+        if q.device.type == "cpu":
+            og, lse_g = _flash_cpu_fwd(qg, kb, vb, 0.0, False, scale=scale)
+            og, lse_g = og[0], lse_g[0]
+        else:
+            og, lse_g = _explicit_attention_fwd(qg, kb, vb, scale)
+        out[b] = _ungroup(og, lq)
+        lse[b] = lse_g.reshape(hq, lq)
     return out, lse
 
 
@@ -238,30 +259,41 @@ def _cpu_bwd(
     cu_seqlens_k: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward: returns ``dq, dk, dv`` in the input dtypes; probabilities are recomputed."""
-    _, lq, _, _ = q.shape
+    """Backward: returns ``dq, dk, dv`` in the input dtypes; probabilities are recomputed.
+
+    ATen's fused CPU backward derives ``delta = <do, out>`` itself and has no ``lse`` input
+    gradient, so it serves the common ``grad_lse == 0`` case; a nonzero ``grad_lse`` (the
+    Perceiver merge) takes the unfused fp32 path with ``delta = <do, out> - dlse``.
+    """
+    batch, lq, _, _ = q.shape
     hkv = k.shape[1]
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    # delta_i = <do_i, out_i> - dlse_i   [B, Hq, Lq]
-    delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2) - grad_lse.float()
+    fused = q.device.type == "cpu" and not bool(grad_lse.any())
+    if not fused:
+        delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2) - grad_lse.float()
     bounds = cu_seqlens_k.tolist()
-    for b in range(q.shape[0]):
+    for b in range(batch):
         start, end = bounds[b], bounds[b + 1]
         if end == start:
             continue
-        qg = _group_queries(q[b], hkv)
-        dog = _group_queries(grad_out[b], hkv)
-        kb = k[start:end].float().transpose(0, 1)
-        vb = v[start:end].float().transpose(0, 1)
-        s = torch.bmm(qg, kb.transpose(1, 2)).mul_(scale)
-        p = s.sub_(_group_rows(lse[b], hkv)).exp_()  # [Hkv, G*Lq, T]
-        dv[start:end] = torch.bmm(p.transpose(1, 2), dog).transpose(0, 1).to(v.dtype)
-        dp = torch.bmm(dog, vb.transpose(1, 2))
-        ds = dp.sub_(_group_rows(delta[b], hkv)).mul_(p).mul_(scale)
-        dq[b] = _ungroup(torch.bmm(ds, kb), lq).to(q.dtype)
-        dk[start:end] = torch.bmm(ds.transpose(1, 2), qg).transpose(0, 1).to(k.dtype)
+        qg = _group_queries(q[b], hkv).unsqueeze(0)
+        dog = _group_queries(grad_out[b], hkv).unsqueeze(0)
+        kb, vb = _item_kv(k, start, end), _item_kv(v, start, end)
+        lse_g = lse[b].reshape(hkv, -1)  # [Hkv, G*Lq]
+        if fused:
+            og = _group_queries(out[b], hkv).unsqueeze(0)
+            dqg, dkb, dvb = _flash_cpu_bwd(
+                dog, qg, kb, vb, og, lse_g.unsqueeze(0), 0.0, False, scale=scale
+            )
+            dqg, dkb, dvb = dqg[0], dkb[0], dvb[0]
+        else:
+            delta_g = delta[b].reshape(hkv, -1)
+            dqg, dkb, dvb = _explicit_attention_bwd(dog[0], qg[0], kb, vb, lse_g, delta_g, scale)
+        dq[b] = _ungroup(dqg, lq)
+        dk[start:end] = dkb.transpose(0, 1)
+        dv[start:end] = dvb.transpose(0, 1)
     return dq, dk, dv
 
 
