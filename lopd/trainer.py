@@ -293,11 +293,13 @@ def distill_rows(
         ``(out, mass)``: the kernel's output (``kl, privilege, student_logprob, teacher_logprob,
         topk_ids``) and ``[N]`` teacher mass on its top-M (no gradient).
     """
-    import lopd_kernels as lk
+    # Imported from their op modules (the public ``lopd_kernels.<op>`` functions).
+    from lopd_kernels.fused_linear_topk_tail_kl import fused_linear_topk_tail_kl
+    from lopd_kernels.topk_tail_kl import topk_tail_kl
 
     tau = cfg.temperature
     if cfg.fused_linear:
-        out = lk.fused_linear_topk_tail_kl(
+        out = fused_linear_topk_tail_kl(
             h_s,
             head_s.weight,
             h_t,
@@ -313,9 +315,7 @@ def distill_rows(
             mass = _top_m_mass_chunked(h_t.detach(), head_t, out.topk_ids, tau)
         return out, mass
     s, t = head_s(h_s), head_t(h_t)  # [N, V] on action rows only
-    out = lk.topk_tail_kl(
-        s, t, targets, top_m=cfg.top_m, temperature=tau, divergence=cfg.divergence
-    )
+    out = topk_tail_kl(s, t, targets, top_m=cfg.top_m, temperature=tau, divergence=cfg.divergence)
     with torch.no_grad():
         mass = _top_m_mass(t.detach().float() / tau, out.topk_ids)
     return out, mass
@@ -696,7 +696,7 @@ class Trainer:
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                 opt.step()
                 if loss is not None and step % max(1, cfg.steps // 10) == 0:
-                    nll = float(loss) * cfg.batch_size / len(mine)
+                    nll = loss.item() * cfg.batch_size / len(mine)
                     self.log(f"cold start step {step}: nll {nll:.4f}")
         elif not data:
             self.log("cold start: the bank holds no trajectory; phi_0 is the initialization")
@@ -843,7 +843,7 @@ class Trainer:
             mb = trajs[i : i + cfg.micro_batch]
             loss, mb_sums = self.method.loss(self, mb, num_total=len(trajs))
             loss.backward()
-            loss_sum += float(loss) * len(trajs)
+            loss_sum += loss.item() * len(trajs)
             for k, v in mb_sums.items():
                 sums[k] = sums.get(k, 0.0) + v
         t_backward = time.perf_counter() - t0
