@@ -374,6 +374,35 @@ def _chunks(n: int, chunk: int):
         yield start, min(n, start + chunk)
 
 
+def bucket_coefs(
+    u_kl: Tensor, kl: Tensor, bucket_logp: Tensor, reverse: bool, u_ls: Tensor, u_t: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Per-bucket backward coefficients of the top-M + tail KL (``math.md``, "Gradients").
+
+    Args:
+        u_kl, u_ls, u_t: ``[R]`` upstream gradients of the KL, the student log-prob and the
+            teacher log-prob (privilege included).
+        kl: ``[R]`` the forward KL; bucket_logp: ``[R, 2, M+1]`` (log P_b, log Q_b).
+
+    Returns:
+        ``c_s, c_t [R, M+1]`` (index M: the tail) such that, with ``b(j)`` the bucket of ``j``,
+        ``d/ds_j = (S_j c_s[b(j)] + u_ls 1[j = a]) / T`` and ``d/dt_j = (T_j c_t[b(j)] +
+        u_t 1[j = a]) / T``. A bucket with zero (or infinite-ratio) mass gets 0.
+    """
+    logp, logq = bucket_logp[:, 0], bucket_logp[:, 1]
+    g = logp - logq
+    fin = torch.isfinite(g)
+    zero = torch.zeros_like(g)
+    u, klc = u_kl.unsqueeze(-1), kl.unsqueeze(-1)
+    if reverse:
+        c_s = u * torch.where(fin, g - klc, zero) - u_ls.unsqueeze(-1)
+        c_t = u * torch.where(fin, 1 - g.exp(), zero) - u_t.unsqueeze(-1)
+    else:
+        c_s = u * torch.where(fin, 1 - (-g).exp(), zero) - u_ls.unsqueeze(-1)
+        c_t = u * torch.where(fin, -g - klc, zero) - u_t.unsqueeze(-1)
+    return c_s.contiguous(), c_t.contiguous()
+
+
 def _chunked_fwd(
     hs: Tensor,
     ws: Tensor,
@@ -387,7 +416,9 @@ def _chunked_fwd(
     reverse: bool,
     ignore_index: int,
     chunk_size: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    tail_proj: tuple[bool, bool],
+) -> tuple[Tensor, ...]:
+    """Token-chunked forward; ``tail_proj[x]`` also returns side x's tail projection (below)."""
     n, vocab = hs.shape[0], ws.shape[0]
     m = _effective_m(top_m, vocab)
     dev = hs.device
@@ -396,21 +427,69 @@ def _chunked_fwd(
     ids = torch.zeros(n, m, dtype=torch.long, device=dev)
     lse = kl.new_zeros(n, 2)
     bucket = kl.new_zeros(n, 2, m + 1)
+    projs = [
+        kl.new_zeros(n, h.shape[1]) if flag and m > 0 else kl.new_empty(0)
+        for flag, h in zip(tail_proj, (hs, ht))
+    ]
     rows = (target != ignore_index).nonzero().squeeze(-1)
     n_valid = rows.numel()
     if n_valid == 0:
-        return kl, lp_s, lp_t, ids, lse, bucket
+        return kl, lp_s, lp_t, ids, lse, bucket, *projs
     fwd, _ = _kernels_for(dev)
     chunk = chunk_size or auto_chunk_rows(vocab, n_valid, dev)
     for c0, c1 in _chunks(n_valid, chunk):
         r = rows[c0:c1]
         s = _logits_block(hs.index_select(0, r), ws, bs)
         t = _logits_block(ht.index_select(0, r), wt, bt)
-        out = fwd(s, t, target.index_select(0, r), top_m, temperature, reverse, ignore_index)
-        del s, t
+        out = fwd(s, t, target.index_select(0, r), m, temperature, reverse, ignore_index)
         for dst, src in zip((kl, lp_s, lp_t, ids, lse, bucket), out):
             dst.index_copy_(0, r, src.to(dst.dtype))
-    return kl, lp_s, lp_t, ids, lse, bucket
+        # Tail projection sum_{j not in top-M} softmax_j W[j] ([C, d]): with it the backward
+        # gets this side's dh from O(M) rows of W, without recomputing its logits (see
+        # _hidden_grad_from_tail). In place: the logits are not needed any more.
+        for x, logits, w, proj in ((0, s, ws, projs[0]), (1, t, wt, projs[1])):
+            if proj.numel():
+                probs = logits.div_(temperature).sub_(out[4][:, x : x + 1]).exp_()
+                probs.scatter_(1, out[3], 0.0)
+                proj.index_copy_(0, r, _matmul_f32(probs, w))
+        del s, t
+    return kl, lp_s, lp_t, ids, lse, bucket, *projs
+
+
+def _hidden_grad_from_tail(
+    proj: Tensor,
+    w: Tensor,
+    rows: Tensor,
+    target: Tensor,
+    ids: Tensor,
+    log_mass: Tensor,
+    coef: Tensor,
+    u: Tensor,
+    temperature: float,
+    out: Tensor,
+) -> None:
+    """``out[rows] = dh`` of one side from its forward tail projection, without its logits.
+
+    The bucket coefficient is constant over the tail, so ``dh = sum_j ds_j W[j]`` is
+    ``(c[tail] * proj + sum_{i in top-M} c[i] P_i W[i] + u W[a]) / T``: M + 1 rows of ``W`` per
+    token instead of a ``[C, V] x [V, d]`` GEMM. Exact (the tail part is summed directly in the
+    forward, not as the full softmax average minus the top-M).
+
+    Args:
+        proj: ``[R, d]`` tail projections of the rows; w: ``[V, d]``.
+        rows: ``[R]`` positions in ``out``; target: ``[R]``; ids: ``[R, M]``.
+        log_mass: ``[R, M+1]`` this side's bucket log-masses; coef: ``[R, M+1]``; u: ``[R]``.
+        out: ``[N, d]`` float32 hidden-state gradient, written at ``rows``.
+    """
+    m, d = ids.shape[1], w.shape[1]
+    # Bound the [C, M, d] gather of head rows to ~64 MiB.
+    chunk = max(1, (64 << 20) // max(1, 4 * (m + 1) * d))
+    for c0, c1 in _chunks(rows.numel(), chunk):
+        w_top = w[ids[c0:c1]].to(out.dtype)  # [C, M, d]
+        top = torch.bmm((coef[c0:c1, :m] * log_mass[c0:c1, :m].exp()).unsqueeze(1), w_top)
+        dh = coef[c0:c1, m:] * proj[c0:c1] + top.squeeze(1)
+        dh += u[c0:c1, None] * w[target[c0:c1]].to(out.dtype)
+        out.index_copy_(0, rows[c0:c1], dh / temperature)
 
 
 def _chunked_bwd(
@@ -428,6 +507,8 @@ def _chunked_bwd(
     kl: Tensor,
     lse: Tensor,
     bucket: Tensor,
+    proj_s: Tensor,
+    proj_t: Tensor,
     temperature: float,
     reverse: bool,
     ignore_index: int,
@@ -437,9 +518,10 @@ def _chunked_bwd(
 ) -> list[Tensor | None]:
     """Gradients ``[d_hs, d_ws, d_bs, d_ht, d_wt, d_bt]`` (None where not needed).
 
-    Weight and bias gradients accumulate in float32 over the token chunks. With
-    ``shared_weight`` (one head for both models) both sides accumulate into one buffer, returned
-    in the student's slot.
+    A side with a tail projection (``proj_*`` non-empty) gets ``dh`` from it; the other sides
+    recompute their chunk logits and run ``topk_tail_kl_bwd``. Weight and bias gradients
+    accumulate in float32 over the token chunks. With ``shared_weight`` (one head for both
+    models) both sides accumulate into one buffer, returned in the student's slot.
     """
     n_hs, n_ws, n_bs, n_ht, n_wt, n_bt = needs
     vocab, dev = ws.shape[0], hs.device
@@ -452,14 +534,33 @@ def _chunked_bwd(
         d_wt = torch.zeros(wt.shape, dtype=f32, device=dev)
     d_bs = torch.zeros(vocab, dtype=f32, device=dev) if n_bs else None
     d_bt = torch.zeros(vocab, dtype=f32, device=dev) if n_bt else None
-    need_s, need_t = n_hs or n_ws or n_bs, n_ht or n_wt or n_bt
     rows = (target != ignore_index).nonzero().squeeze(-1)
+    from_tail_s = bool(n_hs and proj_s.numel())
+    from_tail_t = bool(n_ht and proj_t.numel())
+    if rows.numel() and (from_tail_s or from_tail_t):
+        tgt = target.index_select(0, rows)
+        b = bucket.index_select(0, rows)
+        u_ls = grad_slp.index_select(0, rows).float()
+        u_t = grad_tlp.index_select(0, rows).float()
+        u_kl = grad_kl.index_select(0, rows).float()
+        c_s, c_t = bucket_coefs(u_kl, kl.index_select(0, rows), b, reverse, u_ls, u_t)
+        ids = topk_ids.index_select(0, rows)
+        for flag, proj, w, x, coef, u, out in (
+            (from_tail_s, proj_s, ws, 0, c_s, u_ls, d_hs),
+            (from_tail_t, proj_t, wt, 1, c_t, u_t, d_ht),
+        ):
+            if flag:
+                p = proj.index_select(0, rows)
+                _hidden_grad_from_tail(p, w, rows, tgt, ids, b[:, x], coef, u, temperature, out)
+    need_s = (n_hs and not from_tail_s) or n_ws or n_bs
+    need_t = (n_ht and not from_tail_t) or n_wt or n_bt
     if rows.numel() and (need_s or need_t):
         _, bwd = _kernels_for(dev)
         chunk = chunk_size or auto_chunk_rows(vocab, rows.numel(), dev)
         for c0, c1 in _chunks(rows.numel(), chunk):
             r = rows[c0:c1]
             h_s, h_t = hs.index_select(0, r), ht.index_select(0, r)
+            # Both sides' logits are needed even for one side's gradient: the KL couples them.
             s = _logits_block(h_s, ws, bs)
             t = _logits_block(h_t, wt, bt)
             g_s, g_t = bwd(
@@ -481,8 +582,8 @@ def _chunked_bwd(
             )
             del s, t
             for grad, h, w, d_h, d_w, d_b in (
-                (g_s, h_s, ws, d_hs, d_ws, d_bs),
-                (g_t, h_t, wt, d_ht, d_wt, d_bt),
+                (g_s, h_s, ws, None if from_tail_s else d_hs, d_ws, d_bs),
+                (g_t, h_t, wt, None if from_tail_t else d_ht, d_wt, d_bt),
             ):
                 if grad.numel() == 0:
                     continue
@@ -511,8 +612,6 @@ def _chunked_bwd(
 # Custom ops + autograd
 # ----------------------------------------------------------------------------------------------
 
-_IMPLS = ("chunked", "triton")
-
 
 @torch.library.custom_op("lopd::fused_linear_topk_tail_kl_fwd", mutates_args=())
 def _fwd_op(
@@ -529,16 +628,24 @@ def _fwd_op(
     ignore_index: int,
     chunk_size: int,
     impl: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Forward: ``kl, student_logprob, teacher_logprob [N]``, ``topk_ids [N, M]``,
-    ``lse [N, 2]``, ``bucket_logp [N, 2, M+1]`` (as ``topk_tail_kl_fwd``, on hidden states)."""
+    tail_proj: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Forward on hidden states, ``impl`` ``"chunked"`` or ``"triton"``.
+
+    Returns ``kl, student_logprob, teacher_logprob [N]``, ``topk_ids [N, M]``, ``lse [N, 2]``,
+    ``bucket_logp [N, 2, M+1]`` (as ``topk_tail_kl_fwd``) and the student's / teacher's tail
+    projections ``[N, d]`` float32 where ``tail_proj`` asks for them (chunked, M > 0), else
+    ``[0]``: ``sum_{j not in top-M} softmax(x / T)_j W[j]``, which gives that side's hidden-state
+    gradient in the backward without recomputing its logits.
+    """
     args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight)
     args += (teacher_bias, target_ids, top_m, temperature, reverse, ignore_index)
     if impl == "triton":
         from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_fwd_triton
 
-        return fused_linear_fwd_triton(*args)
-    return _chunked_fwd(*args, chunk_size)
+        empty = student_hidden.new_empty(0, dtype=torch.float32)
+        return (*fused_linear_fwd_triton(*args), empty, empty.clone())
+    return _chunked_fwd(*args, chunk_size, (tail_proj[0], tail_proj[1]))
 
 
 @_fwd_op.register_fake
@@ -556,13 +663,19 @@ def _(
     ignore_index,
     chunk_size,
     impl,
+    tail_proj,
 ):
     n = student_hidden.shape[0]
     m = _effective_m(top_m, student_weight.shape[0])
     kl = student_hidden.new_empty(n, dtype=torch.float32)
     ids = student_hidden.new_empty(n, m, dtype=torch.long)
     lse = kl.new_empty(n, 2)
-    return kl, torch.empty_like(kl), torch.empty_like(kl), ids, lse, kl.new_empty(n, 2, m + 1)
+    projs = [
+        kl.new_empty(n, h.shape[1]) if flag and m > 0 and impl == "chunked" else kl.new_empty(0)
+        for flag, h in zip(tail_proj, (student_hidden, teacher_hidden))
+    ]
+    bucket = kl.new_empty(n, 2, m + 1)
+    return kl, torch.empty_like(kl), torch.empty_like(kl), ids, lse, bucket, *projs
 
 
 @torch.library.custom_op("lopd::fused_linear_topk_tail_kl_bwd", mutates_args=())
@@ -581,6 +694,8 @@ def _bwd_op(
     kl: Tensor,
     lse: Tensor,
     bucket_logp: Tensor,
+    student_tail_proj: Tensor,
+    teacher_tail_proj: Tensor,
     temperature: float,
     reverse: bool,
     ignore_index: int,
@@ -594,13 +709,15 @@ def _bwd_op(
     ``shared_weight``, whose gradient is summed into the student's) is an empty ``[0]`` tensor."""
     args = (grad_kl, grad_student_logprob, grad_teacher_logprob, student_hidden, student_weight)
     args += (student_bias, teacher_hidden, teacher_weight, teacher_bias, target_ids, topk_ids)
-    args += (kl, lse, bucket_logp, temperature, reverse, ignore_index)
+    args += (kl, lse, bucket_logp)
+    scalars = (temperature, reverse, ignore_index)
     if impl == "triton":
         from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_bwd_triton
 
-        grads = fused_linear_bwd_triton(*args, tuple(needs), shared_weight)
+        grads = fused_linear_bwd_triton(*args, *scalars, tuple(needs), shared_weight)
     else:
-        grads = _chunked_bwd(*args, chunk_size, tuple(needs), shared_weight)
+        projs = (student_tail_proj, teacher_tail_proj)
+        grads = _chunked_bwd(*args, *projs, *scalars, chunk_size, tuple(needs), shared_weight)
     # One fresh empty per unused slot: a custom op's outputs must not alias each other.
     return [student_hidden.new_empty(0) if g is None else g for g in grads]
 
@@ -621,6 +738,8 @@ def _(
     kl,
     lse,
     bucket_logp,
+    student_tail_proj,
+    teacher_tail_proj,
     temperature,
     reverse,
     ignore_index,
@@ -639,15 +758,15 @@ def _(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    hs, ws, bs, ht, wt, bt, target, _top_m, temperature, reverse, ignore, chunk, impl = inputs
-    kl, _, _, ids, lse, bucket = output
-    ctx.save_for_backward(hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket)
+    hs, ws, bs, ht, wt, bt, target, _top_m, temperature, reverse, ignore, chunk, impl, _ = inputs
+    kl, _, _, ids, lse, bucket, proj_s, proj_t = output
+    ctx.save_for_backward(hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket, proj_s, proj_t)
     ctx.args = (temperature, reverse, ignore, chunk, impl)
-    ctx.mark_non_differentiable(ids, lse, bucket)
+    ctx.mark_non_differentiable(ids, lse, bucket, proj_s, proj_t)
 
 
-def _backward(ctx, g_kl, g_slp, g_tlp, _g_ids, _g_lse, _g_bucket):
-    hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket = ctx.saved_tensors
+def _backward(ctx, g_kl, g_slp, g_tlp, *_unused):
+    hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket, proj_s, proj_t = ctx.saved_tensors
     temperature, reverse, ignore, chunk, impl = ctx.args
     needs = list(ctx.needs_input_grad[:6])
     zeros = kl.new_zeros(kl.shape)
@@ -655,13 +774,13 @@ def _backward(ctx, g_kl, g_slp, g_tlp, _g_ids, _g_lse, _g_bucket):
     shared = ws is wt or (ws.data_ptr() == wt.data_ptr() and ws.shape == wt.shape)
     shared = shared and needs[1] and needs[4] and ws.stride() == wt.stride()
     grads = _bwd_op(
-        g_kl, g_slp, g_tlp, hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket,
-        temperature, reverse, ignore, chunk, impl, needs, shared,
+        g_kl, g_slp, g_tlp, hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket, proj_s,
+        proj_t, temperature, reverse, ignore, chunk, impl, needs, shared,
     )  # fmt: skip
     out = [g if need and g.numel() else None for g, need in zip(grads, needs)]
     if shared and out[1] is None and needs[1]:
         out[1] = torch.zeros_like(ws)
-    return (*out, None, None, None, None, None, None, None)
+    return (*out, None, None, None, None, None, None, None, None)
 
 
 torch.library.register_autograd(_fwd_op, _backward, setup_context=_setup_context)
@@ -862,10 +981,20 @@ def fused_linear_topk_tail_kl(
             student_bias=student_bias, teacher_bias=teacher_bias, top_m=top_m,
             temperature=temperature, divergence=divergence, ignore_index=ignore_index,
         )  # fmt: skip
-    kl, lp_s, lp_t, ids, _, _ = _fwd_op(
-        hs, ws, student_bias, ht, wt, teacher_bias, target, _effective_m(m, ws.shape[0]),
-        float(temperature),
-        divergence == "reverse", ignore_index, chunk_size or 0, impl,
+    m = _effective_m(m, ws.shape[0])
+
+    def tail_proj(h: Tensor, w: Tensor, b: Tensor | None) -> bool:
+        # Worth one extra GEMM in the forward when it saves the logit recompute and the dh GEMM
+        # in the backward: hidden states need grad, the head (and bias) do not.
+        frozen = not w.requires_grad and (b is None or not b.requires_grad)
+        return torch.is_grad_enabled() and h.requires_grad and frozen and m > 0
+
+    flags = [tail_proj(hs, ws, student_bias), tail_proj(ht, wt, teacher_bias)]
+    if impl != "chunked":
+        flags = [False, False]
+    kl, lp_s, lp_t, ids, *_ = _fwd_op(
+        hs, ws, student_bias, ht, wt, teacher_bias, target, m, float(temperature),
+        divergence == "reverse", ignore_index, chunk_size or 0, impl, flags,
     )  # fmt: skip
     return TopKTailKLOutput(kl, lp_t - lp_s.detach(), lp_s, lp_t, ids)
 

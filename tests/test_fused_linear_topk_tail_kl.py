@@ -135,6 +135,19 @@ def test_cpu_half_precision(dtype):
     check(inputs, target, "cpu", dtype, top_m=8, temperature=0.9, chunk_size=4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("divergence", ["reverse", "forward"])
+def test_frozen_heads_tail_projection(dtype, divergence):
+    """Frozen heads, hidden states with grad (LoRA student, frozen teacher): dh comes from the
+    forward's tail projections, with no logit recompute in the backward."""
+    inputs, target = make_inputs(11, 64, 203, dtype, bias=True, seed=16)
+    requires = {"student_hidden", "teacher_hidden"}
+    check(
+        inputs, target, "cpu", dtype, requires=requires, top_m=8, temperature=0.9,
+        divergence=divergence, chunk_size=4,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("divergence", ["reverse", "forward"])
 def test_tied_head(divergence):
     """One weight tensor for both models: its gradient is the sum of both sides'."""
@@ -290,8 +303,10 @@ def test_validation(mutate, kw, match):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", ["chunked", "triton"])
-def test_opcheck(impl):
+@pytest.mark.parametrize(
+    ("impl", "tail_proj"), [("chunked", False), ("chunked", True), ("triton", False)]
+)
+def test_opcheck(impl, tail_proj):
     if impl == "triton" and not lk._backend.triton_available():
         pytest.skip("Triton cannot run here (no CUDA device and TRITON_INTERPRET unset)")
     inputs, target = make_inputs(6, 16, 37, bias=True, seed=11)
@@ -299,18 +314,17 @@ def test_opcheck(impl):
     args = (
         leaves["student_hidden"], leaves["student_weight"], leaves["student_bias"],
         leaves["teacher_hidden"], leaves["teacher_weight"], leaves["teacher_bias"],
-        target, 4, 0.9, True, -100, 2, impl,
+        target, 4, 0.9, True, -100, 2, impl, [tail_proj, tail_proj],
     )  # fmt: skip
     tests = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(
-        torch.ops.lopd.fused_linear_topk_tail_kl_fwd.default, args, test_utils=tests
-    )
-    fwd = torch.ops.lopd.fused_linear_topk_tail_kl_fwd(*args)
-    kl, _, _, ids, lse, bucket = fwd
+    fwd_op = torch.ops.lopd.fused_linear_topk_tail_kl_fwd.default
+    torch.library.opcheck(fwd_op, args, test_utils=tests)
+    kl, _, _, ids, lse, bucket, proj_s, proj_t = fwd_op(*args)
+    assert proj_s.shape == ((6, 16) if tail_proj else (0,))
     grads = [torch.randn(6) for _ in range(3)]
     bwd_args = (
-        *grads, *(x.detach() for x in args[:7]), ids, kl.detach(), lse, bucket, 0.9, True, -100,
-        2, impl, [True, True, False, True, False, True], False,
+        *grads, *(x.detach() for x in args[:7]), ids, kl.detach(), lse, bucket, proj_s, proj_t,
+        0.9, True, -100, 2, impl, [True, True, False, True, False, True], False,
     )  # fmt: skip
     torch.library.opcheck(
         torch.ops.lopd.fused_linear_topk_tail_kl_bwd.default,

@@ -27,7 +27,7 @@ softmax-weighted mean of ``s - t`` (reverse) or ``t - s`` (forward), which is th
 
 Backward (:func:`_bwd_kernel`), grid ``(token blocks, vocabulary tiles)``: each program recomputes
 its logit tile, forms ``ds = (S * c_s[b(j)] + u_ls 1[j = a]) / T`` and the teacher's twin from
-per-row bucket coefficients (PyTorch, O(N * M), :func:`_bucket_coefs`), and accumulates
+per-row bucket coefficients (PyTorch, O(N * M), ``bucket_coefs``), and accumulates
 ``dh += ds @ W`` and ``dW += ds^T h`` (and the bias gradient) with fp32 atomics, like Cut
 Cross-Entropy does for plain cross-entropy.
 
@@ -43,6 +43,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from lopd_kernels.fused_linear_topk_tail_kl import bucket_coefs
 
 # Smallest float32 > -inf: the ranking key of a real entry whose logit is -inf, so that it still
 # outranks an empty / already-taken slot (key -inf).
@@ -607,22 +609,6 @@ def _merge_splits(top_t, top_s, top_i, stats, m: int, reverse: bool):
     return kl, lp_s, lp_t, ids, torch.stack([lse_s, lse_t], -1), bucket
 
 
-def _bucket_coefs(u_kl, kl, bucket, reverse: bool, u_ls, u_t):
-    """``[n, M+1]`` coefficients ``c`` with ``ds_j = S_j c_s[b(j)] + u_ls 1[j=a]`` (and dt)."""
-    logp, logq = bucket[:, 0], bucket[:, 1]
-    g = logp - logq
-    fin = torch.isfinite(g)
-    zero = torch.zeros_like(g)
-    u, klc = u_kl.unsqueeze(-1), kl.unsqueeze(-1)
-    if reverse:
-        c_s = u * torch.where(fin, g - klc, zero) - u_ls.unsqueeze(-1)
-        c_t = u * torch.where(fin, 1 - g.exp(), zero) - u_t.unsqueeze(-1)
-    else:
-        c_s = u * torch.where(fin, 1 - (-g).exp(), zero) - u_ls.unsqueeze(-1)
-        c_t = u * torch.where(fin, -g - klc, zero) - u_t.unsqueeze(-1)
-    return c_s.contiguous(), c_t.contiguous()
-
-
 def fused_linear_bwd_triton(
     grad_kl, grad_slp, grad_tlp, hs, ws, bs, ht, wt, bt, target, topk_ids, kl, lse, bucket,
     temperature, reverse, ignore, needs, shared_weight,
@@ -663,7 +649,7 @@ def fused_linear_bwd_triton(
             c_s = c_t = rowp  # unused by the FULL kernel
             ids = tgt
         else:
-            c_s, c_t = _bucket_coefs(u_kl, kl_v, bucket.index_select(0, rows), reverse, u_ls, u_t)
+            c_s, c_t = bucket_coefs(u_kl, kl_v, bucket.index_select(0, rows), reverse, u_ls, u_t)
             ids = topk_ids.index_select(0, rows).contiguous()
         cfg = _config(nv, vocab, hs.dtype)
         bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
