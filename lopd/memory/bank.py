@@ -42,7 +42,7 @@ BANK_FILE = "bank.jsonl"
 """Name of the JSONL file inside a bank directory."""
 
 _FORMAT_VERSION = 1
-_REQUIRED_KEYS = ("entry_id", "task_id", "world", "instruction", "trace_text", "reward")
+_REQUIRED_KEYS = frozenset(("entry_id", "task_id", "world", "instruction", "trace_text", "reward"))
 
 
 class BankCorruptionError(ValueError):
@@ -87,8 +87,8 @@ class BankEntry:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BankEntry:
-        missing = [k for k in _REQUIRED_KEYS if k not in d]
-        if missing:
+        if not d.keys() >= _REQUIRED_KEYS:
+            missing = sorted(_REQUIRED_KEYS - d.keys())
             raise ValueError(f"bank record is missing keys {missing}")
         return cls(
             entry_id=str(d["entry_id"]),
