@@ -404,6 +404,8 @@ class Trainer:
         self.rank = int(os.environ.get("RANK", "0"))
         self.distributed = self.world > 1
         self.device = self._pick_device()
+        if self.device.type == "cpu":
+            torch.set_num_threads(cfg.threads or 1)
         if self.distributed and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         self.is_main = self.rank == 0

@@ -182,9 +182,12 @@ def smoke_run(tmp_path_factory):
 
 def test_smoke_run_end_to_end(smoke_run):
     run_dir, res, seconds = smoke_run
-    assert seconds < 90
-    assert "held-out reward  vanilla" in res.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
+    # The smoke budget (90 s) is for the run itself; the bound on the whole process is looser
+    # because interpreter start-up and imports dominate on a busy CI machine.
+    assert summary["wall_seconds"] < 90
+    assert seconds < 240
+    assert "held-out reward  vanilla" in res.stdout
     for key in ("vanilla", "lopd", "base_composer"):
         for field in ("reward_mean", "reward_stderr", "success_rate", "n"):
             assert field in summary[key], (key, field)
