@@ -79,6 +79,14 @@ def test_override_types_keys_and_yaml_are_checked(tmp_path):
     assert paper.composer.num_retrieved == 3
 
 
+def test_shipped_yaml_configs_equal_the_presets():
+    from lopd.config import PRESETS
+
+    for name in PRESETS:
+        from_yaml = load_config("default", REPO / "lopd" / "configs" / f"{name}.yaml")
+        assert from_yaml.to_dict() == load_config(name).to_dict(), name
+
+
 def test_malformed_tasks_line_and_oversized_j_are_named(tmp_path):
     from lopd.envs import builtin_tasks
 
