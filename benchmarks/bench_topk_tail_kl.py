@@ -1,0 +1,164 @@
+"""topk_tail_kl forward + backward on CPU: C++ kernel vs the PyTorch reference vs TRL eager.
+
+Shape: N = 512 token rows, V = 151,936 (Qwen3), M = 20, float32, both logits requiring grad.
+Every variant computes the same quantities and backpropagates the same loss
+``sum(kl) + sum(privilege) + sum(student_logprob)`` (gradients to student *and* teacher):
+
+* ``cpu``: ``lk.topk_tail_kl(..., backend="cpu")`` (the C++ kernel);
+* ``torch``: :func:`lopd_kernels.topk_tail_kl_reference` (plain autograd);
+* ``trl_eager``: TRL's ``compute_topk_self_distillation_loss(teacher, student, top-k, alpha=0,
+  tail)`` plus the sampled-token log-prob gathers (``selective_log_softmax`` on both sides).
+
+Reported per variant, via :func:`benchmarks.common.record` into
+``benchmarks/results/topk_tail_kl.json``: median seconds (pytest-benchmark), peak RSS of a fresh
+process beyond its inputs *and* the two [N, V] gradients (target for the kernel:
+<= 64 * N * M bytes), achieved GB/s for the 6 * N * V * 4 bytes the op must move (read s, t in
+forward; read s, t and write ds, dt in backward) and that as a fraction of this machine's
+measured copy bandwidth (``dst.copy_(src)`` on a [N, V] float32 tensor, read + write).
+
+    pytest benchmarks/bench_topk_tail_kl.py --benchmark-only        # ~2-3 minutes on 2 cores
+
+``LOPD_BENCH_N`` overrides N (e.g. 64 for a quick look). Fresh [N, V] gradients are page-faulted
+in on every backward, which costs as much as the kernel itself on small machines; PyTorch's
+``THP_MEM_ALLOC_ENABLE=1`` (transparent huge pages for large tensors) cuts that for every variant.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import pytest
+import torch
+
+from benchmarks.common import peak_rss_bytes, record
+
+N = int(os.environ.get("LOPD_BENCH_N", "512"))
+V = 151_936
+M = 20
+SHAPES = {"N": N, "V": V, "M": M, "dtype": "float32", "pass": "fwd+bwd"}
+GRAD_BYTES = 2 * N * V * 4
+OP_BYTES = 6 * N * V * 4
+
+# The same source runs in this process (timing) and in a fresh one (peak RSS).
+SETUP = f"""
+import torch
+import lopd_kernels as lk
+from trl.experimental.sdpo.loss_utils import compute_topk_self_distillation_loss
+from trl.trainer.utils import selective_log_softmax
+
+N, V, M = {N}, {V}, {M}
+_g = torch.Generator().manual_seed(0)
+# In-place construction: no [N, V] temporary may raise the RSS high-water mark during setup.
+s = torch.randn(N, V, generator=_g).mul_(2).requires_grad_(True)
+t = torch.randn(N, V, generator=_g).add_(s.detach()).requires_grad_(True)
+a = torch.randint(0, V, (N,), generator=_g)
+# Two-row copies for warm-up calls (lazy initialization) that leave the RSS high-water mark low.
+sw = s.detach()[:2].clone().requires_grad_(True)
+tw = t.detach()[:2].clone().requires_grad_(True)
+aw = a[:2].clone()
+
+
+def run_lopd(s, t, a, backend):
+    out = lk.topk_tail_kl(s, t, a, top_m=M, backend=backend)
+    (out.kl.sum() + out.privilege.sum() + out.student_logprob.sum()).backward()
+
+
+def run_reference(s, t, a):
+    out = lk.topk_tail_kl_reference(s, t, a, top_m=M)
+    (out.kl.sum() + out.privilege.sum() + out.student_logprob.sum()).backward()
+
+
+def run_trl_eager(s, t, a):
+    # Support = top-k of the first argument (the teacher); alpha=0 gives KL(student || teacher).
+    kl = compute_topk_self_distillation_loss(
+        t, s, distillation_topk=M, distillation_alpha=0.0, distillation_add_tail=True
+    )
+    slp = selective_log_softmax(s, a)
+    tlp = selective_log_softmax(t, a)
+    (kl.sum() + (tlp - slp.detach()).sum() + slp.sum()).backward()
+
+
+def clear_grads():
+    for x in (s, t, sw, tw):
+        x.grad = None
+"""
+
+RUNS = {
+    "cpu": "run_lopd(s, t, a, 'cpu')",
+    "torch": "run_reference(s, t, a)",
+    "trl_eager": "run_trl_eager(s, t, a)",
+}
+ROUNDS = {"cpu": 5, "torch": 2, "trl_eager": 3}
+
+_medians: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def env():
+    ns: dict = {}
+    exec(SETUP, ns)
+    return ns
+
+
+@pytest.fixture(scope="module")
+def copy_gbps(env):
+    """Measured copy bandwidth (bytes read + written per second) on a warm [N, V] fp32 buffer."""
+    src = env["s"].detach()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    gbps = 2 * src.numel() * 4 / med / 1e9
+    record("topk_tail_kl", "copy_bandwidth", SHAPES, med, None, copy_gbps=gbps)
+    return gbps
+
+
+@pytest.mark.parametrize("variant", ["trl_eager", "torch", "cpu"])
+def test_topk_tail_kl_fwd_bwd(benchmark, env, copy_gbps, variant):
+    if variant == "cpu":
+        from lopd_kernels import _backend
+
+        if not _backend.has_cpp_op("topk_tail_kl_fwd"):
+            pytest.skip("lopd_kernels._C is not built: no C++ backend to benchmark")
+    benchmark.group = f"topk_tail_kl N={N} V={V} M={M} fp32 fwd+bwd"
+    code = compile(RUNS[variant], "<bench>", "exec")
+    benchmark.pedantic(
+        lambda: exec(code, env),
+        setup=env["clear_grads"],
+        rounds=ROUNDS[variant],
+        iterations=1,
+        warmup_rounds=1,
+    )
+    env["clear_grads"]()
+    median = benchmark.stats.stats.median
+    _medians[variant] = median
+
+    # Peak RSS in a fresh process: a two-row warm-up call first (lazy initialization without
+    # raising the high-water mark), then the measured call; subtract what any caller must hold,
+    # the two [N, V] gradients.
+    warmup = RUNS[variant].replace("s, t, a", "sw, tw, aw")
+    before, peak = peak_rss_bytes(
+        SETUP + f"\n{warmup}\nclear_grads()\n",
+        f"{RUNS[variant]}\n",
+        threads=torch.get_num_threads(),
+    )
+    extra = max(0, peak - before - GRAD_BYTES)
+    gbps = OP_BYTES / median / 1e9
+    fields = {
+        "threads": torch.get_num_threads(),
+        "peak_rss_delta_bytes": peak - before,
+        "achieved_gbps": gbps,
+        "copy_gbps": copy_gbps,
+        "fraction_of_copy_bw": gbps / copy_gbps,
+        "mem_target_bytes": 64 * N * M,
+    }
+    if "trl_eager" in _medians:
+        fields["speedup_vs_trl_eager"] = _medians["trl_eager"] / median
+    record("topk_tail_kl", variant, SHAPES, median, extra, **fields)
+    benchmark.extra_info.update(fields, peak_mem_extra_bytes=extra)
