@@ -8,6 +8,7 @@ Embedding cost is excluded on purpose (it depends only on the embedder model).
 
     python -m benchmarks.bench_memory                # 100k entries, d=256, 1 thread
     python -m benchmarks.bench_memory --n 10000 --threads 2
+    python -m benchmarks.bench_memory --quality      # retrieval quality of the default embedder
 
 Results are appended to ``benchmarks/results/memory_*.json`` via ``benchmarks.common.record``.
 """
@@ -17,13 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import peak_rss_bytes, record
+from benchmarks.common import record
 from lopd.memory import BankEntry, ExperienceBank, Retriever, make_entry_id
 from lopd.types import Task
 
@@ -66,6 +69,70 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def retrieval_quality(model_path: str | None, k: int) -> None:
+    """How often the default embedder retrieves experience of the same task template.
+
+    The bank holds one oracle trajectory per built-in tool-use train task (played in its
+    environment, so traces carry real tool results); queries are the held-out test tasks. A
+    retrieved entry is "relevant" when it comes from the same task template (same tool sequence),
+    the case where its steps transfer. Reported against chance (the template's share of the bank).
+    """
+    from lopd.envs import builtin_tasks, make_env, oracle_actions
+    from lopd.memory import HiddenStateEmbedder
+    from lopd.models import load_model
+    from lopd.types import Trajectory
+
+    model, tokenizer = load_model(model_path)
+    train = builtin_tasks("tool_use", "train")
+    test = builtin_tasks("tool_use", "test")
+    with tempfile.TemporaryDirectory() as tmp:
+        bank = ExperienceBank(tmp)
+        trajs = []
+        for t in train:
+            env = make_env(t)
+            env.reset(t)
+            for action in oracle_actions(t):
+                if env.step(action)[1]:
+                    break
+            trajs.append(Trajectory(t, [], [], [], [], 0, env.reward(), trace=list(env.trace)))
+        bank.add_many(trajs)
+        template = {t.task_id: (t.world, t.spec["template"]) for t in train + test}
+        emb = HiddenStateEmbedder(model, tokenizer, batch_size=32)
+        t0 = time.perf_counter()
+        retriever = Retriever(bank, emb, index="cpu")
+        embed_s = time.perf_counter() - t0
+        hits = retriever.retrieve_batch(test, k=k)
+        same_tpl = np.mean(
+            [[template[e.task_id] == template[q.task_id] for e in h] for q, h in zip(test, hits)]
+        )
+        same_world = np.mean([[e.world == q.world for e in h] for q, h in zip(test, hits)])
+        share = {}
+        for e in bank:
+            share[template[e.task_id]] = share.get(template[e.task_id], 0) + 1 / len(bank)
+        chance_tpl = float(np.mean([share.get(template[q.task_id], 0.0) for q in test]))
+        chance_world = float(
+            np.mean([sum(v for (w, _), v in share.items() if w == q.world) for q in test])
+        )
+    rec = record(
+        "memory_retrieval_quality",
+        emb.name.split(":")[0] + ":tiny" if model_path is None else emb.name,
+        {"bank": len(bank), "queries": len(test), "k": k, "d": emb.dim},
+        embed_s / len(bank),
+        same_template_at_k=round(float(same_tpl), 4),
+        same_world_at_k=round(float(same_world), 4),
+        chance_template=round(chance_tpl, 4),
+        chance_world=round(chance_world, 4),
+        docs_per_s=len(bank) / embed_s,
+        load_avg_1m=round(os.getloadavg()[0], 2),
+    )
+    print(
+        f"retrieval quality ({len(bank)} oracle entries, {len(test)} held-out queries, k={k}):\n"
+        f"  same template {rec['same_template_at_k']:.3f} (chance {chance_tpl:.3f}), "
+        f"same world {rec['same_world_at_k']:.3f} (chance {chance_world:.3f}); "
+        f"document embedding {rec['docs_per_s']:.0f} docs/s"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=100_000, help="bank entries")
@@ -75,8 +142,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256, help="records per durable bank batch")
     ap.add_argument("--single", type=int, default=1000, help="records for the batch=1 run")
     ap.add_argument("--threads", type=int, default=1, help="FAISS OpenMP threads")
-    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocess")
+    ap.add_argument("--no-rss", action="store_true", help="skip the resident-memory subprocess")
+    ap.add_argument(
+        "--quality",
+        action="store_true",
+        help="instead: retrieval quality of the default embedder on the built-in tasks",
+    )
+    ap.add_argument("--model", default=None, help="--quality: checkpoint (default: tiny model)")
     args = ap.parse_args()
+    if args.quality:
+        retrieval_quality(args.model, args.k)
+        return
 
     import faiss
 
@@ -203,30 +279,54 @@ def main() -> None:
             dt_load,
             **common,
         )
-        print(f"index save / load:     {dt_save:.2f} s / {dt_load:.2f} s (incl. bank reload)")
+        print(
+            f"index save / load:     {dt_save:.2f} s / {dt_load:.2f} s (index, rows, query cache)"
+        )
 
-        # --- memory of a loaded retriever (fresh process) -----------------------------------
+        # --- memory of a loaded bank + retriever (fresh process) ----------------------------
         if not args.no_rss:
-            before, peak = peak_rss_bytes(
-                setup=f"""
-                from lopd.memory import ExperienceBank, Retriever
-                import faiss
-                faiss.omp_set_num_threads({args.threads})
-                """,
-                run=f"""
-                r = Retriever.load(ExperienceBank({str(bank.dir)!r}), index="cpu")
-                assert len(r) == {args.n}
-                """,
+            rss = _resident_delta(
+                setup="from lopd.memory import ExperienceBank, Retriever",
+                run=(
+                    f"r = Retriever.load(ExperienceBank({str(bank.dir)!r}), index='cpu')\n"
+                    f"assert len(r) == {args.n}"
+                ),
             )
             record(
                 "memory_index_persist",
                 "faiss-cpu-flatip",
                 {"n": args.n, "d": args.d, "io": "load-rss"},
                 dt_load,
-                peak_mem_bytes=peak - before,
+                peak_mem_bytes=rss,
                 **common,
             )
-            print(f"loaded retriever RSS:  {(peak - before) / 2**20:.0f} MiB above imports")
+            print(
+                f"loaded bank + index:   {rss / 2**20:.0f} MiB resident (index alone "
+                f"{args.n * args.d * 4 / 2**20:.0f} MiB)"
+            )
+
+
+def _resident_delta(setup: str, run: str) -> int:
+    """Resident-set growth (bytes) of ``run`` after ``setup`` in a fresh Python process.
+
+    Current RSS (``VmRSS``), not the ``ru_maxrss`` high-water mark: importing torch and faiss
+    peaks higher than what a loaded bank adds, which would hide it under a high-water reading.
+    """
+    code = (
+        "def _rss():\n"
+        "    for ln in open('/proc/self/status'):\n"
+        "        if ln.startswith('VmRSS:'):\n"
+        "            return int(ln.split()[1]) * 1024\n"
+        f"{setup}\n_b = _rss()\n{run}\nprint('LOPD_RSS', _rss() - _b)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    return int(next(ln for ln in out.stdout.splitlines() if ln.startswith("LOPD_RSS")).split()[1])
 
 
 if __name__ == "__main__":
