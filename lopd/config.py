@@ -597,6 +597,12 @@ def _coerce(value: Any, hint: Any, dotted: str, source: str) -> Any:
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):
+            # PyYAML (YAML 1.1) reads "1e-3" as a string; accept any float literal.
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif hint is str:
         if isinstance(value, str):
             return value
