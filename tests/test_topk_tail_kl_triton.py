@@ -114,6 +114,7 @@ def _run_and_check(
     *,
     compare_ids=True,
     grads=(True, True),
+    bulk_min=None,
 ):
     """Run forward + backward of the Triton launchers and compare everything with the oracle."""
     n, _ = s.shape
@@ -124,8 +125,9 @@ def _run_and_check(
     # Small blocks and 4 warps for the interpreter; None: the launchers' GPU defaults.
     warps = None if block_v is None else 4
     out = topk_tail_kl_fwd_triton(
-        s, t, target, top_m, temperature, reverse, IGNORE, block_v=block_v, num_warps=warps
-    )
+        s, t, target, top_m, temperature, reverse, IGNORE,
+        block_v=block_v, num_warps=warps, bulk_min=bulk_min,
+    )  # fmt: skip
     kl, slp, tlp, ids, lse, blp = out
     s64 = s.detach().double().requires_grad_(grads[0])
     t64 = t.detach().double().requires_grad_(grads[1])
@@ -198,6 +200,26 @@ def test_matches_oracle(n, v, m, temperature, reverse, s_dtype, t_dtype, block_v
     if n > 1:
         target[1] = IGNORE  # one ignored row among live ones
     _run_and_check(s, t, target, m, temperature, reverse, block_v)
+
+
+@pytest.mark.parametrize("bulk_min", [0, -1], ids=["always-merge", "always-insert"])
+@pytest.mark.parametrize("order", ["random", "ascending", "descending"])
+def test_top_m_update_paths(bulk_min, order):
+    """Both ways of updating the running top-M (bitonic merge, sequential inserts) alone.
+
+    An ascending teacher makes every entry of every block a candidate that evicts earlier ones
+    (the worst case of the tail bookkeeping); a descending one settles in the first block.
+    """
+    gen = torch.Generator().manual_seed(21)
+    n, v = 2, 200
+    s = torch.randn(n, v, generator=gen) * 2
+    t = torch.randn(n, v, generator=gen) * 2
+    if order != "random":
+        t = t.sort(dim=-1, descending=order == "descending").values
+    target = torch.tensor([7, 150])
+    _run_and_check(
+        s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), 20, 0.8, True, 32, bulk_min=bulk_min
+    )
 
 
 def test_all_ignored_rows_are_zero():

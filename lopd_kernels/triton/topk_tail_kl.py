@@ -76,6 +76,12 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Launch defaults for a GPU (H100/H200 class). Tests pass small blocks to the interpreter.
 _FWD_BLOCK_V = 4096
 _FWD_WARPS = 8
+# Sequential inserts cost one block reduction each; a bitonic merge of a block costs about a
+# dozen, but its network takes ~80 more registers per thread (lower occupancy) and ~20 s to
+# compile. The first block takes M + 1 inserts, later ones about M / k: the merge pays off for
+# large M only.
+_FWD_BULK_TOP_M = 64
+_FWD_BULK_MIN = 12
 _BWD_BLOCK_V = 4096
 _BWD_WARPS = 8
 
@@ -211,8 +217,10 @@ def _fwd_topm_kernel(
     ignore_index,
     M: tl.constexpr,
     MP: tl.constexpr,  # power of two >= max(M, 2): register width of the running top-M
-    BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr,  # >= MP
     REVERSE: tl.constexpr,
+    BULK: tl.constexpr,  # whether blocks with many candidates use the bitonic merge
+    BULK_MIN: tl.constexpr,  # "many": more than this; fewer go through sequential inserts
 ):
     row = tl.program_id(0).to(tl.int64)
     s_row = s_ptr + row * stride_s
@@ -242,31 +250,61 @@ def _fwd_topm_kernel(
         ls = tl.zeros([], tl.float32)
         mt = tl.full([], float("-inf"), tl.float32)  # teacher tail
         lt = tl.zeros([], tl.float32)
+        # Manual software pipelining: the next block's loads are in flight while this block is
+        # processed (Triton does not pipeline loads in a loop with data-dependent control flow).
+        lanes = tl.arange(0, BLOCK_V)
+        s_next = tl.load(s_row + lanes, mask=lanes < V, other=float("-inf"))
+        t_next = tl.load(t_row + lanes, mask=lanes < V, other=float("-inf"))
         for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
+            offs = start + lanes
             inb = offs < V
-            s = tl.load(s_row + offs, mask=inb, other=float("-inf")).to(tl.float32)
-            t = tl.load(t_row + offs, mask=inb, other=float("-inf")).to(tl.float32)
+            s = s_next.to(tl.float32)
+            t = t_next.to(tl.float32)
+            s_next = tl.load(s_row + BLOCK_V + offs, mask=offs + BLOCK_V < V, other=float("-inf"))
+            t_next = tl.load(t_row + BLOCK_V + offs, mask=offs + BLOCK_V < V, other=float("-inf"))
             t_max = tl.max(t, 0)
             if t_max >= thr_val:
-                # Some entry may beat the M-th key: insert candidates, largest first.
+                # Some entry may beat the M-th key.
                 key = tl.where(inb, _sortable_key(t, offs), _KEY_EMPTY)
-                kmax = tl.max(key, 0)
-                lowest = tl.full([], _KEY_PAD, tl.int64)  # smallest key inserted from this block
-                while kmax > thr:
-                    top = tl.where(slot == tl.argmin(top, 0), kmax, top)
-                    # The evicted key (the old minimum) leaves the top-M for good: fold both
-                    # its logits into the tails. Nothing is evicted while slots are EMPTY.
-                    evicted = thr != _KEY_EMPTY
-                    e_s = tl.load(s_row + _key_index(thr), mask=evicted, other=float("-inf"))
-                    e_t = tl.where(evicted, _key_value(thr), float("-inf"))
-                    ms, ls = _lse_fold_scalar(ms, ls, e_s.to(tl.float32) * scale2)
-                    mt, lt = _lse_fold_scalar(mt, lt, e_t * scale2)
-                    thr = tl.min(top, 0)
-                    lowest = kmax
-                    kmax = tl.max(tl.where(key < kmax, key, _KEY_EMPTY), 0)
+                if BULK:
+                    bulk = tl.sum((key > thr).to(tl.int32), 0) > BULK_MIN
+                else:
+                    bulk = False  # compiled out: no bitonic network, fewer registers
+                if bulk:
+                    # Many candidates (the first block, or a rising stretch): one bitonic merge
+                    # of the running top-M with the block's top-MP, in parallel.
+                    old = tl.where(valid, top, _KEY_EMPTY)
+                    merged = tl.topk(tl.reshape(tl.join(old, tl.topk(key, MP)), [2 * MP]), MP)
+                    thr = tl.min(tl.where(valid, merged, _KEY_PAD), 0)
+                    # Old members now below the M-th key leave for good: fold them into the
+                    # tails (student logits re-read by index, teacher decoded from the key).
+                    evicted = valid & (old != _KEY_EMPTY) & (old < thr)
+                    e_s = tl.load(s_row + _key_index(old), mask=evicted, other=float("-inf"))
+                    e_t = tl.where(evicted, _key_value(old), float("-inf"))
+                    ms, ls = _lse_fold(ms, ls, e_s.to(tl.float32) * scale2)
+                    mt, lt = _lse_fold(mt, lt, e_t * scale2)
+                    top = tl.where(valid, merged, _KEY_PAD)
+                    # The new top-M is exactly the keys >= thr of old and block together.
+                    lowest = thr
+                else:
+                    # A few candidates: insert them largest first, each replacing the minimum.
+                    kmax = tl.max(key, 0)
+                    lowest = tl.full([], _KEY_PAD, tl.int64)  # smallest key inserted here
+                    while kmax > thr:
+                        top = tl.where(slot == tl.argmin(top, 0), kmax, top)
+                        # The evicted key (the old minimum) leaves the top-M for good. Nothing
+                        # is evicted while slots are EMPTY.
+                        evicted = thr != _KEY_EMPTY
+                        e_s = tl.load(s_row + _key_index(thr), mask=evicted, other=float("-inf"))
+                        e_t = tl.where(evicted, _key_value(thr), float("-inf"))
+                        ms, ls = _lse_fold_scalar(ms, ls, e_s.to(tl.float32) * scale2)
+                        mt, lt = _lse_fold_scalar(mt, lt, e_t * scale2)
+                        thr = tl.min(top, 0)
+                        lowest = kmax
+                        kmax = tl.max(tl.where(key < kmax, key, _KEY_EMPTY), 0)
+                    # Descending order: the inserted entries are exactly the block keys >=
+                    # lowest, and none of them was evicted again within the block.
                 thr_val = tl.where(thr == _KEY_EMPTY, float("-inf"), _key_value(thr))
-                # Inserted entries are exactly the block keys >= lowest; the rest is tail.
                 in_tail = key < lowest
                 ys = tl.where(in_tail, s * scale2, float("-inf"))
                 yt = tl.where(in_tail, t * scale2, float("-inf"))
@@ -352,11 +390,16 @@ def _fwd_full_kernel(
         # running maxima keeps it O(log V), so the final KL = acc / l - log2 l_s + log2 l_t
         # loses no digits to cancellation.
         acc = tl.zeros([], tl.float32)
+        # Next block's loads in flight while this one is processed (manual pipelining).
+        lanes = tl.arange(0, BLOCK_V)
+        s_next = tl.load(s_row + lanes, mask=lanes < V, other=float("-inf"))
+        t_next = tl.load(t_row + lanes, mask=lanes < V, other=float("-inf"))
         for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            inb = offs < V
-            ys = tl.load(s_row + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale2
-            yt = tl.load(t_row + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale2
+            nxt = start + BLOCK_V + lanes
+            ys = s_next.to(tl.float32) * scale2
+            yt = t_next.to(tl.float32) * scale2
+            s_next = tl.load(s_row + nxt, mask=nxt < V, other=float("-inf"))
+            t_next = tl.load(t_row + nxt, mask=nxt < V, other=float("-inf"))
             ms_new = tl.maximum(ms, tl.max(ys, 0))
             mt_new = tl.maximum(mt, tl.max(yt, 0))
             rs_old = _safe_ref(ms)
@@ -470,14 +513,26 @@ def _bwd_kernel(
                 inv_t,
                 REVERSE,
             )
+        # Next block's loads in flight while this one is processed (manual pipelining); each
+        # side is read only if needed (top-M rows: only for its own gradient).
+        lanes = tl.arange(0, BLOCK_V)
+        if GRAD_S or FULL:
+            s_next = tl.load(s_row + lanes, mask=lanes < V, other=float("-inf"))
+        if GRAD_T or FULL:
+            t_next = tl.load(t_row + lanes, mask=lanes < V, other=float("-inf"))
         for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
+            offs = start + lanes
             inb = offs < V
+            nxt = offs + BLOCK_V
             is_tgt = offs == tgt
+            if GRAD_S or FULL:
+                ys = s_next.to(tl.float32) * scale2
+                s_next = tl.load(s_row + nxt, mask=nxt < V, other=float("-inf"))
+            if GRAD_T or FULL:
+                yt = t_next.to(tl.float32) * scale2
+                t_next = tl.load(t_row + nxt, mask=nxt < V, other=float("-inf"))
             if FULL:
                 # Per-entry buckets: both sides are needed for either gradient.
-                ys = tl.load(s_row + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale2
-                yt = tl.load(t_row + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale2
                 p = tl.exp2(ys - lse_s2)
                 q = tl.exp2(yt - lse_t2)
                 g = ((ys - lse_s2) - (yt - lse_t2)) * _LN2  # log S_j - log T_j
@@ -496,12 +551,10 @@ def _bwd_kernel(
             else:
                 # Every entry as if in the tail; the top-M entries are rewritten below.
                 if GRAD_S:
-                    ys = tl.load(s_row + offs, mask=inb, other=float("-inf")).to(tl.float32)
-                    ds = tl.exp2(ys * scale2 - lse_s2) * cs_tail + tl.where(is_tgt, tgt_s, 0.0)
+                    ds = tl.exp2(ys - lse_s2) * cs_tail + tl.where(is_tgt, tgt_s, 0.0)
                     tl.store(gs_row + offs, ds.to(gs_ptr.dtype.element_ty), mask=inb)
                 if GRAD_T:
-                    yt = tl.load(t_row + offs, mask=inb, other=float("-inf")).to(tl.float32)
-                    dt = tl.exp2(yt * scale2 - lse_t2) * ct_tail + tl.where(is_tgt, tgt_t, 0.0)
+                    dt = tl.exp2(yt - lse_t2) * ct_tail + tl.where(is_tgt, tgt_t, 0.0)
                     tl.store(gt_row + offs, dt.to(gt_ptr.dtype.element_ty), mask=inb)
         if not FULL:
             # The M top-M entries overwrite what the streaming pass wrote there; the barrier
@@ -607,6 +660,14 @@ def _register_width(top_m: int) -> int:
     return max(2, triton.next_power_of_2(top_m))
 
 
+def _block_size(block_v: int, v: int, minimum: int) -> int:
+    """The vocabulary block: ``block_v`` (a power of two), no larger than needed for ``v``, and
+    at least ``minimum`` (the forward's bitonic merge takes the block's top-MP)."""
+    if block_v < 1 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
+    return max(minimum, min(block_v, triton.next_power_of_2(v)))
+
+
 def topk_tail_kl_fwd_triton(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -618,6 +679,7 @@ def topk_tail_kl_fwd_triton(
     *,
     block_v: int | None = None,
     num_warps: int | None = None,
+    bulk_min: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward of ``topk_tail_kl`` in Triton (the ``lopd::topk_tail_kl_fwd`` contract).
 
@@ -629,8 +691,12 @@ def topk_tail_kl_fwd_triton(
         temperature: T > 0; logits are divided by T before everything.
         reverse: KL(student || teacher) when True, KL(teacher || student) when False.
         ignore_index: rows with this target produce all-zero outputs.
-        block_v: vocabulary block per loop step (power of two; default tuned for GPUs).
+        block_v: vocabulary block per loop step (power of two; raised to at least the
+            power of two above ``top_m``; default tuned for GPUs).
         num_warps: warps per program (default tuned for GPUs).
+        bulk_min: a block with more top-M candidates than this is merged into the running
+            top-M with one bitonic merge, one with fewer by sequential inserts; negative: always
+            inserts (the merge is not compiled). Default: 12 when ``top_m > 64``, else -1.
 
     Returns:
         ``(kl [N], student_logprob [N], teacher_logprob [N], topk_ids [N, M] int64,
@@ -649,10 +715,9 @@ def topk_tail_kl_fwd_triton(
             f"top_m={top_m} is not supported by the triton backend: it needs top_m <= V "
             f"(V={v}) and top_m <= {MAX_TOP_M}; use top_m=0 for the full vocabulary"
         )
-    block_v = block_v or _FWD_BLOCK_V
-    if block_v & (block_v - 1):
-        raise ValueError(f"block_v must be a power of two, got {block_v}")
-    block_v = min(block_v, max(16, triton.next_power_of_2(v)))
+    block_v = _block_size(block_v or _FWD_BLOCK_V, v, _register_width(top_m))
+    if bulk_min is None:
+        bulk_min = _FWD_BULK_MIN if top_m > _FWD_BULK_TOP_M else -1
     warps = num_warps or _FWD_WARPS
 
     dev = s.device
@@ -676,7 +741,7 @@ def topk_tail_kl_fwd_triton(
         _fwd_topm_kernel[(n,)](
             s, t, tgt, kl, slp, tlp, ids, lse, blp, *common,
             M=top_m, MP=_register_width(top_m), BLOCK_V=block_v, REVERSE=bool(reverse),
-            num_warps=warps,
+            BULK=bulk_min >= 0, BULK_MIN=max(bulk_min, 0), num_warps=warps,
         )  # fmt: skip
     return kl, slp, tlp, ids, lse, blp
 
@@ -746,10 +811,7 @@ def topk_tail_kl_bwd_triton(
     if n == 0 or not (student_requires_grad or teacher_requires_grad):
         return gs, gt
 
-    block_v = block_v or _BWD_BLOCK_V
-    if block_v & (block_v - 1):
-        raise ValueError(f"block_v must be a power of two, got {block_v}")
-    block_v = min(block_v, max(16, triton.next_power_of_2(v)))
+    block_v = _block_size(block_v or _BWD_BLOCK_V, v, 16)
     # A side without gradient still needs a pointer of some float dtype: reuse the other.
     gs_arg = gs if student_requires_grad else gt
     gt_arg = gt if teacher_requires_grad else gs
