@@ -73,8 +73,12 @@ _KEY_PAD = tl.constexpr(2**63 - 1)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Launch defaults for a GPU (H100/H200 class). Tests pass small blocks to the interpreter.
-_FWD_BLOCK_V = 4096
+# Launch defaults for a GPU (H100/H200 class), chosen from ptxas register counts for sm_90
+# (not yet timed on a GPU): the top-M forward at 2048 x 8 warps takes ~95 registers (M <= 64),
+# so two programs share an SM while each has its next block in flight; the backward and the
+# full-vocabulary forward at 4096 x 8 take <= 128. Tests pass small blocks to the interpreter.
+_FWD_BLOCK_V = 2048
+_FULL_BLOCK_V = 4096
 _FWD_WARPS = 8
 # Sequential inserts cost one block reduction each; a bitonic merge of a block costs about a
 # dozen, but its network takes ~80 more registers per thread (lower occupancy) and ~20 s to
@@ -715,7 +719,8 @@ def topk_tail_kl_fwd_triton(
             f"top_m={top_m} is not supported by the triton backend: it needs top_m <= V "
             f"(V={v}) and top_m <= {MAX_TOP_M}; use top_m=0 for the full vocabulary"
         )
-    block_v = _block_size(block_v or _FWD_BLOCK_V, v, _register_width(top_m))
+    default_block = _FWD_BLOCK_V if top_m else _FULL_BLOCK_V
+    block_v = _block_size(block_v or default_block, v, _register_width(top_m))
     if bulk_min is None:
         bulk_min = _FWD_BULK_MIN if top_m > _FWD_BULK_TOP_M else -1
     warps = num_warps or _FWD_WARPS
