@@ -458,15 +458,15 @@ def _smoke() -> Config:
     """A seconds-long end-to-end run used by the tests: every phase runs, nothing converges."""
     cfg = _default()
     cfg.run_dir = "runs/smoke"
-    cfg.data.n_train, cfg.data.n_test = 8, 4
+    cfg.data.n_train, cfg.data.n_test = 6, 4
     cfg.gen.max_new_tokens, cfg.gen.max_steps = 16, 2
-    cfg.bank.rollouts_per_task = 2
+    cfg.bank.rollouts_per_task = 1
     cfg.bank.min_reward = 0.0  # keep the bank non-empty whatever the tiny model does
     cfg.composer.num_latents, cfg.composer.num_retrieved = 4, 2
     cfg.composer.qformer_layers = 1
     cfg.composer.max_encoder_tokens = 128
     cfg.cold_start.steps, cfg.cold_start.batch_size = 2, 2
-    cfg.lopd.steps, cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 3, 4, 2
+    cfg.lopd.steps, cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 3, 2, 2
     cfg.checkpoint_every = 2
     return cfg
 

@@ -199,9 +199,9 @@ def test_smoke_run_end_to_end(smoke_run):
     for key in ("vanilla", "lopd", "base_composer"):
         for field in ("reward_mean", "reward_stderr", "success_rate", "n"):
             assert field in summary[key], (key, field)
-        assert summary[key]["n"] == 4
-    assert summary["wall_seconds"] > 0
     cfg = load_config("smoke")
+    for key in ("vanilla", "lopd", "base_composer"):
+        assert summary[key]["n"] == cfg.data.n_test
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(cfg.lopd.steps))
     for key in ("loss", "kl", "delta", "beta", "teacher_top_m_mass", "reward_mean", "rollouts"):
