@@ -556,13 +556,18 @@ def _chunked_bwd(
     need_t = (n_ht and not from_tail_t) or n_wt or n_bt
     if rows.numel() and (need_s or need_t):
         _, bwd = _kernels_for(dev)
+        full_vocab = topk_ids.shape[1] == 0
         chunk = chunk_size or auto_chunk_rows(vocab, rows.numel(), dev)
         for c0, c1 in _chunks(rows.numel(), chunk):
             r = rows[c0:c1]
             h_s, h_t = hs.index_select(0, r), ht.index_select(0, r)
-            # Both sides' logits are needed even for one side's gradient: the KL couples them.
-            s = _logits_block(h_s, ws, bs)
-            t = _logits_block(h_t, wt, bt)
+            # With M > 0 a side's logit gradient reads only its own logits (the coupling through
+            # the KL is in the saved bucket log-masses), so a side with nothing to compute is
+            # not recomputed: the kernel gets the other side's block in its place and never
+            # reads it. The full-vocabulary KL couples every entry: both are needed.
+            s = _logits_block(h_s, ws, bs) if need_s or full_vocab else None
+            t = _logits_block(h_t, wt, bt) if need_t or full_vocab else s
+            s = t if s is None else s
             g_s, g_t = bwd(
                 grad_kl.index_select(0, r).float(),
                 grad_slp.index_select(0, r).float(),

@@ -166,10 +166,12 @@ def test_tied_head(divergence):
     ],
     ids=lambda s: "+".join(sorted(s)) or "none",
 )
-def test_requires_grad_combinations(requires):
-    """Each subset of {hidden, weight} x {student, teacher} (and each bias alone)."""
+@pytest.mark.parametrize("top_m", [4, None])
+def test_requires_grad_combinations(requires, top_m):
+    """Each subset of {hidden, weight} x {student, teacher} (and each bias alone), top-M and
+    full-vocabulary KL."""
     inputs, target = make_inputs(8, 8, 29, bias=True, seed=5)
-    _, grads = check(inputs, target, "cpu", torch.float32, requires=requires, top_m=4)
+    _, grads = check(inputs, target, "cpu", torch.float32, requires=requires, top_m=top_m)
     assert set(grads) == requires
 
 
