@@ -7,10 +7,13 @@
 
 TORCH_LIBRARY(lopd, m) {
   // ---- topk_tail_kl (lopd_kernels/topk_tail_kl.py) ----
-  // Forward. top_m == 0 means the full vocabulary (no selection, no tail bucket).
-  // Returns kl[N], student_logprob[N], teacher_logprob[N] (fp32), topk_ids[N,M] (int64),
-  // lse[N,2] (fp32 log-sum-exp of student/T and teacher/T), bucket_logp[N,2,M+1] (fp32 log P_b,
-  // log Q_b; index M is the tail). Rows whose target == ignore_index are all zeros.
+  // Forward. top_m == 0 means the full vocabulary (no selection, no tail bucket); else
+  // 1 <= top_m < V. Logits [N, V] fp32/bf16/fp16 (the two may differ), math in fp32.
+  // Returns kl[N], student_logprob[N], teacher_logprob[N] (fp32), topk_ids[N,M] (int64, by
+  // descending teacher logit, ties to the lower id), lse[N,2] (fp32 log-sum-exp of student/T and
+  // teacher/T), bucket_logp[N,2,M+1] (fp32 log P_b, log Q_b in topk_ids order; index M is the
+  // tail; with top_m == 0 it holds 0, 0: one bucket of mass 1). Rows whose
+  // target == ignore_index are all zeros; other targets must lie in [0, V).
   m.def(
       "topk_tail_kl_fwd(Tensor student_logits, Tensor teacher_logits, Tensor target_ids, "
       "int top_m, float temperature, bool reverse, int ignore_index) -> "
@@ -18,7 +21,7 @@ TORCH_LIBRARY(lopd, m) {
       "Tensor bucket_logp)");
   // Backward. grad_teacher_logprob already includes the privilege's upstream gradient.
   // Returns grad_student [N,V], grad_teacher [N,V] in the logits' dtypes; a side whose
-  // *_requires_grad is false gets an empty tensor of shape [0].
+  // *_requires_grad is false gets an empty float32 tensor of shape [0].
   m.def(
       "topk_tail_kl_bwd(Tensor grad_kl, Tensor grad_student_logprob, Tensor grad_teacher_logprob, "
       "Tensor student_logits, Tensor teacher_logits, Tensor target_ids, Tensor topk_ids, "

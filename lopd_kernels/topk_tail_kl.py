@@ -454,7 +454,7 @@ def _resolve_backend(backend: str, device: torch.device, fp64: bool, top_m: int)
         if device.type == "cuda":
             if _HAS_CUDA_KERNEL:
                 return "cuda"
-            if triton_available() and top_m <= _triton_max_top_m():
+            if top_m <= _cuda_triton_max_top_m():
                 return "triton"
         return "torch"
     if backend == "torch":
@@ -488,12 +488,26 @@ def _resolve_backend(backend: str, device: torch.device, fp64: bool, top_m: int)
     return backend
 
 
-def _triton_max_top_m() -> int:
-    try:
-        from lopd_kernels.triton.topk_tail_kl import MAX_TOP_M
-    except ImportError:
-        return -1
-    return MAX_TOP_M
+_TRITON_MAX_TOP_M: list[int] = []
+
+
+@torch.compiler.assume_constant_result
+def _cuda_triton_max_top_m() -> int:
+    """Largest ``top_m`` the Triton kernels take on this machine (-1: no Triton), looked up once.
+
+    ``torch.compile`` treats the result as a constant instead of tracing the lazy import.
+    """
+    if not _TRITON_MAX_TOP_M:
+        value = -1
+        if triton_available():
+            try:
+                from lopd_kernels.triton.topk_tail_kl import MAX_TOP_M
+
+                value = MAX_TOP_M
+            except ImportError:
+                pass
+        _TRITON_MAX_TOP_M.append(value)
+    return _TRITON_MAX_TOP_M[0]
 
 
 def topk_tail_kl(

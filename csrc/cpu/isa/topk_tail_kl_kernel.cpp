@@ -401,8 +401,12 @@ void bwd_full_row(const TS* s, const TT* t, TS* gs, TT* gt, int64_t V, float lse
     const float lt = math::log_normalize(static_cast<float>(t[i]) * inv, lse_t);
     float cs, ct;
     math::bucket_grad_coefs(ls, lt, kl, reverse, u_kl, &cs, &ct);
-    if (gs != nullptr) gs[i] = static_cast<TS>(math::entry_grad(std::exp(ls), cs, u_ls, is_target, inv));
-    if (gt != nullptr) gt[i] = static_cast<TT>(math::entry_grad(std::exp(lt), ct, u_lt, is_target, inv));
+    if (gs != nullptr) {
+      gs[i] = static_cast<TS>(math::entry_grad(std::exp(ls), cs, u_ls, is_target, inv));
+    }
+    if (gt != nullptr) {
+      gt[i] = static_cast<TT>(math::entry_grad(std::exp(lt), ct, u_lt, is_target, inv));
+    }
   };
   for (; j < V; ++j) scalar(j, false);
   scalar(tgt, true);
