@@ -451,3 +451,12 @@ def test_sentence_transformer_embedder_matches_hidden_state_pooling(tiny_lm, tmp
     bank = _bank_of_tasks(tmp_path / "bank", [make_task(i) for i in range(4)])
     r = Retriever(bank, st, index="cpu")
     assert [e.task_id != make_task(0).task_id for e in r.retrieve(make_task(0), k=3)] == [True] * 3
+
+
+def test_empty_bank_round_trips_and_retrieves_nothing(tiny_lm, tmp_path):
+    model, tokenizer = tiny_lm
+    r = Retriever(ExperienceBank(tmp_path), HiddenStateEmbedder(model, tokenizer), index="cpu")
+    r.precompute_queries([make_task(0)])
+    r.save()
+    loaded = Retriever.load(ExperienceBank(tmp_path), index="cpu")
+    assert len(loaded) == 0 and loaded.retrieve(make_task(0), k=3) == []
