@@ -117,13 +117,26 @@ def test_cli_reports_a_bad_value_before_loading_anything(tmp_path):
     assert time.perf_counter() - t0 < 60
 
 
+# ----------------------------------------------------------------------------- CLI runs
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("smoke") / "run"
+    t0 = time.perf_counter()
+    res = subprocess.run(
+        _train_cmd(run_dir), capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return run_dir, res, time.perf_counter() - t0
+
+
 # ----------------------------------------------------------------------------- gradients
 @pytest.fixture(scope="module")
-def trainer(tmp_path_factory):
+def trainer(smoke_run):
+    """A trainer set up on the smoke run's directory (its bank and cold start are reused)."""
     from lopd.trainer import Trainer
 
     torch.set_num_threads(1)
-    run_dir = tmp_path_factory.mktemp("grad")
+    run_dir, _, _ = smoke_run
     cfg = load_config("smoke", overrides=[f"run_dir={run_dir}"])
     tr = Trainer(cfg, progress=False)
     tr.setup()
@@ -163,7 +176,7 @@ def test_teacher_mode_is_the_pure_base_model(trainer):
 
     tr = trainer
     fresh, _ = load_model()
-    ids = torch.tensor([tr.train_tasks and tr.bank_trajectories[0].input_ids[:64]])
+    ids = torch.tensor([tr.bank_trajectories[0].input_ids[:64]])
     with torch.no_grad():
         for n, p in tr.composer.named_parameters():
             if "lora_B" in n:
@@ -174,18 +187,6 @@ def test_teacher_mode_is_the_pure_base_model(trainer):
         ref = fresh(input_ids=ids).logits
     torch.testing.assert_close(teacher, ref)  # ... but not the teacher
     assert not torch.allclose(encoder, ref, atol=1e-4)
-
-
-# ----------------------------------------------------------------------------- CLI runs
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("smoke") / "run"
-    t0 = time.perf_counter()
-    res = subprocess.run(
-        _train_cmd(run_dir), capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return run_dir, res, time.perf_counter() - t0
 
 
 def test_smoke_run_end_to_end(smoke_run):
