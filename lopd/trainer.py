@@ -60,7 +60,7 @@ from lopd.injection import (
     inject_latents,
     pad_batch,
 )
-from lopd.loss import advantages_from_rewards, dual_update, lopd_loss
+from lopd.loss import advantages_from_rewards, dual_update, lopd_loss, segment_mean
 from lopd.types import Task, TraceStep, Trajectory
 
 __all__ = [
@@ -217,7 +217,6 @@ class LOPDMethod(Method):
         cfg = trainer.cfg.lopd
         device = trainer.device
         where = ActionRows.of(trajectories, device)
-        t0 = time.perf_counter()
         latents = trainer.compose([t.task for t in trajectories])
         latents0 = trainer.cached_latents0([t.task for t in trajectories])
         sequences = [trainer.teacher_sequence(t) for t in trajectories]
@@ -246,8 +245,6 @@ class LOPDMethod(Method):
             num_total=num_total,
         )
         with torch.no_grad():
-            from lopd.loss import segment_mean
-
             b = len(trajectories)
             sums = {
                 "kl": float(terms.distill.sum()),
@@ -262,7 +259,6 @@ class LOPDMethod(Method):
                     segment_mean(out.teacher_logprob.detach(), where.batch, b).sum()
                 ),
                 "action_tokens": float(where.rows.numel()),
-                "seconds_forward": (time.perf_counter() - t0) * b,
             }
         return terms.loss, sums
 
@@ -729,8 +725,6 @@ class Trainer:
         )  # fmt: skip
         logits = _lm_head(self.composer.backbone)(h).float()
         nll = torch.nn.functional.cross_entropy(logits, where.targets, reduction="none")
-        from lopd.loss import segment_mean
-
         return segment_mean(nll, where.batch, len(trajs)).sum() / batch_size
 
     # -------------------------------------------------------------- evaluation
@@ -886,7 +880,6 @@ class Trainer:
             seconds_loss_backward=t_backward,
             seconds_step=time.perf_counter() - t_start,
         )
-        metrics.pop("seconds_forward", None)
         return metrics
 
     def _global_rollouts(self) -> int:

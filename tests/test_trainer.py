@@ -117,7 +117,6 @@ def test_cli_reports_a_bad_value_before_loading_anything(tmp_path):
     assert time.perf_counter() - t0 < 60
 
 
-# ----------------------------------------------------------------------------- CLI runs
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("smoke") / "run"
@@ -189,6 +188,37 @@ def test_teacher_mode_is_the_pure_base_model(trainer):
     assert not torch.allclose(encoder, ref, atol=1e-4)
 
 
+def test_checkpointed_teacher_recomputes_with_the_adapter_disabled(trainer):
+    """The checkpointed teacher forward must re-enter teacher_mode in its recompute."""
+    from lopd.trainer import ActionRows, teacher_action_hidden
+
+    tr = trainer
+    trajs = tr.bank_trajectories[:2]
+    where = ActionRows.of(trajs, tr.device)
+    seqs = [tr.teacher_sequence(t) for t in trajs]
+    with torch.no_grad():
+        for n, p in tr.composer.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.05)  # a non-zero adapter: recomputing with it on would change dK, dV
+    results = []
+    for checkpointed in (False, True):
+        for p in tr.composer.parameters():
+            p.grad = None
+        h = teacher_action_hidden(
+            tr.composer, seqs, tr.compose([t.task for t in trajs]), where, tr.pad_id,
+            checkpointed=checkpointed,
+        )  # fmt: skip
+        h.pow(2).mean().backward()
+        grads = {n: p.grad.clone() for n, p in tr.composer.named_parameters() if p.grad is not None}
+        results.append((h.detach(), grads))
+    (h0, g0), (h1, g1) = results
+    torch.testing.assert_close(h1, h0)
+    assert g0.keys() == g1.keys() and any("lora_B" in n for n in g0)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+# ----------------------------------------------------------------------------- CLI runs
 def test_smoke_run_end_to_end(smoke_run):
     run_dir, res, seconds = smoke_run
     summary = json.loads((run_dir / "summary.json").read_text())
