@@ -73,20 +73,21 @@ _KEY_PAD = tl.constexpr(2**63 - 1)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Launch defaults for a GPU (H100/H200 class), chosen from ptxas register counts for sm_90
-# (not yet timed on a GPU): the top-M forward at 2048 x 8 warps takes ~95 registers (M <= 64),
-# so two programs share an SM while each has its next block in flight; the backward and the
-# full-vocabulary forward at 4096 x 8 take <= 128. Tests pass small blocks to the interpreter.
+# Launch defaults for a GPU (H100/H200 class), chosen from ptxas register counts for sm_90 with
+# the 16-divisible pointers/strides/V Triton specializes on (128-bit loads); not yet timed on a
+# GPU. Top-M forward, 2048 x 8 warps: 74 registers (M <= 64), three programs per SM, each with
+# its next block in flight. Full-vocabulary forward, 4096 x 8: 80. Backward, 2048 x 8: 52.
+# Tests pass small blocks to the interpreter.
 _FWD_BLOCK_V = 2048
 _FULL_BLOCK_V = 4096
 _FWD_WARPS = 8
 # Sequential inserts cost one block reduction each; a bitonic merge of a block costs about a
-# dozen, but its network takes ~80 more registers per thread (lower occupancy) and ~20 s to
-# compile. The first block takes M + 1 inserts, later ones about M / k: the merge pays off for
-# large M only.
+# dozen, but its network triples the registers (232 vs 73 at M = 64: one program per SM instead
+# of three) and takes 20-30 s to compile. The first block takes M + 1 inserts, block k about
+# M / k more: the merge pays off for large M only.
 _FWD_BULK_TOP_M = 64
 _FWD_BULK_MIN = 12
-_BWD_BLOCK_V = 4096
+_BWD_BLOCK_V = 2048
 _BWD_WARPS = 8
 
 
