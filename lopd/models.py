@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import fcntl
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -45,7 +45,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -241,10 +241,15 @@ class TinyBuildConfig:
         hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim: Qwen3
             architecture of the model.
         min_count: tokenizer piece frequency threshold.
-        sft_tasks: train-split tasks used as demonstrations (``None``: all).
-        sft_steps: optimizer steps of the warm start.
+        calib_tasks: train-split tasks held back from the demonstrations; the warm start stops
+            at the first check where their mean reward reaches ``target_reward`` (``0``: no
+            stopping rule, run all ``sft_steps``).
+        target_reward: the stopping threshold (the held-out target range is 0.2-0.6).
+        check_every: optimizer steps between two stopping checks.
+        sft_tasks: train-split tasks used as demonstrations (``None``: all not held back).
+        sft_steps: maximum optimizer steps of the warm start.
         batch_size: demonstrations per step.
-        lr: peak AdamW learning rate (linear warmup, cosine decay).
+        lr: peak AdamW learning rate (linear warmup, then constant).
         eval_tasks: held-out test tasks rolled out to measure the reward after the build
             (``0`` skips the evaluation).
         threads: torch CPU threads during the build (pinned for bitwise reproducibility).
@@ -258,8 +263,11 @@ class TinyBuildConfig:
     num_kv_heads: int = 2
     head_dim: int = 32
     min_count: int = 2
+    calib_tasks: int = 60
+    target_reward: float = 0.35
+    check_every: int = 60
     sft_tasks: int | None = None
-    sft_steps: int = 400
+    sft_steps: int = 1500
     batch_size: int = 16
     lr: float = 3e-3
     eval_tasks: int = 120
@@ -323,15 +331,29 @@ def sft(
     lr: float,
     seed: int,
     log_every: int = 50,
+    check_every: int = 0,
+    should_stop: Callable[[int], bool] | None = None,
 ) -> list[float]:
     """Supervised fine-tuning on demonstrations, loss on action tokens only.
 
     Labels are the action-masked input ids (the model's causal shift makes token ``n`` predict
     ``n + 1``), so the loss covers exactly what a rollout samples. Batches are drawn from a
-    per-epoch shuffle seeded by ``seed``.
+    per-epoch shuffle seeded by ``seed``. AdamW with a linear warmup over the first 5% of the
+    steps, then a constant learning rate (the run may be stopped early, so no decay).
+
+    Args:
+        model: the causal LM (trained in place; left in eval mode).
+        demos: the demonstrations.
+        steps: maximum optimizer steps.
+        batch_size: demonstrations per step.
+        lr: peak learning rate.
+        seed: data-order seed.
+        log_every: print the mean loss every this many steps (``0``: silent).
+        check_every: call ``should_stop(step)`` every this many steps (``0``: never).
+        should_stop: ``step -> bool``; ``True`` ends the run after that step.
 
     Returns:
-        The loss of every step.
+        The loss of every step taken.
     """
     if not demos:
         raise ValueError("demos is empty")
@@ -339,18 +361,12 @@ def sft(
     pad_id = model.config.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = max(1, steps // 20)
-
-    def schedule(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
     model.train()
     order: list[int] = []
     losses = []
     t0 = time.perf_counter()
-    for step in range(steps):
+    for step in range(1, steps + 1):
         if len(order) < batch_size:
             perm = list(range(len(demos)))
             rng.shuffle(perm)
@@ -365,12 +381,17 @@ def sft(
         opt.step()
         sched.step()
         losses.append(float(loss.detach()))
-        if log_every and (step + 1) % log_every == 0:
+        if log_every and step % log_every == 0:
             print(
-                f"  sft step {step + 1}/{steps}  loss {sum(losses[-log_every:]) / log_every:.4f}"
+                f"  sft step {step}/{steps}  loss {sum(losses[-log_every:]) / log_every:.4f}"
                 f"  ({time.perf_counter() - t0:.0f}s)",
                 flush=True,
             )
+        if check_every and should_stop is not None and step % check_every == 0:
+            stop = should_stop(step)
+            model.train()
+            if stop:
+                break
     model.eval()
     return losses
 
@@ -416,8 +437,9 @@ def build_tiny(
         tokenizer = build_tokenizer(tool_use_corpus(train), cfg.min_count)
         log(f"tokenizer: {len(tokenizer)} tokens")
         rng = random.Random(cfg.seed)
-        sft_tasks = list(train)
-        rng.shuffle(sft_tasks)
+        shuffled = list(train)
+        rng.shuffle(shuffled)
+        calib, sft_tasks = shuffled[: cfg.calib_tasks], shuffled[cfg.calib_tasks :]
         if cfg.sft_tasks is not None:
             sft_tasks = sft_tasks[: cfg.sft_tasks]
         demos = [demonstration(tokenizer, t) for t in sft_tasks]
@@ -430,7 +452,27 @@ def build_tiny(
         model = Qwen3ForCausalLM(tiny_model_config(tokenizer, cfg))
         num_params = sum(p.numel() for p in model.parameters())
         log(f"model: Qwen3ForCausalLM, {num_params / 1e6:.2f} M parameters")
-        sft(model, demos, cfg.sft_steps, cfg.batch_size, cfg.lr, cfg.seed, 50 if verbose else 0)
+        history: list[dict[str, float]] = []
+
+        def should_stop(step: int) -> bool:
+            # Held-back train tasks, never the test split: the reported held-out reward is not
+            # used for the decision.
+            r = evaluate_reward(model, tokenizer, calib, seed=cfg.seed)
+            history.append({"step": step, "calib_reward": r})
+            log(f"  step {step}: reward on {len(calib)} held-back train tasks {r:.3f}")
+            return r >= cfg.target_reward
+
+        losses = sft(
+            model,
+            demos,
+            cfg.sft_steps,
+            cfg.batch_size,
+            cfg.lr,
+            cfg.seed,
+            log_every=20 if verbose else 0,
+            check_every=cfg.check_every if calib else 0,
+            should_stop=should_stop,
+        )
         digest = weights_hash(model)
         reward = None
         if cfg.eval_tasks:
@@ -443,6 +485,9 @@ def build_tiny(
             "heldout_reward": reward,
             "heldout_tasks": cfg.eval_tasks,
             "num_params": num_params,
+            "sft_steps_taken": len(losses),
+            "final_loss": losses[-1],
+            "calibration": history,
             "seconds": round(seconds, 1),
             "config": cfg.to_dict(),
             "torch": torch.__version__,
@@ -464,6 +509,10 @@ def save_tiny(model: Any, tokenizer: Any, out: str | Path, info: dict[str, Any])
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
+        # mkdtemp creates a private directory; the asset is meant to be readable by everyone.
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -480,9 +529,16 @@ def _ensure_tiny(seed: int = 0) -> Path:
     if (TINY_ASSET_DIR / "config.json").exists():
         return TINY_ASSET_DIR
     cached = default_cache_dir() / f"tiny-qwen3-seed{seed}"
-    if not (cached / "config.json").exists():
-        print(f"lopd: shipped tiny model missing; building it into {cached}", file=sys.stderr)
-        build_tiny(TinyBuildConfig(seed=seed), out=cached)
+    if (cached / "config.json").exists():
+        return cached
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    # Concurrent first uses (parallel test workers, several jobs) build once: the others wait on
+    # the lock and then find the finished directory (save_tiny renames it into place).
+    with open(cached.parent / f"{cached.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (cached / "config.json").exists():
+            print(f"lopd: shipped tiny model missing; building it into {cached}", file=sys.stderr)
+            build_tiny(TinyBuildConfig(seed=seed), out=cached)
     return cached
 
 

@@ -29,6 +29,7 @@ fixed order.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -176,14 +177,18 @@ def _generate_turn(
     cache = DynamicCache()
     step_ids, step_pos = input_ids, position_ids
     for t in range(max(budgets)):
-        logits = model(
-            input_ids=step_ids,
-            attention_mask=attn,
-            position_ids=step_pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1, :]
+        with warnings.catch_warnings():
+            # transformers >= 5.2x renames ``past_key_values`` to ``cache``; the old name keeps
+            # working with every supported version (and with wrappers that take it by name).
+            warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
+            logits = model(
+                input_ids=step_ids,
+                attention_mask=attn,
+                position_ids=step_pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1, :]
         tok = sample_next_token(logits, gen.temperature, gen.top_k, gen.top_p, generator)
         for r, tid in zip(rows.tolist(), tok.tolist()):
             out[r].append(tid)
