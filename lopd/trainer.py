@@ -178,6 +178,7 @@ class Method:
 
     name = ""
     uses_composer = True
+    uses_bank = False  # build the experience bank even without a composer (text baselines)
 
     def loss(
         self, trainer: Trainer, trajectories: Sequence[Trajectory], num_total: int
@@ -190,6 +191,15 @@ class Method:
         """Called after the optimizer step with the step's global metric means; returns extra
         metrics to log."""
         return {}
+
+    def rollouts(self, trainer: Trainer, step: int) -> list[Trajectory]:
+        """This rank's training rollouts of step ``step``: by default one student rollout of
+        each of ``trainer.step_tasks(step)``; group methods (GRPO, SDPO) override it."""
+        return trainer.generate(
+            trainer.student,
+            trainer.step_tasks(step),
+            seed=_mix_seed(trainer.cfg.seed, 6, step, trainer.rank),
+        )
 
 
 METHODS: dict[str, Callable[[], Method]] = {}
@@ -389,6 +399,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, resume: bool = False, progress: bool = True) -> None:
         cfg.validate()
+        import lopd.baselines  # noqa: F401  (registers the baseline methods in METHODS)
+
         if cfg.lopd.method not in METHODS:
             raise ConfigError(
                 f"lopd.method must be one of {sorted(METHODS)}, got {cfg.lopd.method!r}"
@@ -824,10 +836,7 @@ class Trainer:
         """One iteration of Algorithm 1 (all ranks)."""
         cfg = self.cfg.lopd
         t_start = time.perf_counter()
-        tasks = self.step_tasks(step)
-        trajs = self.generate(
-            self.student, tasks, seed=_mix_seed(self.cfg.seed, 6, step, self.rank)
-        )
+        trajs = self.method.rollouts(self, step)
         t_rollout = time.perf_counter() - t_start
         self.opt_student.zero_grad(set_to_none=True)
         if self.opt_composer is not None:
@@ -943,8 +952,9 @@ class Trainer:
         """Bank -> cold start -> vanilla eval -> LOPD -> final eval; returns ``summary.json``."""
         self._t_session = time.perf_counter()
         self.setup()
-        if self.method.uses_composer:
+        if self.method.uses_composer or self.method.uses_bank:
             self.build_bank()
+        if self.method.uses_composer:
             self.build_composer()
             self.cold_start()
         self._make_optimizers()

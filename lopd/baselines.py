@@ -1,0 +1,1 @@
+"""Baseline training objectives registered in :data:`lopd.trainer.METHODS`."""
