@@ -227,7 +227,7 @@ class LOPDMethod(Method):
         cfg = trainer.cfg.lopd
         device = trainer.device
         where = ActionRows.of(trajectories, device)
-        latents = trainer.compose([t.task for t in trajectories])
+        latents = self.latents(trainer, [t.task for t in trajectories])
         latents0 = trainer.cached_latents0([t.task for t in trajectories])
         sequences = [trainer.teacher_sequence(t) for t in trajectories]
         h_t = teacher_action_hidden(
@@ -271,6 +271,10 @@ class LOPDMethod(Method):
                 "action_tokens": float(where.rows.numel()),
             }
         return terms.loss, sums
+
+    def latents(self, trainer: Trainer, tasks: Sequence[Task]) -> torch.Tensor:
+        """The teacher's latent context c_phi, ``[B, J*K, d]`` (ablations override it)."""
+        return trainer.compose(tasks)
 
     def after_step(self, trainer: Trainer, means: dict[str, float]) -> dict[str, float]:
         cfg = trainer.cfg.lopd
