@@ -40,6 +40,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -584,6 +585,10 @@ class Trainer:
         traj_file = bank_dir / "trajectories.jsonl"
         done_file = bank_dir / "DONE"
         if self.is_main and not done_file.exists():
+            # A bank left half-built by a killed run is rebuilt from scratch (same seed, same
+            # rollouts), so the bank and its trajectory file never mix two sessions.
+            if bank_dir.exists():
+                shutil.rmtree(bank_dir)
             t0 = time.perf_counter()
             bank = ExperienceBank(bank_dir, min_reward=self.cfg.bank.min_reward)
             reps = [t for t in self.train_tasks for _ in range(self.cfg.bank.rollouts_per_task)]
