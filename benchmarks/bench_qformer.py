@@ -6,7 +6,9 @@ module weights; the baseline is :func:`lopd_kernels.qformer.straightforward_qfor
 ``padded=True`` (items padded to T_max with a key-padding mask, LN/K/V of H recomputed in every
 layer, SDPA), i.e. what BLIP-2 / open_flamingo / perceiver-pytorch do.
 
-Time: median wall time of full forward + backward passes (parameter and dH gradients).
+Time: median wall time of full forward + backward passes (parameter and dH gradients), one
+torch thread by default (``--threads``): on a shared 2-core box, OpenMP threads that get
+descheduled make many small parallel ops spin, which distorts both sides.
 Memory: **saved activation bytes**, counted with ``torch.autograd.graph.saved_tensors_hooks``
 during the timed passes -- the distinct storages autograd keeps for the backward, parameters
 excluded. (Peak RSS via ``benchmarks.common.peak_rss_bytes`` is available with ``--rss``: it
@@ -99,10 +101,10 @@ def measure(name: str, reps: int, warmup: int) -> tuple[float, int]:
     return statistics.median(times), sum(storages.values())
 
 
-def measure_rss(name: str) -> int:
+def measure_rss(name: str, threads: int) -> int:
     """Peak RSS increase of one fwd+bwd pass in a fresh process (bytes)."""
     setup = "from benchmarks.bench_qformer import make_inputs, STEPS\nargs = make_inputs()\n"
-    before, peak = peak_rss_bytes(setup, f"STEPS[{name!r}](*args)\n")
+    before, peak = peak_rss_bytes(setup, f"STEPS[{name!r}](*args)\n", threads=threads)
     return peak - before
 
 
@@ -111,15 +113,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="timed passes of the fused module")
     parser.add_argument("--baseline-reps", type=int, default=2, help="timed baseline passes")
     parser.add_argument("--rss", action="store_true", help="also measure peak RSS per side")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for both sides (1: stable timings on a shared machine)",
+    )
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
 
     fused_s, fused_mem = measure("fused", args.reps, warmup=1)
     base_s, base_mem = measure("straightforward_padded", args.baseline_reps, warmup=0)
     speedup, mem_ratio = base_s / fused_s, fused_mem / base_mem
     extra = {"memory_metric": "saved_tensors_hooks activation bytes"}
     if args.rss:
-        extra["fused_peak_rss_delta"] = measure_rss("fused")
-        extra["baseline_peak_rss_delta"] = measure_rss("straightforward_padded")
+        extra["fused_peak_rss_delta"] = measure_rss("fused", args.threads)
+        extra["baseline_peak_rss_delta"] = measure_rss("straightforward_padded", args.threads)
     record("qformer", "fused", SHAPES, fused_s, fused_mem, speedup=speedup, **extra)
     record("qformer", "straightforward_padded", SHAPES, base_s, base_mem, **extra)
 
@@ -136,12 +145,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def test_qformer_fused(benchmark):
+    torch.set_num_threads(1)
     module, hidden, cu = make_inputs()
     benchmark.pedantic(step_fused, args=(module, hidden, cu), rounds=3, warmup_rounds=1)
     record("qformer", "fused[pytest-benchmark]", SHAPES, benchmark.stats.stats.median)
 
 
 def test_qformer_straightforward(benchmark):
+    torch.set_num_threads(1)
     module, hidden, cu = make_inputs()
     benchmark.pedantic(step_straightforward, args=(module, hidden, cu), rounds=2)
     record(

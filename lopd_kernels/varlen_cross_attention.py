@@ -267,9 +267,11 @@ def _cpu_bwd(
     """
     batch, lq, _, _ = q.shape
     hkv = k.shape[1]
-    dq = torch.zeros_like(q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
+    dq = torch.zeros_like(q)  # [B, Lq, Hq, D]: small; rows of empty items stay 0
+    # Every key row belongs to exactly one item (cu_seqlens_k runs from 0 to total_k), so dk and
+    # dv are fully overwritten: no zero-fill of two [total_k, Hkv, D] buffers per layer.
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
     fused = q.device.type == "cpu" and not bool(grad_lse.any())
     if not fused:
         delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2) - grad_lse.float()
