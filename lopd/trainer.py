@@ -767,7 +767,12 @@ class Trainer:
                 trajs = self._rollout_with_latents(self.test_tasks, seed, temp)
             else:
                 trajs = self.generate(
-                    self.student, self.test_tasks, seed, temperature=temp, count=False
+                    self.student,
+                    self.test_tasks,
+                    seed,
+                    temperature=temp,
+                    count=False,
+                    progress=self.progress,
                 )
             result = summarize(trajs)
             result["seconds"] = time.perf_counter() - t0
@@ -811,7 +816,13 @@ class Trainer:
         with self.composer.teacher_mode() as backbone:
             lm = LatentConditionedLM(backbone, prompts, latents, starts)
             return self.generate(
-                lm, tasks, seed, temperature=temperature, count=False, make_env=env_factory
+                lm,
+                tasks,
+                seed,
+                temperature=temperature,
+                count=False,
+                make_env=env_factory,
+                progress=self.progress,
             )
 
     # -------------------------------------------------------------- phase 3: joint training
