@@ -294,14 +294,22 @@ def test_one_side_gradient(grads):
     _run_and_check(s, t, target, 20, 1.7, True, 32, grads=grads)
 
 
-def test_strided_rows():
-    """Rows of a wider buffer (row stride > V) are read in place, not copied wrongly."""
+@pytest.mark.parametrize("m", [20, 0], ids=["M20", "full"])
+def test_strided_rows_and_no_out_of_bounds_reads(m):
+    """Rows of a wider buffer (row stride > V) are read in place; the buffer around them holds
+    NaN, so a read past a row's V entries (or before/after the rows) would poison the outputs."""
     gen = torch.Generator().manual_seed(5)
-    s = torch.randn(3, 130, generator=gen)[:, :97]
-    t = torch.randn(3, 160, generator=gen)[:, 5:102]
-    assert s.stride(0) != 97 and t.stride(0) != 97
+    n, v = 3, 97
+
+    def canary(width, offset):
+        buf = torch.full((n + 2, width), float("nan"))
+        buf[1 : n + 1, offset : offset + v] = torch.randn(n, v, generator=gen)
+        return buf[1 : n + 1, offset : offset + v]
+
+    s, t = canary(130, 0), canary(160, 5)
+    assert s.stride(0) != v and t.stride(0) != v
     target = torch.tensor([0, 96, 50])
-    _run_and_check(s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), 20, 0.7, False, 32)
+    _run_and_check(s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), m, 0.7, False, 32)
 
 
 def test_empty_batch():
