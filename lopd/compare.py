@@ -1,0 +1,537 @@
+"""``python -m lopd.compare``: LOPD against its baselines and ablations at equal rollout budgets.
+
+Runs every method of :mod:`lopd.baselines` (and LOPD) on the embedded tool-use world over several
+seeds with the same model, tasks, optimizer, evaluation and rollout budget, then writes to
+``--out``:
+
+* ``report.md``: a table of held-out reward (mean +- stderr over seeds, per-seed values, n) per
+  method and the answers to the paper's three claims in miniature: does LOPD beat each baseline at
+  equal budget; what fraction of GRPO's rollouts LOPD needs to reach GRPO's final reward; does
+  m = 0 fall below the frozen composer.
+* ``learning_curve.png``: held-out reward against generated rollouts (mean over seeds).
+* ``results.json``: every run's summary and curve; ``runs/<method>-seed<k>/``: the run directories.
+
+Usage::
+
+    python -m lopd.compare                          # default comparison (6 methods x 3 seeds)
+    python -m lopd.compare --quick                  # seconds-scale plumbing run (tests)
+    python -m lopd.compare --seeds 0 1 --methods lopd grpo --out runs/cmp data.n_test=32
+
+Equal budgets. Every generated rollout counts (:attr:`lopd.trainer.Trainer.rollouts`), the
+experience bank's base-model rollouts included: methods that build a bank (LOPD and its
+ablations, OPSD) train for ``(budget - bank) / tasks_per_step`` steps, the others (GRPO, SDPO) for
+``budget / tasks_per_step`` steps, so all end at the same count. Evaluation rollouts (greedy, on
+the held-out split) do not count. Held-out rewards are measured, never used to pick anything.
+
+Shared phases. For one seed the bank, the composer cold start and the vanilla evaluation are the
+same computation for every method (same seed, base model and tasks), so they are run once (by the
+first method that needs them) and copied into the other run directories, where the trainer loads
+them; the bank's rollouts still count toward every method's budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ALL_METHODS", "CompareSettings", "main", "run_method", "settings_for", "write_report"]
+
+ALL_METHODS = ("lopd", "grpo", "opsd", "sdpo", "lopd-frozen", "lopd-m0")
+"""Every comparable method; bank-building ones come first within a seed (they share the bank)."""
+
+_RUN_ORDER = ("lopd", "lopd-frozen", "lopd-m0", "opsd", "grpo", "sdpo")
+_BANK_METHODS = {"lopd", "lopd-frozen", "lopd-m0", "opsd"}
+_COMPOSER_METHODS = {"lopd", "lopd-frozen", "lopd-m0"}
+
+
+@dataclass
+class CompareSettings:
+    """One comparison's shared configuration.
+
+    Attributes:
+        preset: base preset of :mod:`lopd.config`.
+        overrides: ``section.field=value`` applied to every run (before the per-method ones).
+        budget: generated rollouts per run (bank included).
+        eval_every: held-out evaluation every this many training steps (learning-curve points).
+    """
+
+    preset: str
+    overrides: list[str] = field(default_factory=list)
+    budget: int = 0
+    eval_every: int = 0
+
+
+def settings_for(quick: bool) -> CompareSettings:
+    """The default comparison, or the ``--quick`` plumbing run.
+
+    Default (sized for <= 60 minutes for 6 methods x 3 seeds on 2 CPU cores): the ``default``
+    preset with 24 train / 16 held-out tasks, 4 environment steps of <= 32 tokens, one bank
+    rollout per train task (24), 30 cold-start steps, 8 rollouts per step and a budget of 120
+    rollouts (LOPD: 12 steps, GRPO: 15 steps), evaluated every 3 steps (every 24 rollouts).
+
+    Quick: the ``smoke`` preset with 8 train / 4 held-out tasks, 4 rollouts per step and a budget
+    of 16 (LOPD: 2 steps, GRPO: 4 steps); nothing converges, every code path runs.
+    """
+    if quick:
+        return CompareSettings(
+            preset="smoke",
+            overrides=[
+                "data.n_train=8",
+                "data.n_test=4",
+                "lopd.tasks_per_step=4",
+                "lopd.micro_batch=4",
+                "eval.with_composer=false",
+                "checkpoint_every=0",
+                "log_every=1000",
+            ],
+            budget=16,
+            eval_every=2,
+        )
+    return CompareSettings(
+        preset="default",
+        overrides=[
+            "data.n_train=24",
+            "data.n_test=16",
+            "gen.max_new_tokens=32",
+            "gen.max_steps=4",
+            "bank.rollouts_per_task=1",
+            "cold_start.steps=30",
+            "lopd.tasks_per_step=8",
+            "lopd.micro_batch=8",
+            "eval.with_composer=false",
+            "checkpoint_every=0",
+            "log_every=1000",
+        ],
+        budget=120,
+        eval_every=3,
+    )
+
+
+def _config(settings: CompareSettings, method: str, seed: int, run_dir: Path, steps: int) -> Any:
+    from lopd.config import load_config
+
+    cfg = load_config(
+        settings.preset,
+        overrides=[
+            *settings.overrides,
+            f"lopd.method={method}",
+            f"seed={seed}",
+            f"run_dir={json.dumps(str(run_dir))}",
+            f"lopd.steps={steps}",
+            f"eval.every={settings.eval_every}",
+        ],
+    )
+    cfg.validate()
+    return cfg
+
+
+def _steps_for(settings: CompareSettings, method: str) -> tuple[int, int]:
+    """``(steps, bank_rollouts)`` that spend ``settings.budget`` rollouts with ``method``."""
+    cfg = _config(settings, "lopd", 0, Path("."), 0)
+    tps = cfg.lopd.tasks_per_step
+    bank = cfg.data.n_train * cfg.bank.rollouts_per_task if method in _BANK_METHODS else 0
+    if settings.budget <= bank:
+        raise ValueError(
+            f"budget={settings.budget} does not exceed the {bank} bank rollouts of {method!r}"
+        )
+    return (settings.budget - bank) // tps, bank
+
+
+def _share(sources: Sequence[Path], dst: Path, method: str) -> None:
+    """Copy the seed's shared phases from earlier run directories (see the module docstring)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    names = ["eval_vanilla.json"]
+    if method in _BANK_METHODS:
+        names.append("bank")
+    if method in _COMPOSER_METHODS:
+        names += ["phi0.pt", "latents0.pt"]
+    for name in names:
+        d = dst / name
+        # A directory (the bank) is complete only once its DONE marker exists.
+        done = [
+            s / name
+            for s in sources
+            if (s / name / "DONE" if name == "bank" else s / name).exists()
+        ]
+        if not done or d.exists():
+            continue
+        if done[0].is_dir():
+            shutil.copytree(done[0], d)
+        else:
+            shutil.copy2(done[0], d)
+
+
+def run_method(
+    settings: CompareSettings,
+    method: str,
+    seed: int,
+    out: Path,
+    share_from: Sequence[Path] = (),
+) -> dict[str, Any]:
+    """Train and evaluate one method for one seed; never raises (errors are recorded).
+
+    Returns:
+        ``{"method", "seed", "run_dir", "steps", "rollouts", "vanilla", "final", "curve",
+        "wall_seconds", "error"}``; ``curve`` is ``[[rollouts, held-out reward], ...]``.
+    """
+    from lopd.trainer import Trainer
+
+    run_dir = out / "runs" / f"{method}-seed{seed}"
+    result: dict[str, Any] = {"method": method, "seed": seed, "run_dir": str(run_dir)}
+    t0 = time.perf_counter()
+    try:
+        steps, _ = _steps_for(settings, method)
+        result["steps"] = steps
+        _share(share_from, run_dir, method)
+        trainer = Trainer(_config(settings, method, seed, run_dir, steps), progress=False)
+        try:
+            summary = trainer.run()
+        finally:
+            trainer.close()
+        bank = 0
+        done = run_dir / "bank" / "DONE"
+        if method in _BANK_METHODS and done.exists():
+            bank = int(json.loads(done.read_text())["rollouts"])
+        vanilla = summary["vanilla"]["reward_mean"]
+        curve = [[0, vanilla]] + ([[bank, vanilla]] if bank else [])
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            if "eval_reward_mean" in row:
+                curve.append([int(row["rollouts"]), row["eval_reward_mean"]])
+        curve.append([int(summary["rollouts"]), summary["lopd"]["reward_mean"]])
+        result.update(
+            rollouts=int(summary["rollouts"]),
+            bank_rollouts=bank,
+            vanilla=summary["vanilla"],
+            final=summary["lopd"],
+            curve=curve,
+            error=None,
+        )
+    except Exception as err:  # a failed run is reported, the comparison goes on
+        result.update(error=f"{type(err).__name__}: {err}", trace=traceback.format_exc())
+    result["wall_seconds"] = time.perf_counter() - t0
+    return result
+
+
+def run_seed(
+    settings: CompareSettings, methods: Sequence[str], seed: int, out: Path
+) -> list[dict[str, Any]]:
+    """All methods of one seed, sharing the seed's phases: composer methods first (they produce
+    the bank, phi_0 and c_phi0 the others reuse), then OPSD, then the bank-free methods."""
+    results, sources = [], []
+    for method in sorted(methods, key=_RUN_ORDER.index):
+        res = run_method(settings, method, seed, out, sources)
+        print(_progress_line(res), flush=True)
+        results.append(res)
+        if res["error"] is None:
+            sources.append(Path(res["run_dir"]))
+    return results
+
+
+def _progress_line(res: dict[str, Any]) -> str:
+    head = f"[compare] {res['method']:<12} seed {res['seed']}"
+    if res["error"] is not None:
+        return f"{head}: FAILED ({res['error']})"
+    f = res["final"]
+    return (
+        f"{head}: held-out reward {f['reward_mean']:.3f} +- {f['reward_stderr']:.3f} "
+        f"(n={f['n']}), {res['rollouts']} rollouts, {res['wall_seconds']:.0f} s"
+    )
+
+
+# ------------------------------------------------------------------------------ statistics
+def _mean_se(values: Sequence[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("nan")
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def _by_method(results: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        if r["error"] is None:
+            out.setdefault(r["method"], []).append(r)
+    for runs in out.values():
+        runs.sort(key=lambda r: r["seed"])
+    return out
+
+
+def _mean_curve(runs: Sequence[dict[str, Any]]) -> list[tuple[int, float, float]]:
+    """``(rollouts, mean, stderr)`` over seeds at every rollout count all runs evaluated at."""
+    common = set.intersection(*({x for x, _ in r["curve"]} for r in runs))
+    points = []
+    for x in sorted(common):
+        # The last evaluation at a rollout count is the one after training up to it.
+        ys = [[y for xx, y in r["curve"] if xx == x][-1] for r in runs]
+        mean, se = _mean_se(ys)
+        points.append((x, mean, se))
+    return points
+
+
+def _fmt(mean: float, se: float) -> str:
+    return f"{mean:.3f} ± {se:.3f}" if not math.isnan(se) else f"{mean:.3f}"
+
+
+def _verdict(diff: float, se: float) -> str:
+    if math.isnan(se):
+        return "higher (one seed: no stderr)" if diff > 0 else "no"
+    if diff > 2 * se:
+        return "yes (difference > 2 stderr)"
+    if diff > 0:
+        return "higher, but within 2 stderr (not significant)"
+    return "no"
+
+
+def _paired(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> tuple[float, float, int]:
+    """Mean and stderr of per-seed differences of final held-out reward (seeds in both)."""
+    fa = {r["seed"]: r["final"]["reward_mean"] for r in a}
+    fb = {r["seed"]: r["final"]["reward_mean"] for r in b}
+    seeds = sorted(set(fa) & set(fb))
+    if not seeds:
+        return float("nan"), float("nan"), 0
+    mean, se = _mean_se([fa[s] - fb[s] for s in seeds])
+    return mean, se, len(seeds)
+
+
+def answers(results: Sequence[dict[str, Any]]) -> list[str]:
+    """The three claims, answered from the numbers (markdown bullet lines)."""
+    by = _by_method(results)
+    lines = []
+    if "lopd" in by:
+        for base in ("grpo", "opsd", "sdpo", "lopd-frozen", "lopd-m0"):
+            if base not in by:
+                continue
+            d, se, n = _paired(by["lopd"], by[base])
+            lines.append(
+                f"- **LOPD vs {base}** at equal budget: LOPD − {base} = {_fmt(d, se)} "
+                f"(paired over {n} seed(s)) → {_verdict(d, se)}."
+            )
+    else:
+        lines.append("- LOPD vs baselines: LOPD was not run (or failed).")
+    if "lopd" in by and "grpo" in by:
+        g_curve, l_curve = _mean_curve(by["grpo"]), _mean_curve(by["lopd"])
+        g_final_x, g_final, _ = g_curve[-1]
+        vanilla = g_curve[0][1]
+        reach = next((x for x, y, _ in l_curve if y >= g_final), None)
+        if g_final <= vanilla:
+            lines.append(
+                f"- **Rollouts LOPD needs to reach GRPO's final reward**: not meaningful here: "
+                f"GRPO's final held-out reward ({g_final:.3f}) does not exceed vanilla "
+                f"({vanilla:.3f}), so any run 'reaches' it at 0 rollouts."
+            )
+        elif reach is None:
+            lines.append(
+                f"- **Rollouts LOPD needs to reach GRPO's final reward** ({g_final:.3f} after "
+                f"{g_final_x} rollouts): not reached within the budget (LOPD's mean curve peaks "
+                f"at {max(y for _, y, _ in l_curve):.3f})."
+            )
+        else:
+            lines.append(
+                f"- **Rollouts LOPD needs to reach GRPO's final reward** ({g_final:.3f} after "
+                f"{g_final_x} rollouts): {reach} rollouts (bank included) = "
+                f"{reach / g_final_x:.0%} of GRPO's (resolution: the evaluation interval; mean "
+                "curves over seeds)."
+            )
+    else:
+        lines.append("- Fraction of GRPO's rollouts: needs both `lopd` and `grpo` runs.")
+    if "lopd-m0" in by and "lopd-frozen" in by:
+        d, se, n = _paired(by["lopd-m0"], by["lopd-frozen"])
+        below = "yes" if d < 0 else "no"
+        if d < 0 and not math.isnan(se) and -d <= 2 * se:
+            below = "below on average, but within 2 stderr (not significant)"
+        lines.append(
+            f"- **Does m = 0 fall below the frozen composer?** lopd-m0 − lopd-frozen = "
+            f"{_fmt(d, se)} (paired over {n} seed(s)) → {below}."
+        )
+    else:
+        lines.append("- m = 0 vs frozen composer: needs both `lopd-m0` and `lopd-frozen` runs.")
+    return lines
+
+
+# ------------------------------------------------------------------------------ report
+def write_report(
+    results: Sequence[dict[str, Any]], out: Path, meta: dict[str, Any]
+) -> dict[str, Path]:
+    """Write ``report.md``, ``learning_curve.png`` and ``results.json`` under ``out``.
+
+    Args:
+        results: :func:`run_method` results.
+        out: output directory.
+        meta: settings, seeds, command and wall time to print in the report.
+
+    Returns:
+        ``{"report": ..., "plot": ..., "results": ...}`` paths.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    by = _by_method(results)
+    rows = [
+        "| method | held-out reward (mean ± stderr over seeds) | per seed | success rate | "
+        "n (seeds × tasks) | rollouts | wall s / run |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    vanilla = [r for runs in by.values() for r in runs]
+    if vanilla:
+        per_seed = {r["seed"]: r["vanilla"] for r in vanilla}
+        vals = [per_seed[s]["reward_mean"] for s in sorted(per_seed)]
+        succ = [per_seed[s]["success_rate"] for s in sorted(per_seed)]
+        rows.append(
+            f"| vanilla (no training) | {_fmt(*_mean_se(vals))} | "
+            f"{', '.join(f'{v:.3f}' for v in vals)} | {sum(succ) / len(succ):.3f} | "
+            f"{len(vals)} × {per_seed[min(per_seed)]['n']} | 0 | – |"
+        )
+    for method in ALL_METHODS:
+        if method not in by:
+            continue
+        runs = by[method]
+        vals = [r["final"]["reward_mean"] for r in runs]
+        succ = [r["final"]["success_rate"] for r in runs]
+        wall = sum(r["wall_seconds"] for r in runs) / len(runs)
+        rollouts = sorted({r["rollouts"] for r in runs})
+        rows.append(
+            f"| {method} | {_fmt(*_mean_se(vals))} | {', '.join(f'{v:.3f}' for v in vals)} | "
+            f"{sum(succ) / len(succ):.3f} | {len(vals)} × {runs[0]['final']['n']} | "
+            f"{'/'.join(map(str, rollouts))} | {wall:.0f} |"
+        )
+    failed = [r for r in results if r["error"] is not None]
+    lines = [
+        "# LOPD vs baselines on the embedded tool-use world",
+        "",
+        f"Seeds: {meta['seeds']}. Budget: {meta['budget']} generated rollouts per run (bank "
+        f"included). Preset `{meta['preset']}` with overrides `{' '.join(meta['overrides'])}`. "
+        f"Total wall time {meta['wall_seconds'] / 60:.1f} min. Command: `{meta['command']}`.",
+        "",
+        "Held-out reward: greedy decoding, one rollout per held-out task, after training. "
+        "Stderr is over seeds (sample std / sqrt(seeds)); with one seed none is given "
+        "(per-task stderr is in results.json).",
+        "",
+        *rows,
+        "",
+        "## Answers",
+        "",
+        *answers(results),
+        "",
+        "![learning curve](learning_curve.png)",
+        "",
+    ]
+    if failed:
+        lines += ["## Failed runs", ""]
+        lines += [f"- {r['method']} seed {r['seed']}: `{r['error']}`" for r in failed]
+        lines.append("")
+    report = out / "report.md"
+    report.write_text("\n".join(lines))
+    plot = out / "learning_curve.png"
+    _plot(by, plot)
+    res_file = out / "results.json"
+    res_file.write_text(json.dumps({"meta": meta, "runs": list(results)}, indent=1))
+    return {"report": report, "plot": plot, "results": res_file}
+
+
+def _plot(by: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for method in ALL_METHODS:
+        if method not in by:
+            continue
+        pts = _mean_curve(by[method])
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        ses = [0.0 if math.isnan(p[2]) else p[2] for p in pts]
+        ax.errorbar(xs, ys, yerr=ses, marker="o", ms=3, capsize=2, label=method)
+    ax.set_xlabel("generated rollouts (bank included)")
+    ax.set_ylabel("held-out reward")
+    ax.set_title("held-out reward vs rollouts (mean ± stderr over seeds)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------ CLI
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m lopd.compare",
+        description="LOPD vs GRPO, OPSD, SDPO and ablations at equal rollout budgets.",
+    )
+    p.add_argument("--quick", action="store_true", help="seconds-scale plumbing run")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2 (quick: 0)")
+    p.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=ALL_METHODS)
+    p.add_argument("--out", default=None, help="output directory (default runs/compare[-quick])")
+    p.add_argument("--budget", type=int, default=None, help="rollouts per run (bank included)")
+    p.add_argument("--eval-every", type=int, default=None, help="evaluation interval in steps")
+    p.add_argument(
+        "--jobs", type=int, default=None, help="seeds run in parallel (default: min(2, seeds))"
+    )
+    p.add_argument("overrides", nargs="*", help="section.field=value applied to every run")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = settings_for(args.quick)
+    settings.overrides += list(args.overrides)
+    if args.budget is not None:
+        settings.budget = args.budget
+    if args.eval_every is not None:
+        settings.eval_every = args.eval_every
+    seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
+    out = Path(args.out or ("runs/compare-quick" if args.quick else "runs/compare"))
+    jobs = args.jobs if args.jobs is not None else min(2, len(seeds))
+    from lopd.config import ConfigError
+
+    try:
+        cfg = _config(settings, "lopd", seeds[0], out, 0)
+        group = 4
+        if cfg.lopd.tasks_per_step % group:
+            raise ConfigError(
+                f"lopd.tasks_per_step={cfg.lopd.tasks_per_step} must be a multiple of the group "
+                f"size {group} for equal per-step budgets"
+            )
+        for m in args.methods:
+            steps, bank = _steps_for(settings, m)
+            print(f"[compare] {m}: {steps} steps (+ {bank} bank rollouts)", flush=True)
+    except (ConfigError, ValueError) as err:
+        print(f"lopd.compare: {err}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    if jobs > 1 and len(seeds) > 1:
+        # Spawned workers: one trainer per process, each with one CPU thread.
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+            futures = [pool.submit(run_seed, settings, args.methods, s, out) for s in seeds]
+            results = [r for f in futures for r in f.result()]
+    else:
+        results = [r for s in seeds for r in run_seed(settings, args.methods, s, out)]
+    meta = {
+        **asdict(settings),
+        "seeds": seeds,
+        "methods": list(args.methods),
+        "jobs": jobs,
+        "wall_seconds": time.perf_counter() - t0,
+        "command": "python -m lopd.compare " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    paths = write_report(results, out, meta)
+    print(paths["report"].read_text())
+    print(f"[compare] wrote {paths['report']}, {paths['plot']}, {paths['results']}")
+    return 0 if all(r["error"] is None for r in results) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
