@@ -101,6 +101,15 @@ class LatentComposer(nn.Module):
             ffn_mult=ffn_mult,
             share_layers=True,
         ).to(device=param.device, dtype=param.dtype)
+        # The QFormer ends in a LayerNorm (unit-RMS outputs) while token embeddings are far
+        # smaller (RMS ~0.07 for the tiny model, a few 1e-2 for Qwen3): start the latents at the
+        # embedding scale so the frozen teacher first sees inputs of the size it was trained on
+        # instead of ~15x outliers. The scale stays a learnable parameter of phi.
+        final_norm = getattr(self.compressor, "final_norm", None)
+        if isinstance(final_norm, nn.LayerNorm) and final_norm.weight is not None:
+            emb = backbone.get_input_embeddings().weight.detach().float()
+            with torch.no_grad():
+                final_norm.weight.fill_(float(emb.pow(2).mean().sqrt()))
         self.tokenizer = tokenizer
         self.num_latents = num_latents
         self.num_retrieved = num_retrieved
