@@ -795,8 +795,8 @@ def topk_tail_kl_bwd_triton(
         block_v, num_warps: launch tuning, as in the forward.
 
     Returns:
-        ``(grad_student, grad_teacher)``: [N, V] in each logits' dtype, or an empty [0] tensor
-        for a side that does not require grad.
+        ``(grad_student, grad_teacher)``: [N, V] in each logits' dtype, or an empty float32 [0]
+        tensor for a side that does not require grad.
     """
     s, t, tgt = _check_common(student_logits, teacher_logits, target_ids, temperature)
     n, v = s.shape
@@ -822,9 +822,13 @@ def topk_tail_kl_bwd_triton(
     blp = bucket_logp.to(torch.float32).contiguous()
     ids = topk_ids.contiguous()
 
-    empty = torch.empty(0, device=dev)
-    gs = torch.empty((n, v), dtype=s.dtype, device=dev) if student_requires_grad else empty
-    gt = torch.empty((n, v), dtype=t.dtype, device=dev) if teacher_requires_grad else empty
+    # A side without gradient gets its own empty float32 [0] tensor (the op's fake does the
+    # same; outputs of a custom op must not alias each other).
+    f32 = torch.float32
+    gs = torch.empty((n, v), dtype=s.dtype, device=dev) if student_requires_grad else None
+    gt = torch.empty((n, v), dtype=t.dtype, device=dev) if teacher_requires_grad else None
+    gs = gs if gs is not None else torch.empty(0, dtype=f32, device=dev)
+    gt = gt if gt is not None else torch.empty(0, dtype=f32, device=dev)
     if n == 0 or not (student_requires_grad or teacher_requires_grad):
         return gs, gt
 
