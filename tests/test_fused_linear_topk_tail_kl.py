@@ -238,6 +238,7 @@ def test_sharp_teacher_exact_tail():
 
 def test_auto_chunk_rows():
     assert auto_chunk_rows(151_936, 4096) == 104  # 256 MiB cap / (4 blocks x 4 B x V), 8-aligned
+    assert auto_chunk_rows(151_936, 4096, live_blocks=2) == 216
     assert auto_chunk_rows(151_936, 5) == 5
     assert auto_chunk_rows(10**12, 100) == 1
     assert auto_chunk_rows(1000, 0) == 1
