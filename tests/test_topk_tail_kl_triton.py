@@ -4,8 +4,12 @@ Without a GPU the kernels run under ``TRITON_INTERPRET=1`` (set by conftest.py) 
 with small ``block_v`` so that a few hundred vocabulary entries already span several blocks and
 the running top-M is exercised across block boundaries. Cases needing a GPU skip with a reason.
 
-The oracle (``_oracle``) is autograd through float64 PyTorch on the same (already rounded) inputs:
-bucket masses are direct float64 sums of softmax probabilities, so the tail is exact there too.
+The launchers are checked against ``_oracle``: autograd through float64 PyTorch on the same
+(already rounded) inputs, whose bucket masses are direct float64 sums of softmax probabilities
+(so the tail is exact there too). It also yields the saved tensors ``lse`` and ``bucket_logp``,
+which the library's ``topk_tail_kl_reference`` does not expose; the public API
+(``lk.topk_tail_kl(..., backend="triton")``, custom op + autograd) is checked against that
+reference.
 """
 
 from __future__ import annotations
