@@ -396,6 +396,13 @@ def test_bad_input(kwargs, exc, match):
         topk_tail_kl_fwd_triton(**args)
 
 
+def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.zeros(2, 10)
+    with pytest.raises(RuntimeError, match="CUDA tensors"):
+        topk_tail_kl_fwd_triton(x, x, torch.zeros(2, dtype=torch.int64), 4, 1.0, True, IGNORE)
+
+
 # ------------------------------------------------------------------------------------------
 # Compiled for real GPUs, without one
 # ------------------------------------------------------------------------------------------
