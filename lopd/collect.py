@@ -252,6 +252,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model name/path, e.g. Qwen/Qwen3-Embedding-8B",
     )
     p.add_argument("--device", default="cpu", help="model device, e.g. cuda")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's choice; 1 on a shared or busy machine)",
+    )
     p.add_argument("--dtype", default=None, help="model dtype, e.g. bfloat16")
     p.add_argument("--index", default="auto", choices=["auto", "cpu", "gpu"])
     p.add_argument(
@@ -263,6 +269,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.n is not None and args.n < 1:
         p.error(f"--n must be >= 1, got {args.n}")
+    if args.threads is not None:
+        if args.threads < 1:
+            p.error(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     from lopd.models import load_model
 

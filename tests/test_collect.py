@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lopd.collect import collect_bank
 from lopd.envs import builtin_tasks
@@ -18,31 +19,43 @@ from lopd.models import load_model
 from lopd.rollout import GenerationConfig
 
 REPO = Path(__file__).resolve().parent.parent
-GEN = GenerationConfig(max_steps=6, max_new_tokens_per_turn=64)
+# Short episodes keep the test cheap; collection logic does not depend on their length.
+GEN = GenerationConfig(max_steps=3, max_new_tokens_per_turn=32)
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    """The embedded default model (shipped asset, or built once into the cache)."""
-    return load_model()
+    """The embedded default model (shipped asset, or built once into the cache).
+
+    Generation runs on one thread: token-by-token decoding of a 2 M-parameter model gains
+    nothing from more, and on a busy CI machine extra threads wait on each other.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_model()
+    torch.set_num_threads(threads)
 
 
 def test_collect_bank_end_to_end_and_deterministic(tiny, tmp_path):
     model, tokenizer = tiny
-    tasks = builtin_tasks("tool_use", "train", n=6)
-    kw = dict(min_reward=0.5, rollouts_per_task=2, seed=3, chunk_size=5, progress=False)
+    tasks = builtin_tasks("tool_use", "train", n=3)
+    # Threshold 0: every episode is a success whatever the model's skill, so the bank contents
+    # below are fully determined (the reward filter itself is tested in test_memory.py).
+    kw = dict(min_reward=0.0, rollouts_per_task=2, seed=3, chunk_size=4, progress=False)
     res = collect_bank(model, tokenizer, tasks, tmp_path / "bank", GEN, **kw)
 
-    assert (res.num_tasks, res.num_rollouts, len(res.rewards)) == (6, 12, 12)
-    assert res.num_success == sum(r >= 0.5 for r in res.rewards) == len(res.successes)
-    assert res.mean_reward == pytest.approx(sum(res.rewards) / 12)
-    assert res.num_success > 0, "the tiny model should solve some of 12 episodes"
+    assert (res.num_tasks, res.num_rollouts, len(res.rewards)) == (3, 6, 6)
+    assert res.num_success == len(res.successes) == 6
+    assert res.mean_reward == pytest.approx(sum(res.rewards) / 6)
     # The bank holds exactly the distinct successful traces, all from train tasks.
     bank = ExperienceBank(tmp_path / "bank")
     distinct = {(t.task.task_id, t.trace_text()) for t in res.successes}
     assert {(e.task_id, e.trace_text) for e in bank} == distinct
     assert res.bank_size == res.num_added == len(bank)
-    assert all(e.reward >= 0.5 and e.meta["split"] == "train" for e in bank)
+    assert all(e.meta["split"] == "train" for e in bank)
+    assert sorted(e.reward for e in bank) == sorted(
+        {(t.task.task_id, t.trace_text()): t.reward for t in res.successes}.values()
+    )
 
     # Saved next to the bank: training reloads the retriever without any embedder and every
     # collected task's query is a cache hit; retrieval never returns the task's own entries.
@@ -51,7 +64,7 @@ def test_collect_bank_end_to_end_and_deterministic(tiny, tmp_path):
     r = Retriever.load(bank, index="cpu")
     assert len(r) == len(bank)
     hits = r.retrieve_batch(tasks, k=3)
-    assert (r.cache_hits, r.cache_misses) == (6, 0)
+    assert (r.cache_hits, r.cache_misses) == (3, 0)
     for t, entries in zip(tasks, hits):
         others = sum(e.task_id != t.task_id for e in bank)
         assert len(entries) == min(3, others)
@@ -80,9 +93,10 @@ def test_cli_collects_from_a_task_file_and_prints_a_summary(tmp_path):
     tasks = builtin_tasks("tool_use", "train", n=8)[5:8]
     tasks_file.write_text("".join(json.dumps(t.to_dict()) + "\n" for t in tasks))
     bank_dir = tmp_path / "bank"
-    cmd = [sys.executable, "-m", "lopd.collect", "--tasks", str(tasks_file), "--bank",
-           str(bank_dir), "--n", "2", "--seed", "1", "--min-reward", "0", "--max-steps", "3",
-           "--max-new-tokens", "48", "--index", "cpu", "--no-progress"]  # fmt: skip
+    cmd = [sys.executable, "-m", "lopd.collect", "--tasks", str(tasks_file),
+           "--bank", str(bank_dir), "--n", "2", "--seed", "1", "--min-reward", "0",
+           "--max-steps", "2", "--max-new-tokens", "24", "--index", "cpu", "--threads", "1",
+           "--no-progress"]  # fmt: skip
     out = subprocess.run(
         cmd,
         cwd=REPO,

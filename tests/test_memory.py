@@ -299,7 +299,10 @@ def test_add_and_search_validate_inputs(tmp_path):
 # ------------------------------------------------------------------ embedders (real model)
 @pytest.fixture(scope="module")
 def tiny_lm():
-    return build_tiny_lm()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny forwards: extra threads only contend on a busy CI machine
+    yield build_tiny_lm()
+    torch.set_num_threads(threads)
 
 
 def build_tiny_lm():
