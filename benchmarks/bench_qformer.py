@@ -111,7 +111,7 @@ def measure_rss(name: str, threads: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3, help="timed passes of the fused module")
-    parser.add_argument("--baseline-reps", type=int, default=2, help="timed baseline passes")
+    parser.add_argument("--baseline-reps", type=int, default=1, help="timed baseline passes")
     parser.add_argument("--rss", action="store_true", help="also measure peak RSS per side")
     parser.add_argument(
         "--threads",
