@@ -22,8 +22,9 @@ Backward (``do`` = grad of ``out``, ``dlse`` = grad of ``lse``, usually zero)::
     dk_j   = scale * sum_i ds_ij q_i      (summed over the query heads sharing kv head g)
     dv_j   = sum_i p_ij do_i              (idem)
 
-Only ``out`` and the ``[B, Hq, Lq]`` fp32 log-sum-exp are saved; the probabilities are recomputed
-in the backward, so the attention's activation memory is independent of ``T``.
+Besides its inputs (which the QFormer keeps anyway), the op saves only ``out`` and the
+``[B, Hq, Lq]`` fp32 log-sum-exp; the probabilities are recomputed in the backward, so the
+attention adds no ``T``-sized activation of its own.
 
 Backends:
 
@@ -44,8 +45,10 @@ Backends:
   and a dK/dV pass. Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``.
 * ``"auto"``: Triton for CUDA tensors when Triton is importable, else the ``"cpu"`` op.
 
-There is no hand-written CUDA kernel: for ``Lq = 32`` query rows the Triton kernels already read
-each key/value byte once per kv head, which is the bound a CUDA kernel would hit.
+There is no hand-written CUDA kernel. The Triton kernels read each key/value tile once per kv head
+(the GQA group's query rows share it), so the op is bound by reading ``k``/``v``; whether a CUDA
+kernel could beat them is for ``benchmarks/gpu_qformer.py`` to show (it also times flash-attn's
+``flash_attn_varlen_func``), which has not been run on a GPU yet.
 """
 
 from __future__ import annotations
