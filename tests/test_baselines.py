@@ -1,0 +1,330 @@
+"""Baselines (GRPO, OPSD, SDPO) and LOPD ablations: losses against hand-written references on a
+real toy batch of the tiny model, rollout-budget accounting, and the ``--quick`` comparison."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from lopd.baselines import (
+    OPSD_SYSTEM_TEMPLATE,
+    SDPO_USER_TEMPLATE,
+    GRPOMethod,
+    LOPDFrozenComposerMethod,
+    LOPDNoMarginMethod,
+    OPSDMethod,
+    SDPOMethod,
+    build_text_teacher_sequence,
+    ema_update_,
+    group_advantages,
+    group_rollouts,
+    ppo_clip_loss,
+)
+from lopd.config import load_config
+from lopd.trainer import METHODS, Trainer
+
+
+# ----------------------------------------------------------------------------- pure pieces
+def test_group_advantages_match_hand_computation():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5, 1.0, 0.0, 0.3])
+    groups = torch.tensor([7, 7, 7, 7, 2, 2, 2, 2, 9, 9, 4])  # ids need not be contiguous
+    eps = 1e-4
+    # group 7: mean 0.25, unbiased std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5
+    # group 2: all equal -> 0; group 9: mean 0.5, std sqrt(0.5) ; group 4: singleton -> 0
+    s9 = math.sqrt(0.5)
+    expected = [0.75 / (0.5 + eps)] + [-0.25 / (0.5 + eps)] * 3 + [0.0] * 4
+    expected += [0.5 / (s9 + eps), -0.5 / (s9 + eps), 0.0]
+    torch.testing.assert_close(
+        group_advantages(rewards, groups, eps=eps), torch.tensor(expected), atol=1e-6, rtol=0
+    )
+    with pytest.raises(ValueError, match="rewards and groups"):
+        group_advantages(rewards, groups[:3])
+
+
+def test_ppo_clip_values_and_gradients_match_hand_computation():
+    logp_old = torch.tensor([-1.0, -2.0, -0.5, -1.5, -3.0])
+    rho = torch.tensor([0.5, 1.0, 1.5, 0.5, 1.5])
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0])
+    logp = (logp_old + rho.log()).requires_grad_(True)
+    loss = ppo_clip_loss(logp, logp_old, adv, clip_eps=0.2)
+    # -min(rho A, clip(rho, 0.8, 1.2) A): clipped branch chosen for tokens 2 and 3 (no gradient)
+    torch.testing.assert_close(loss, torch.tensor([-0.5, -1.0, -1.2, 0.8, 1.5]))
+    loss.sum().backward()
+    # d/dlogp (-rho A) = -rho A where the unclipped branch is chosen, else 0
+    torch.testing.assert_close(logp.grad, torch.tensor([-0.5, -1.0, 0.0, 0.0, 1.5]))
+    # One update per batch: rho = 1, the gradient is the policy gradient -A.
+    lp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    ppo_clip_loss(lp, lp.detach(), torch.tensor([2.0, -3.0])).sum().backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([-2.0, 3.0]))
+    with pytest.raises(ValueError, match="clip_eps"):
+        ppo_clip_loss(lp, lp, lp, clip_eps=0.0)
+
+
+def test_ema_update_is_a_convex_step_toward_the_student():
+    torch.manual_seed(0)
+    teacher, student = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    before = copy.deepcopy(teacher)
+    ema_update_(teacher, student, 0.05)
+    for t, t0, s in zip(teacher.parameters(), before.parameters(), student.parameters()):
+        torch.testing.assert_close(t, 0.95 * t0 + 0.05 * s)
+    with pytest.raises(ValueError, match="rate"):
+        ema_update_(teacher, student, 1.5)
+    with pytest.raises(ValueError, match="parameter tensors"):
+        ema_update_(teacher, torch.nn.Sequential(student, torch.nn.Linear(2, 2)), 0.1)
+
+
+def test_all_methods_are_registered():
+    assert {"lopd", "grpo", "opsd", "sdpo", "lopd-frozen", "lopd-m0"} <= set(METHODS)
+
+
+# ----------------------------------------------------------------------------- real toy batch
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    """The tiny model with the smoke bank (6 base-model rollouts), no composer."""
+    run_dir = tmp_path_factory.mktemp("baselines")
+    cfg = load_config("smoke", overrides=[f"run_dir={run_dir}", "lopd.method=opsd"])
+    tr = Trainer(cfg, progress=False)
+    tr.setup()
+    tr.build_bank()
+    return tr
+
+
+@pytest.fixture(scope="module")
+def group(trainer):
+    """One group of G = 4 student rollouts of one task (and what it cost the budget)."""
+    before = trainer.rollouts
+    trajs = group_rollouts(trainer, 0, 4)
+    return trajs, trainer.rollouts - before
+
+
+def _full_logits(model, ids, tau=1.0):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].double() / tau
+
+
+def _action_positions(traj):
+    return [p for p in range(1, len(traj.input_ids)) if traj.action_mask[p]]
+
+
+def test_budget_counts_bank_and_every_group_rollout(trainer, group):
+    trajs, spent = group
+    assert trainer.bank_rollouts == trainer.cfg.data.n_train * trainer.cfg.bank.rollouts_per_task
+    assert len(trajs) == 4 and spent == 4  # tasks_per_step=2 < G: one group of 4
+    assert len({t.task.task_id for t in trajs}) == 1
+    assert [t.info["group"] for t in trajs] == [0, 0, 0, 0]
+
+
+def test_text_teacher_sequence_keeps_the_exact_action_token_map(trainer, group):
+    traj = group[0][0]
+    cases = (
+        (dict(system_suffix="\n\nSYS-REF"), "system"),
+        (dict(user_suffix="\n\nUSR-REF"), "user"),
+    )
+    for kwargs, role in cases:
+        seq = build_text_teacher_sequence(trainer.tokenizer, traj, **kwargs)
+        for p in _action_positions(traj):
+            assert seq.input_ids[p + seq.offset] == traj.input_ids[p]
+        text = trainer.tokenizer.decode(seq.input_ids[: seq.prompt_len])
+        content = next(m["content"] for m in traj.messages if m["role"] == role)
+        assert content + next(iter(kwargs.values())) in text
+    with pytest.raises(ValueError, match="no system message"):
+        no_sys = copy.copy(traj)
+        no_sys.messages = [m for m in traj.messages if m["role"] != "system"]
+        build_text_teacher_sequence(trainer.tokenizer, no_sys, system_suffix="x")
+
+
+def test_grpo_loss_gradient_matches_hand_written_policy_gradient(trainer, group):
+    trajs = [copy.deepcopy(t) for t in group[0]]
+    for t, r in zip(trajs, [1.0, 0.0, 0.5, 0.0]):
+        t.reward = r
+    adv = group_advantages(
+        torch.tensor([t.reward for t in trajs]), torch.zeros(4, dtype=torch.long)
+    )
+    for t, a in zip(trajs, adv.tolist()):
+        t.info["advantage"] = a
+    method, student = GRPOMethod(), trainer.student
+    head = student.get_output_embeddings().weight
+    student.zero_grad(set_to_none=True)
+    loss, sums = method.loss(trainer, trajs, num_total=4)
+    loss.backward()
+    got = head.grad.clone()
+    student.zero_grad(set_to_none=True)
+    # Reference: -(1/B) sum_i A_i mean_{p in actions(i)} log softmax(z_{p-1} / tau)[x_p]
+    tau = trainer.cfg.gen.temperature
+    ref = 0.0
+    for t, a in zip(trajs, adv.tolist()):
+        logits = student(input_ids=torch.tensor([t.input_ids])).logits[0].float() / tau
+        pos = torch.tensor(_action_positions(t))
+        logp = torch.log_softmax(logits[pos - 1], -1).gather(
+            1, torch.tensor(t.input_ids)[pos, None]
+        )
+        ref = ref - a * logp.mean() / 4
+    ref.backward()
+    torch.testing.assert_close(got, head.grad, atol=1e-5, rtol=1e-4)
+    student.zero_grad(set_to_none=True)
+    assert loss.item() == pytest.approx(-float(adv.mean()), abs=1e-6)  # ratio 1: value -mean A
+    assert sums["clip_fraction"] == 0.0
+
+
+def _reverse_topk_tail(s_logits, t_logits, top_m):
+    """KL(student || teacher) over the teacher's top-M ids plus one tail bucket, per row."""
+    ls, lt = torch.log_softmax(s_logits, -1), torch.log_softmax(t_logits, -1)
+    top = t_logits.topk(top_m, -1).indices
+    s_top, t_top = ls.gather(-1, top), lt.gather(-1, top)
+    s_tail = torch.log1p(-s_top.exp().sum(-1).clamp(max=1 - 1e-12))
+    t_tail = torch.log1p(-t_top.exp().sum(-1).clamp(max=1 - 1e-12))
+    s_b, t_b = torch.cat([s_top, s_tail[:, None]], -1), torch.cat([t_top, t_tail[:, None]], -1)
+    return (s_b.exp() * (s_b - t_b)).sum(-1)
+
+
+def test_opsd_is_forward_kl_over_the_full_vocabulary_against_the_frozen_base(trainer, group):
+    trajs = group[0][:2]
+    method = OPSDMethod()
+    loss, sums = method.loss(trainer, trajs, num_total=2)
+    ref = []
+    for t in trajs:
+        gt = trainer._retrieved[t.task.task_id][0]
+        seq = method.teacher_sequence(trainer, t)
+        prompt_text = trainer.tokenizer.decode(seq.input_ids[: seq.prompt_len])
+        assert OPSD_SYSTEM_TEMPLATE.format(gt_text=gt).strip() in prompt_text
+        pos = torch.tensor(_action_positions(t))
+        s = _full_logits(trainer.student, t.input_ids)[pos - 1]
+        tt = _full_logits(trainer.backbone, seq.input_ids)[pos - 1 + seq.offset]
+        lp_s, lp_t = torch.log_softmax(s, -1), torch.log_softmax(tt, -1)
+        ref.append((lp_t.exp() * (lp_t - lp_s)).sum(-1).mean())  # KL(teacher || student)
+    assert loss.item() == pytest.approx(float(sum(ref) / 2), rel=1e-4, abs=1e-6)
+    assert sums["teacher_top_m_mass"] == pytest.approx(2.0)  # full vocabulary: all mass
+
+
+def test_sdpo_sibling_selection_reverse_topk_kl_and_ema(trainer, group, monkeypatch):
+    trajs = [copy.deepcopy(t) for t in group[0]]
+    rewards = [1.0, 0.0, 1.0, 0.0]
+    method = SDPOMethod()
+    # Re-run the hook's sibling choice on this group with known rewards.
+    monkeypatch.setattr("lopd.baselines.group_rollouts", lambda *a: trajs)
+    monkeypatch.setattr(trainer.cfg.bank, "min_reward", 1.0)  # the smoke preset's is 0
+    for t, r in zip(trajs, rewards):
+        t.reward = r
+    method.rollouts(trainer, 0)
+    traces = [t.trace_text() or "(no tool calls)" for t in trajs]
+    assert trajs[0].info["sibling_text"] == traces[2]  # a success never uses itself
+    assert trajs[2].info["sibling_text"] == traces[0]
+    assert trajs[1].info["sibling_text"] in (traces[0], traces[2])
+    for t in trajs:
+        t.reward = 0.0
+    method.rollouts(trainer, 0)
+    assert all(t.info["sibling_text"] is None for t in trajs)  # no success: nothing to distill
+    loss0, sums0 = method.loss(trainer, trajs, num_total=4)
+    assert loss0.item() == 0.0 and sums0["distilled"] == 0.0
+
+    for t, r in zip(trajs, rewards):
+        t.reward = r
+    method.rollouts(trainer, 0)
+    loss, sums = method.loss(trainer, trajs, num_total=4)
+    assert sums["distilled"] == 4.0
+    top_m = trainer.cfg.lopd.top_m
+    ref = []
+    for t in trajs:
+        seq = method.teacher_sequence(trainer, t)
+        solution = SDPO_USER_TEMPLATE.format(solution=t.info["sibling_text"]).strip()
+        assert solution in trainer.tokenizer.decode(seq.input_ids[: seq.prompt_len])
+        pos = torch.tensor(_action_positions(t))
+        s = _full_logits(trainer.student, t.input_ids)[pos - 1]
+        tt = _full_logits(method.teacher, seq.input_ids)[pos - 1 + seq.offset]
+        ref.append(_reverse_topk_tail(s, tt, top_m).mean())
+    assert loss.item() == pytest.approx(float(sum(ref) / 4), rel=1e-4, abs=1e-6)
+
+    # EMA: after a step the teacher moves 5% of the way to the (changed) student.
+    teacher0 = copy.deepcopy(method.teacher)
+    saved = copy.deepcopy(trainer.student.state_dict())
+    with torch.no_grad():
+        for p in trainer.student.parameters():
+            p.add_(0.1)
+    method.after_step(trainer, {})
+    for t, t0, s in zip(
+        method.teacher.parameters(), teacher0.parameters(), trainer.student.parameters()
+    ):
+        torch.testing.assert_close(t, 0.95 * t0 + 0.05 * s)
+    trainer.student.load_state_dict(saved)
+
+
+def test_lopd_m0_uses_margin_zero_and_restores_the_config(trainer):
+    method, cfg = LOPDNoMarginMethod(), trainer.cfg.lopd
+    trainer.beta = 0.0
+    out = method.after_step(trainer, {"delta": -0.1})
+    assert out["beta_next"] == pytest.approx(cfg.dual_lr * (0.0 + 0.1))  # m = 0, not 0.05
+    assert trainer.cfg.lopd is cfg and cfg.margin == 0.05
+    trainer.beta = 0.0
+
+
+def test_lopd_frozen_reads_c_phi0_and_gives_the_composer_no_gradient(trainer):
+    # A second trainer on the same run directory: loads the bank, builds the composer.
+    tr = Trainer(copy.deepcopy(trainer.cfg), progress=False)
+    tr.setup()
+    tr.build_bank()
+    tr.build_composer()
+    tr.cold_start()
+    tasks = tr.train_tasks[:2]
+    lat = LOPDFrozenComposerMethod().latents(tr, tasks)
+    torch.testing.assert_close(lat, tr.cached_latents0(tasks))
+    assert not lat.requires_grad
+    traj = group_rollouts(tr, 0, 2)
+    tr.composer.zero_grad(set_to_none=True)  # the cold start's last gradients
+    loss, sums = LOPDFrozenComposerMethod().loss(tr, traj, num_total=2)
+    loss.backward()
+    assert all(p.grad is None for p in tr.composer.trainable_parameters())
+    assert sums["anchor"] == 0.0
+    assert any(p.grad is not None for p in tr.student.parameters())
+
+
+# ----------------------------------------------------------------------------- compare
+def test_quick_compare_spends_equal_budgets_and_writes_the_report(tmp_path):
+    from lopd.compare import main
+
+    out = tmp_path / "cmp"
+    rc = main(["--quick", "--out", str(out), "--methods", "lopd", "grpo", "--jobs", "1"])
+    assert rc == 0
+    report = (out / "report.md").read_text()
+    assert "| lopd |" in report and "| grpo |" in report and "| vanilla (no training) |" in report
+    assert "LOPD vs grpo" in report and "GRPO's final reward" in report
+    assert (out / "learning_curve.png").stat().st_size > 1000
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    budget = 16
+    for r in runs:
+        assert r["error"] is None
+        assert r["rollouts"] == budget  # bank (8) + 2 LOPD steps x 4 == 4 GRPO steps x 4
+        xs = [x for x, _ in r["curve"]]
+        assert xs == sorted(xs) and xs[-1] == budget
+        metrics = out / "runs" / f"{r['method']}-seed0" / "metrics.jsonl"
+        rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+        per_step = [b["rollouts"] - a["rollouts"] for a, b in itertools.pairwise(rows)]
+        assert per_step and all(d == 4 for d in per_step)  # every generated rollout counted
+    lopd = next(r for r in runs if r["method"] == "lopd")
+    assert lopd["bank_rollouts"] == 8 and lopd["steps"] == 2
+
+
+def test_answers_compute_the_rollout_fraction_and_ablation_verdict():
+    from lopd.compare import answers
+
+    def run(method, seed, curve):
+        final = {"reward_mean": curve[-1][1], "reward_stderr": 0.0, "success_rate": 0.0, "n": 4}
+        return {"method": method, "seed": seed, "curve": curve, "final": final, "error": None}
+
+    results = []
+    for seed, shift in ((0, 0.0), (1, 0.02)):
+        results += [
+            run("grpo", seed, [[0, 0.1], [24, 0.2 + shift], [48, 0.3 + shift]]),
+            run("lopd", seed, [[0, 0.1], [24, 0.1], [36, 0.35 + shift], [48, 0.4 + shift]]),
+            run("lopd-frozen", seed, [[0, 0.1], [48, 0.3 + shift]]),
+            run("lopd-m0", seed, [[0, 0.1], [48, 0.2 + 2 * shift]]),
+        ]
+    text = "\n".join(answers(results))
+    # GRPO final mean 0.31 at 48; LOPD's mean curve first reaches it at 36 -> 75 %.
+    assert "36 rollouts (bank included) = 75% of GRPO's" in text
+    assert "LOPD − grpo = 0.100 ± 0.000" in text
+    assert "lopd-m0 − lopd-frozen = -0.090 ± 0.010" in text and "→ yes" in text
