@@ -220,7 +220,14 @@ def run_method(
             error=None,
         )
     except Exception as err:  # a failed run is reported, the comparison goes on
-        result.update(error=f"{type(err).__name__}: {err}", trace=traceback.format_exc())
+        msg = f"{type(err).__name__}: {err}"
+        if "experience bank allows (0 entries" in msg:
+            msg += (
+                " [the base model had no rollout with reward >= bank.min_reward; "
+                "bank.min_reward=0.0 fills the bank with unsuccessful rollouts instead, which is "
+                "not the paper's setting]"
+            )
+        result.update(error=msg, trace=traceback.format_exc())
     result["wall_seconds"] = time.perf_counter() - t0
     return result
 
@@ -289,12 +296,14 @@ def _fmt(mean: float, se: float) -> str:
 
 def _verdict(diff: float, se: float) -> str:
     if math.isnan(se):
+        if diff == 0:
+            return "no (equal)"
         return "higher (one seed: no stderr)" if diff > 0 else "no"
     if diff > 2 * se:
         return "yes (difference > 2 stderr)"
     if diff > 0:
         return "higher, but within 2 stderr (not significant)"
-    return "no"
+    return "no (equal)" if diff == 0 else "no"
 
 
 def _paired(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> tuple[float, float, int]:
