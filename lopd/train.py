@@ -35,6 +35,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="local Hugging Face checkpoint (model.path)")
     p.add_argument("--tasks", default=None, help="tasks JSONL file (data.tasks_path)")
     p.add_argument("--run-dir", default=None, help="output directory (run_dir)")
+    p.add_argument(
+        "--method",
+        default=None,
+        help="training objective (lopd.method): lopd, grpo, opsd, sdpo, lopd-frozen, lopd-m0",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. lopd.steps=5")
@@ -50,6 +55,8 @@ def build_config(args: argparse.Namespace):
         overrides.insert(0, f"data.tasks_path={json.dumps(args.tasks)}")
     if args.run_dir is not None:
         overrides.insert(0, f"run_dir={json.dumps(args.run_dir)}")
+    if args.method is not None:
+        overrides.insert(0, f"lopd.method={json.dumps(args.method)}")
     cfg = load_config(args.preset, args.config, overrides)
     if args.resume:
         # A resumed run continues with the configuration it was started with (saved in its run
@@ -80,9 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         v, lo = summary["vanilla"], summary["lopd"]
         print(
             f"held-out reward  vanilla {v['reward_mean']:.3f} ± {v['reward_stderr']:.3f}  |  "
-            f"LOPD {lo['reward_mean']:.3f} ± {lo['reward_stderr']:.3f}  (n={lo['n']})"
+            f"{cfg.lopd.method} {lo['reward_mean']:.3f} ± {lo['reward_stderr']:.3f}  (n={lo['n']})"
         )
-        print(f"success rate     vanilla {v['success_rate']:.3f}  |  LOPD {lo['success_rate']:.3f}")
+        print(
+            f"success rate     vanilla {v['success_rate']:.3f}  |  "
+            f"{cfg.lopd.method} {lo['success_rate']:.3f}"
+        )
         if "base_composer" in summary:
             bc = summary["base_composer"]
             print(f"base + composer  {bc['reward_mean']:.3f} ± {bc['reward_stderr']:.3f}")
