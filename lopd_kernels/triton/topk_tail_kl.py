@@ -335,17 +335,24 @@ def _fwd_topm_kernel(
         ids = tl.where(valid, _key_index(top), 0)
         yt_top = tl.where(valid, _key_value(top), float("-inf")) * scale2
         ys_top = tl.load(s_row + ids, mask=valid, other=float("-inf")).to(tl.float32) * scale2
-        tail_s2 = _safe_ref(ms) + tl.log2(ls)
-        tail_t2 = _safe_ref(mt) + tl.log2(lt)
+        # Log-masses relative to the running maxima: ``(y - ref) - log2(l)`` rounds at the
+        # magnitude of the result, where ``y - lse2`` would round at that of the logits (|s/T|
+        # ~ 50 costs ~4e-6 absolute in float32 before the subtraction even starts).
+        tail_ref_s = _safe_ref(ms)
+        tail_ref_t = _safe_ref(mt)
+        tail_log_s = tl.log2(ls)  # -inf for an empty tail (M == V): a zero-mass bucket
+        tail_log_t = tl.log2(lt)
         ms, ls = _lse_fold(ms, ls, ys_top)
         mt, lt = _lse_fold(mt, lt, yt_top)
-        lse_s2 = _safe_ref(ms) + tl.log2(ls)
-        lse_t2 = _safe_ref(mt) + tl.log2(lt)
+        ref_s = _safe_ref(ms)
+        ref_t = _safe_ref(mt)
+        log_ls = tl.log2(ls)
+        log_lt = tl.log2(lt)
 
-        lp = (ys_top - lse_s2) * _LN2
-        lq = (yt_top - lse_t2) * _LN2
-        lp_tail = (tail_s2 - lse_s2) * _LN2
-        lq_tail = (tail_t2 - lse_t2) * _LN2
+        lp = ((ys_top - ref_s) - log_ls) * _LN2
+        lq = ((yt_top - ref_t) - log_lt) * _LN2
+        lp_tail = ((tail_ref_s - ref_s) + (tail_log_s - log_ls)) * _LN2
+        lq_tail = ((tail_ref_t - ref_t) + (tail_log_t - log_lt)) * _LN2
         if REVERSE:
             kl = tl.sum(_kl_terms(lp, lq), 0) + _kl_terms(lp_tail, lq_tail)
         else:
@@ -355,10 +362,10 @@ def _fwd_topm_kernel(
         s_a = tl.load(s_row + tgt, mask=tgt_ok, other=float("nan")).to(tl.float32)
         t_a = tl.load(t_row + tgt, mask=tgt_ok, other=float("nan")).to(tl.float32)
         tl.store(kl_ptr + row, kl)
-        tl.store(slp_ptr + row, (s_a * scale2 - lse_s2) * _LN2)
-        tl.store(tlp_ptr + row, (t_a * scale2 - lse_t2) * _LN2)
-        tl.store(lse_ptr + row * 2, lse_s2 * _LN2)
-        tl.store(lse_ptr + row * 2 + 1, lse_t2 * _LN2)
+        tl.store(slp_ptr + row, ((s_a * scale2 - ref_s) - log_ls) * _LN2)
+        tl.store(tlp_ptr + row, ((t_a * scale2 - ref_t) - log_lt) * _LN2)
+        tl.store(lse_ptr + row * 2, (ref_s + log_ls) * _LN2)
+        tl.store(lse_ptr + row * 2 + 1, (ref_t + log_lt) * _LN2)
         tl.store(ids_row + slot, ids.to(tl.int64), mask=valid)
         tl.store(blp_row + slot, lp, mask=valid)
         tl.store(blp_row + M, lp_tail)
@@ -442,16 +449,17 @@ def _fwd_full_kernel(
             kl = (acc / ls - log_ls + log_lt) * _LN2
         else:
             kl = (acc / lt - log_lt + log_ls) * _LN2
-        lse_s2 = _safe_ref(ms) + log_ls
-        lse_t2 = _safe_ref(mt) + log_lt
+        ref_s = _safe_ref(ms)
+        ref_t = _safe_ref(mt)
         tgt_ok = (tgt >= 0) & (tgt < V)
         s_a = tl.load(s_row + tgt, mask=tgt_ok, other=float("nan")).to(tl.float32)
         t_a = tl.load(t_row + tgt, mask=tgt_ok, other=float("nan")).to(tl.float32)
         tl.store(kl_ptr + row, kl)
-        tl.store(slp_ptr + row, (s_a * scale2 - lse_s2) * _LN2)
-        tl.store(tlp_ptr + row, (t_a * scale2 - lse_t2) * _LN2)
-        tl.store(lse_ptr + row * 2, lse_s2 * _LN2)
-        tl.store(lse_ptr + row * 2 + 1, lse_t2 * _LN2)
+        # Relative to the maxima first, as in the top-M kernel (rounding at the result's size).
+        tl.store(slp_ptr + row, ((s_a * scale2 - ref_s) - log_ls) * _LN2)
+        tl.store(tlp_ptr + row, ((t_a * scale2 - ref_t) - log_lt) * _LN2)
+        tl.store(lse_ptr + row * 2, (ref_s + log_ls) * _LN2)
+        tl.store(lse_ptr + row * 2 + 1, (ref_t + log_lt) * _LN2)
 
 
 # --------------------------------------------------------------------------------------------
