@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import record
-from lopd.memory import BankEntry, ExperienceBank, Retriever, make_entry_id
+from lopd.memory import BankEntry, ExperienceBank, Retriever, document_text, make_entry_id
 from lopd.types import Task
 
 
@@ -75,16 +75,21 @@ def retrieval_quality(model_path: str | None, k: int) -> None:
     The bank holds one oracle trajectory per built-in tool-use train task (played in its
     environment, so traces carry real tool results); queries are the held-out test tasks. A
     retrieved entry is "relevant" when it comes from the same task template (same tool sequence),
-    the case where its steps transfer. Reported against chance (the template's share of the bank).
+    the case where its steps transfer. Reported for both query styles of
+    :class:`HiddenStateEmbedder`, against chance (the template's share of the bank).
     """
+    import torch
+
     from lopd.envs import builtin_tasks, make_env, oracle_actions
     from lopd.memory import HiddenStateEmbedder
     from lopd.models import load_model
     from lopd.types import Trajectory
 
+    torch.set_num_threads(1)
     model, tokenizer = load_model(model_path)
     train = builtin_tasks("tool_use", "train")
     test = builtin_tasks("tool_use", "test")
+    template = {t.task_id: (t.world, t.spec["template"]) for t in train + test}
     with tempfile.TemporaryDirectory() as tmp:
         bank = ExperienceBank(tmp)
         trajs = []
@@ -96,41 +101,40 @@ def retrieval_quality(model_path: str | None, k: int) -> None:
                     break
             trajs.append(Trajectory(t, [], [], [], [], 0, env.reward(), trace=list(env.trace)))
         bank.add_many(trajs)
-        template = {t.task_id: (t.world, t.spec["template"]) for t in train + test}
-        emb = HiddenStateEmbedder(model, tokenizer, batch_size=32)
-        t0 = time.perf_counter()
-        retriever = Retriever(bank, emb, index="cpu")
-        embed_s = time.perf_counter() - t0
-        hits = retriever.retrieve_batch(test, k=k)
-        same_tpl = np.mean(
-            [[template[e.task_id] == template[q.task_id] for e in h] for q, h in zip(test, hits)]
-        )
-        same_world = np.mean([[e.world == q.world for e in h] for q, h in zip(test, hits)])
-        share = {}
+        share: dict[tuple[str, str], float] = {}
         for e in bank:
-            share[template[e.task_id]] = share.get(template[e.task_id], 0) + 1 / len(bank)
-        chance_tpl = float(np.mean([share.get(template[q.task_id], 0.0) for q in test]))
-        chance_world = float(
-            np.mean([sum(v for (w, _), v in share.items() if w == q.world) for q in test])
-        )
-    rec = record(
-        "memory_retrieval_quality",
-        emb.name.split(":")[0] + ":tiny" if model_path is None else emb.name,
-        {"bank": len(bank), "queries": len(test), "k": k, "d": emb.dim},
-        embed_s / len(bank),
-        same_template_at_k=round(float(same_tpl), 4),
-        same_world_at_k=round(float(same_world), 4),
-        chance_template=round(chance_tpl, 4),
-        chance_world=round(chance_world, 4),
-        docs_per_s=len(bank) / embed_s,
-        load_avg_1m=round(os.getloadavg()[0], 2),
-    )
-    print(
-        f"retrieval quality ({len(bank)} oracle entries, {len(test)} held-out queries, k={k}):\n"
-        f"  same template {rec['same_template_at_k']:.3f} (chance {chance_tpl:.3f}), "
-        f"same world {rec['same_world_at_k']:.3f} (chance {chance_world:.3f}); "
-        f"document embedding {rec['docs_per_s']:.0f} docs/s"
-    )
+            share[template[e.task_id]] = share.get(template[e.task_id], 0.0) + 1 / len(bank)
+        chance = float(np.mean([share.get(template[q.task_id], 0.0) for q in test]))
+        docs = None
+        for style in ("document", "instruct"):
+            emb = HiddenStateEmbedder(model, tokenizer, batch_size=32, query_style=style)
+            retriever = Retriever(bank, emb, index="cpu", build=False)
+            t0 = time.perf_counter()
+            if docs is None:  # documents do not depend on the query style: embed them once
+                docs = emb.embed_documents([document_text(e) for e in bank])
+            embed_s = time.perf_counter() - t0
+            retriever.add(bank.entries(), docs)
+            hits = retriever.retrieve_batch(test, k=k)
+            same = [
+                [template[e.task_id] == template[q.task_id] for e in h] for q, h in zip(test, hits)
+            ]
+            world = [[e.world == q.world for e in h] for q, h in zip(test, hits)]
+            rec = record(
+                "memory_retrieval_quality",
+                f"hidden-state/{style}" + ("" if model_path is None else f"/{model_path}"),
+                {"bank": len(bank), "queries": len(test), "k": k, "d": emb.dim},
+                embed_s / len(bank),
+                same_template_at_k=round(float(np.mean(same)), 4),
+                same_world_at_k=round(float(np.mean(world)), 4),
+                chance_template=round(chance, 4),
+                load_avg_1m=round(os.getloadavg()[0], 2),
+            )
+            print(
+                f"query_style={style:<8s}: same template among top-{k} "
+                f"{rec['same_template_at_k']:.3f} (chance {chance:.3f}), same world "
+                f"{rec['same_world_at_k']:.3f} ({len(bank)} oracle entries, {len(test)} "
+                "held-out queries)"
+            )
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from lopd.memory import (
     ExperienceBank,
     HiddenStateEmbedder,
     Retriever,
+    document_prefix,
     document_text,
     format_experience,
     format_query,
@@ -349,10 +350,15 @@ def test_hidden_state_embedder_unit_norm_deterministic_batch_invariant(tiny_lm):
     # Padding must not leak into real tokens: batch size 1 (no padding) gives the same rows.
     b = HiddenStateEmbedder(model, tokenizer, batch_size=1).embed_documents(texts)
     np.testing.assert_allclose(a, b, atol=1e-5)
-    # Queries carry the instruction prompt, so they differ from the same text as a document.
+    # Queries are rendered (as a document opening, or with the instruction prompt), so they
+    # differ from the same text embedded as a document.
     qd = e1.embed_queries(texts[:1])
     assert not np.allclose(qd, a[:1], atol=1e-3)
-    np.testing.assert_allclose(qd, e1.embed_documents([format_query(texts[0])]), atol=1e-6)
+    np.testing.assert_allclose(qd, e1.embed_documents([document_prefix(texts[0])]), atol=1e-6)
+    e2 = HiddenStateEmbedder(model, tokenizer, query_style="instruct")
+    qi = e2.embed_queries(texts[:1])
+    np.testing.assert_allclose(qi, e1.embed_documents([format_query(texts[0])]), atol=1e-6)
+    assert e1.name.endswith(":document") and e2.name.endswith(":instruct")
     assert e1.embed_queries([]).shape == (0, 32)
     with pytest.raises(TypeError, match="single str"):
         e1.embed_documents("one text")
@@ -364,6 +370,8 @@ def test_hidden_state_embedder_validates_arguments(tiny_lm):
         HiddenStateEmbedder(model, tokenizer, batch_size=0)
     with pytest.raises(ValueError, match="max_length"):
         HiddenStateEmbedder(model, tokenizer, max_length=0)
+    with pytest.raises(ValueError, match="query_style"):
+        HiddenStateEmbedder(model, tokenizer, query_style="plain")
 
 
 def _bank_of_tasks(path, tasks):
@@ -444,7 +452,7 @@ def test_sentence_transformer_embedder_matches_hidden_state_pooling(tiny_lm, tmp
     model.model.save_pretrained(tmp_path)  # the bare Qwen3Model + tokenizer: an ST text model
     tokenizer.save_pretrained(tmp_path)
     st = SentenceTransformerEmbedder(tmp_path, device="cpu", batch_size=2)
-    ref = HiddenStateEmbedder(model, tokenizer)
+    ref = HiddenStateEmbedder(model, tokenizer, query_style="instruct")
     texts = [make_task(i).instruction * (1 + i) for i in range(3)]
     assert (st.dim, st.name) == (32, f"st:{tmp_path}")
     np.testing.assert_allclose(st.embed_documents(texts), ref.embed_documents(texts), atol=1e-5)

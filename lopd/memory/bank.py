@@ -151,13 +151,18 @@ def format_experience(entry: BankEntry) -> str:
     )
 
 
+def document_prefix(instruction: str) -> str:
+    """The task part that opens every retrieval document: ``"Task: ...\nTrajectory:\n"``."""
+    return f"Task: {instruction}\nTrajectory:\n"
+
+
 def document_text(entry: BankEntry) -> str:
     """The document-side retrieval text of an entry: task followed by trace (paper eq. 15).
 
     Kept free of the :func:`format_experience` framing sentence, which is identical for every
     entry and would only dilute a mean-pooled embedding.
     """
-    return f"Task: {entry.instruction}\nTrajectory:\n{entry.trace_text}"
+    return document_prefix(entry.instruction) + entry.trace_text
 
 
 class ExperienceBank:

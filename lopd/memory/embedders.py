@@ -2,8 +2,10 @@
 
 Any object with ``embed_documents`` / ``embed_queries`` returning unit-norm float32 rows works as
 an :class:`Embedder`. Retrieval is asymmetric: documents are ``task + trajectory`` text embedded
-as-is, queries are the bare task wrapped in an instruction prompt (:func:`format_query`), the
-recipe Qwen3-Embedding was trained with.
+as-is, queries are the bare task. Instruction-tuned embedders (Qwen3-Embedding, through
+:class:`SentenceTransformerEmbedder`) get the task wrapped in the paper's instruction prompt
+(:func:`format_query`); :class:`HiddenStateEmbedder` by default renders it as the opening of a
+document instead (see its ``query_style``).
 
 Two implementations ship:
 
@@ -19,6 +21,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+
+from lopd.memory.bank import document_prefix
 
 if TYPE_CHECKING:
     import torch
@@ -100,7 +104,18 @@ class HiddenStateEmbedder:
         batch_size: texts per forward pass.
         max_length: texts are truncated to this many tokens (keeping the start: the task and
             the first steps carry most of the signal).
-        name: embedding-space id; defaults to ``"hidden:<model name or class>:<hidden size>"``.
+        query_style: how a task becomes a query. ``"document"`` (default): the task rendered
+            as the opening of a document, :func:`~lopd.memory.bank.document_prefix` (query =
+            task, document = task + trajectory). ``"instruct"``: the paper's instruction prompt
+            (:func:`format_query`), made for instruction-tuned embedders. Mean-pooled hidden
+            states of a policy LM are not one: the prompt's tokens, identical in every query,
+            dominate the mean. On the built-in tool-use tasks with the tiny model (held-out
+            queries, oracle bank, ``python -m benchmarks.bench_memory --quality``) the share of
+            top-3 neighbours from the query's own task template measured 0.53 with
+            ``"document"`` and 0.08, chance level (0.07), with ``"instruct"``.
+        query_instruction: the instruction of the ``"instruct"`` style.
+        name: embedding-space id; defaults to
+            ``"hidden:<model name or class>:<hidden size>:<query_style>"``.
 
     Example:
         >>> emb = HiddenStateEmbedder(model, tokenizer)
@@ -113,6 +128,7 @@ class HiddenStateEmbedder:
         tokenizer: Any,
         batch_size: int = 16,
         max_length: int = 512,
+        query_style: str = "document",
         query_instruction: str = QUERY_INSTRUCTION,
         name: str | None = None,
     ):
@@ -120,6 +136,9 @@ class HiddenStateEmbedder:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
+        if query_style not in ("document", "instruct"):
+            raise ValueError(f"query_style must be 'document' or 'instruct', got {query_style!r}")
+        self.query_style = query_style
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = int(batch_size)
@@ -128,7 +147,9 @@ class HiddenStateEmbedder:
         cfg = model.config
         self.dim = int(cfg.hidden_size)
         model_name = getattr(cfg, "_name_or_path", "") or type(model).__name__
-        self.name = name or f"hidden:{model_name}:{self.dim}"
+        # The query style is part of the space: cached queries of one style are meaningless
+        # next to the other.
+        self.name = name or f"hidden:{model_name}:{self.dim}:{query_style}"
         pad = getattr(tokenizer, "pad_token_id", None)
         if pad is None:
             pad = getattr(tokenizer, "eos_token_id", None)
@@ -153,9 +174,11 @@ class HiddenStateEmbedder:
         return self._embed(_check_texts(texts, "texts"))
 
     def embed_queries(self, texts: Sequence[str]) -> np.ndarray:
-        """Embed tasks as instruction-prompted queries. Returns ``[n, hidden_size]`` float32."""
+        """Embed tasks as queries (see ``query_style``). Returns ``[n, hidden_size]`` float32."""
         texts = _check_texts(texts, "texts")
-        return self._embed([format_query(t, self.query_instruction) for t in texts])
+        if self.query_style == "instruct":
+            return self._embed([format_query(t, self.query_instruction) for t in texts])
+        return self._embed([document_prefix(t) for t in texts])
 
     def _embed(self, texts: list[str]) -> np.ndarray:
         if not texts:
