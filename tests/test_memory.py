@@ -150,10 +150,15 @@ def test_corrupt_last_complete_line_is_skipped_then_repaired(tmp_path):
         f.write(b'{"v":1,"entry_id": garbage}\n')
     with pytest.warns(RuntimeWarning, match="corrupt last record"):
         bank = ExperienceBank(tmp_path)
-    assert len(bank) == 1
+    with pytest.warns(RuntimeWarning, match="corrupt last record"):
+        other = ExperienceBank(tmp_path)
+    assert len(bank) == len(other) == 1
     with pytest.warns(RuntimeWarning, match="removing a torn last record"):
         bank.add(make_traj(make_task(1)))
     assert len(ExperienceBank(tmp_path)) == 2
+    # The other view skipped the bad bytes without consuming them, so after the repair it
+    # reads the new record from the right offset.
+    assert other.refresh() == 1 and other.entries() == bank.entries()
 
 
 def test_corruption_before_the_last_line_raises(tmp_path):

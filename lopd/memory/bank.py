@@ -262,6 +262,9 @@ class ExperienceBank:
                 RuntimeWarning,
                 stacklevel=3,
             )
+            # Leave it unconsumed: the next append cuts it off, and the view's offset must not
+            # point past bytes that are about to disappear.
+            consumed -= len(bad[0][1]) + 1
         if tail.strip():
             entry = _parse_line(tail) if final else None
             if final and entry is not None:
