@@ -143,3 +143,43 @@ def test_framing_is_the_papers_text_around_the_sentinel():
     assert "Now complete YOUR task below, starting from scratch" in after
     assert after.endswith("Cancel order O-1.")
     assert frame_user_message("x", "coding").startswith("The following is a reference from")
+
+
+def test_latent_generation_matches_the_token_path_when_latents_are_token_embeddings(tiny):
+    """Generation from ``inputs_embeds`` ("base + composer" evaluation) vs plain token ids.
+
+    With the pad embedding as every latent, the latent-conditioned model must roll out exactly
+    what the plain model does on the placeholder prompt (greedy, a left-padded batch of two).
+    """
+    from lopd.chat import render_prompt
+    from lopd.envs import make_env
+    from lopd.evaluate import LatentConditionedLM, LatentPromptEnv
+    from lopd.rollout import GenerationConfig, rollout
+
+    model, tok = tiny
+    tasks = builtin_tasks("tool_use", "test", n=2)
+    ph = tok.convert_ids_to_tokens(tok.pad_token_id)
+
+    def env_factory(task):
+        return LatentPromptEnv(make_env(task), "tool_use", N_LATENTS, ph)
+
+    prompts, starts = [], []
+    for task in tasks:
+        env = env_factory(task)
+        ids = render_prompt(tok, env.system_prompt(), env.reset(task), env.tools())
+        run = [
+            i for i in range(len(ids)) if ids[i : i + N_LATENTS] == [tok.pad_token_id] * N_LATENTS
+        ]
+        assert len(run) == 1, "one contiguous placeholder span per prompt"
+        prompts.append(ids)
+        starts.append(run[0])
+    assert len(prompts[0]) != len(prompts[1])  # the batch really is left-padded
+    pad_embed = model.get_input_embeddings().weight[tok.pad_token_id].detach()
+    latents = [pad_embed.expand(N_LATENTS, -1).clone() for _ in tasks]
+    gen = GenerationConfig(temperature=0.0, max_new_tokens_per_turn=12, max_steps=2)
+    plain = rollout(model, tok, tasks, gen, seed=0, make_env=env_factory)
+    lm = LatentConditionedLM(model, prompts, latents, starts)
+    injected = rollout(lm, tok, tasks, gen, seed=0, make_env=env_factory)
+    for a, b, prompt in zip(plain, injected, prompts):
+        assert a.input_ids[: len(prompt)] == prompt
+        assert a.input_ids == b.input_ids
