@@ -589,24 +589,29 @@ class Trainer:
             # rollouts), so the bank and its trajectory file never mix two sessions.
             if bank_dir.exists():
                 shutil.rmtree(bank_dir)
-            t0 = time.perf_counter()
-            bank = ExperienceBank(bank_dir, min_reward=self.cfg.bank.min_reward)
-            reps = [t for t in self.train_tasks for _ in range(self.cfg.bank.rollouts_per_task)]
-            self.log(f"bank: {len(reps)} base-model rollouts on the train split")
-            trajs = self.generate(
-                self.backbone, reps, seed=_mix_seed(self.cfg.seed, 1), progress=self.progress
+            from lopd.collect import collect_bank
+
+            reps = len(self.train_tasks) * self.cfg.bank.rollouts_per_task
+            self.log(f"bank: {reps} base-model rollouts on the train split")
+            res = collect_bank(
+                self.backbone,
+                self.tokenizer,
+                self.train_tasks,
+                bank_dir,
+                self.gen_config(),
+                min_reward=self.cfg.bank.min_reward,
+                rollouts_per_task=self.cfg.bank.rollouts_per_task,
+                seed=_mix_seed(self.cfg.seed, 1),
+                embedder=HiddenStateEmbedder(self.backbone, self.tokenizer),
+                query_tasks=self.train_tasks + self.test_tasks,
+                index="cpu",
+                progress=self.progress,
             )
-            keep = [t for t in trajs if bank.add(t) is not None]
+            # Every successful trajectory (duplicated traces included) is cold-start data.
             with traj_file.open("w") as f:
-                for t in keep:
+                for t in res.successes:
                     f.write(json.dumps(trajectory_to_dict(t)) + "\n")
-            Retriever.load_or_build(
-                bank, HiddenStateEmbedder(self.backbone, self.tokenizer), index="cpu"
-            )
-            _atomic_write_text(
-                done_file,
-                json.dumps({"rollouts": len(trajs), "seconds": time.perf_counter() - t0}),
-            )
+            _atomic_write_text(done_file, json.dumps(res.summary()))
         self._barrier()
         bank = ExperienceBank(bank_dir, min_reward=self.cfg.bank.min_reward)
         info = json.loads(done_file.read_text())
@@ -618,7 +623,7 @@ class Trainer:
         ]
         self.log(
             f"bank: {len(bank)} entries from {self.bank_rollouts} rollouts "
-            f"({len(self.bank_trajectories)} successful trajectories)"
+            f"({len(self.bank_trajectories)} successful, mean reward {info['mean_reward']:.3f})"
         )
         self.cfg.check_bank_size(len(bank))
         # The retriever embeds with the *frozen* backbone: do this before peft injects the
