@@ -40,6 +40,7 @@ import dataclasses
 import json
 import os
 import random
+import resource
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -1029,6 +1030,10 @@ class Trainer:
             summary["base_composer"] = self.evaluate("base_composer")
         summary["rollouts"] = self._global_rollouts()
         summary["wall_seconds"] = self.wall_before + (time.perf_counter() - self._t_session)
+        # CPU time of this process in this session: on a shared, oversubscribed machine it is
+        # the better estimate of the wall time the run would take on idle cores.
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        summary["cpu_seconds_session"] = usage.ru_utime + usage.ru_stime
         if self.is_main:
             writer.close()
             _atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
