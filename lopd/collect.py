@@ -97,7 +97,7 @@ def collect_bank(
     rollouts_per_task: int = 1,
     seed: int = 0,
     batch_size: int = 32,
-    chunk_size: int = 256,
+    chunk_size: int = 128,
     embedder: Embedder | None = None,
     build_index: bool = True,
     query_tasks: Sequence[Task] | None = None,
@@ -117,7 +117,9 @@ def collect_bank(
         seed: sampling seed; chunk ``c`` rolls out with ``seed * 1_000_003 + c``, so the result
             is deterministic for a fixed ``(seed, chunk_size, batch_size)``, device and threads.
         batch_size: episodes generated together (see :func:`lopd.rollout.rollout`).
-        chunk_size: episodes per durable chunk (successes are appended after each chunk).
+        chunk_size: episodes per durable chunk: successes are appended and the progress bar
+            advances after each chunk; a chunk refills its batch continuously, so only its tail
+            runs under-full (keep it a few times ``batch_size``).
         embedder: retrieval embedder; default :class:`HiddenStateEmbedder` over ``model``.
         build_index: index the bank, precompute query embeddings and save both to ``bank_dir``.
         query_tasks: tasks whose query embeddings to precompute (default: ``tasks``); add the
@@ -236,7 +238,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--min-reward", type=float, default=1.0, help="success threshold")
     p.add_argument("--rollouts-per-task", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32, help="episodes generated together")
-    p.add_argument("--chunk-size", type=int, default=256, help="episodes per durable chunk")
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        default=128,
+        help="episodes per durable chunk (the progress bar advances per chunk)",
+    )
     p.add_argument("--temperature", type=float, default=GenerationConfig.temperature)
     p.add_argument("--max-steps", type=int, default=GenerationConfig.max_steps)
     p.add_argument(
