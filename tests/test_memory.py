@@ -222,6 +222,32 @@ def test_concurrent_appends_from_processes_stay_whole_and_contiguous(tmp_path):
         assert [e.trace_text.split("rec=")[1][0] for e in bank.entries()[s : s + 3]] == list("012")
 
 
+def test_concurrent_appends_from_threads_sharing_and_not_sharing_a_bank(tmp_path):
+    import threading
+
+    shared, own = ExperienceBank(tmp_path), [ExperienceBank(tmp_path) for _ in range(2)]
+    banks = [shared, shared, *own]
+
+    def work(w: int) -> None:
+        for b in range(25):
+            banks[w].add_entries([make_entry(f"t{w}-{b}", r) for r in range(2)])
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(len(banks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        entries = ExperienceBank(tmp_path).entries()
+    assert len(entries) == 4 * 25 * 2
+    assert all(entries[i].task_id == entries[i + 1].task_id for i in range(0, len(entries), 2))
+    # Every view catches up on refresh, in file order.
+    for b in (shared, *own):
+        b.refresh()
+        assert b.entries() == entries
+
+
 def test_refresh_sees_other_writers_and_dedups_across_them(tmp_path):
     a, b = ExperienceBank(tmp_path), ExperienceBank(tmp_path)
     a.add_entry(make_entry("t1", 1))
