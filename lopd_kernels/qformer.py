@@ -243,8 +243,8 @@ class QFormerCompressor(nn.Module):
             raise ValueError(
                 f"hidden_states width {hidden_states.shape[1]} != hidden_size {self.hidden_size}"
             )
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
-            raise ValueError("cu_seqlens must be a [B+1] int32 tensor")
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or not len(cu_seqlens):
+            raise ValueError("cu_seqlens must be a non-empty [B+1] int32 tensor")
         hidden_states = hidden_states.to(self.queries.dtype)
         batch = cu_seqlens.numel() - 1
         x = self.queries.unsqueeze(0).expand(batch, -1, -1)
