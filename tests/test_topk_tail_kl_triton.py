@@ -289,6 +289,24 @@ def test_tiny_tail_is_exact(reverse):
     _run_and_check(s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), m, 1.0, reverse, 64)
 
 
+@pytest.mark.parametrize("reverse", [True, False], ids=["rev", "fwd"])
+def test_student_excludes_teacher_mass(reverse):
+    """The student gives e^-110 of the teacher's mass to some buckets (a top-M entry in row 0,
+    the whole tail in row 1): S_j underflows in float32 and Q_b / P_b overflows, yet the
+    gradients are finite and exact (forward KL: d/ds_j = S_j - T_j-share, not 0 * inf)."""
+    gen = torch.Generator().manual_seed(9)
+    n, v, m = 2, 64, 4
+    t = torch.randn(n, v, generator=gen)
+    s = torch.randn(n, v, generator=gen)
+    top = t.topk(m, dim=-1).indices
+    s[0, top[0, :2]] -= 110.0
+    tail = torch.ones(v, dtype=torch.bool)
+    tail[top[1]] = False
+    s[1, tail] -= 110.0
+    target = torch.tensor([int(top[0, 0]), 3])
+    _run_and_check(s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), m, 1.0, reverse, 16)
+
+
 @pytest.mark.parametrize("grads", [(True, False), (False, True)], ids=["student", "teacher"])
 def test_one_side_gradient(grads):
     gen = torch.Generator().manual_seed(11)

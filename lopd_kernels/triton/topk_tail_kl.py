@@ -35,9 +35,10 @@ Design (one program per row, int64 row offsets, float32 math whatever the input 
   maxima so that ``KL = E[d] - log l_s + log l_t`` never subtracts two large numbers.
 
 * **Backward**: one streaming pass that writes, for every j, the *tail* formula
-  ``ds_j = S_j * c_tail + [j = target] * u_ls / T`` (same for the teacher), followed by a
-  fix-up of the M top-M entries with their own bucket coefficients (M scalar gathers and
-  scatters, after a block barrier so they land last). Full-vocabulary rows use the per-entry
+  ``ds_j = (S_j / P_tail) * A_tail + [j = target] * u_ls / T`` (same for the teacher; the
+  bucket-normalized form never overflows, see ``_bucket_grads``), then a fix-up that overwrites
+  the M top-M entries with their own single-entry bucket gradients (M scatters, after a block
+  barrier so they land last; no logit is re-read). Full-vocabulary rows use the per-entry
   formulas of math.md directly.
 
 Packed keys: ``key = (mono(t) << 32) | (0x7FFFFFFF - j)`` where ``mono`` maps the float32 bits
@@ -181,11 +182,15 @@ def _kl_terms(a, b):
 
 
 @triton.jit
-def _bucket_coefs(lp, lq, kl, u_kl, u_ls, u_lt, inv_t, REVERSE: tl.constexpr):
-    """Per-bucket gradient coefficients ``c_s``, ``c_t`` (math.md), already divided by T.
+def _bucket_grads(lp, lq, kl, u_kl, u_ls, u_lt, inv_t, REVERSE: tl.constexpr):
+    """Per-bucket gradients ``A_b``, ``B_b`` (math.md, already divided by T), bucket-normalized.
 
-    For an entry j of bucket b, ``ds_j = S_j * c_s[b] + [j = a] u_ls / T`` and
-    ``dt_j = T_j * c_t[b] + [j = a] u_lt / T``.
+    For an entry j of bucket b: ``ds_j = (S_j / P_b) * A_b + [j = a] u_ls / T`` and
+    ``dt_j = (T_j / Q_b) * B_b + [j = a] u_lt / T``. A top-M bucket holds one entry
+    (``S_j / P_b = 1``): ``A_b``, ``B_b`` are its gradients. Normalizing by the bucket mass keeps
+    every factor finite: ``S_j * Q_b / P_b`` (forward KL) becomes ``(S_j / P_b) * Q_b``, where
+    the ratio ``Q_b / P_b`` alone overflows float32 once the student gives the bucket e^-88 of
+    the teacher's mass.
 
     Args:
         lp, lq: natural log-masses ``log P_b``, ``log Q_b`` (same shape, any).
@@ -196,17 +201,16 @@ def _bucket_coefs(lp, lq, kl, u_kl, u_ls, u_lt, inv_t, REVERSE: tl.constexpr):
     p = tl.exp(lp)
     q = tl.exp(lq)
     if REVERSE:
-        # Zero-mass buckets: every S_j (T_j) in them is 0, so any finite coefficient is exact.
-        g = tl.where(p > 0.0, lp - lq, 0.0)
-        ratio = tl.where(q > 0.0, tl.exp(lp - lq), 0.0)  # P_b / Q_b
-        c_s = (u_kl * (g - kl) - u_ls) * inv_t
-        c_t = (u_kl * (1.0 - ratio) - u_lt) * inv_t
+        # d/ds_j = S_j (g_b - KL); d/dt_j = T_j (1 - P_b / Q_b) = (T_j / Q_b) (Q_b - P_b).
+        g = tl.where(p > 0.0, lp - lq, 0.0)  # a zero-mass bucket contributes 0, not 0 * inf
+        a = p * (u_kl * (g - kl) - u_ls)
+        b = u_kl * (q - p) - u_lt * q
     else:
+        # d/ds_j = S_j (1 - Q_b / P_b) = (S_j / P_b) (P_b - Q_b); d/dt_j = T_j (h_b - F).
         h = tl.where(q > 0.0, lq - lp, 0.0)
-        ratio = tl.where(p > 0.0, tl.exp(lq - lp), 0.0)  # Q_b / P_b
-        c_s = (u_kl * (1.0 - ratio) - u_ls) * inv_t
-        c_t = (u_kl * (h - kl) - u_lt) * inv_t
-    return c_s, c_t
+        a = u_kl * (p - q) - u_ls * p
+        b = q * (u_kl * (h - kl) - u_lt)
+    return a * inv_t, b * inv_t
 
 
 # --------------------------------------------------------------------------------------------
@@ -526,16 +530,13 @@ def _bwd_kernel(
         tgt_s = u_ls * inv_t
         tgt_t = u_lt * inv_t
         if not FULL:
-            cs_tail, ct_tail = _bucket_coefs(
-                tl.load(blp_row + M),
-                tl.load(blp_row + (2 * M + 1)),
-                kl,
-                u_kl,
-                u_ls,
-                u_lt,
-                inv_t,
-                REVERSE,
-            )
+            lp_tail = tl.load(blp_row + M)
+            lq_tail = tl.load(blp_row + (2 * M + 1))
+            a_tail, b_tail = _bucket_grads(lp_tail, lq_tail, kl, u_kl, u_ls, u_lt, inv_t, REVERSE)
+            # S_j / P_tail = 2^(y_j - tail lse2). A tail without mass (empty, or all -inf) has
+            # only S_j = 0 entries: any finite reference works, the row's lse keeps 2^(.) <= 1.
+            ref_s_tail = tl.where(lp_tail == float("-inf"), lse_s2, lse_s2 + lp_tail * _LOG2E)
+            ref_t_tail = tl.where(lq_tail == float("-inf"), lse_t2, lse_t2 + lq_tail * _LOG2E)
         # Next block's loads in flight while this one is processed (manual pipelining); each
         # side is read only if needed (top-M rows: only for its own gradient).
         lanes = tl.arange(0, BLOCK_V)
@@ -574,10 +575,10 @@ def _bwd_kernel(
             else:
                 # Every entry as if in the tail; the top-M entries are rewritten below.
                 if GRAD_S:
-                    ds = tl.exp2(ys - lse_s2) * cs_tail + tl.where(is_tgt, tgt_s, 0.0)
+                    ds = tl.exp2(ys - ref_s_tail) * a_tail + tl.where(is_tgt, tgt_s, 0.0)
                     tl.store(gs_row + offs, ds.to(gs_ptr.dtype.element_ty), mask=inb)
                 if GRAD_T:
-                    dt = tl.exp2(yt - lse_t2) * ct_tail + tl.where(is_tgt, tgt_t, 0.0)
+                    dt = tl.exp2(yt - ref_t_tail) * b_tail + tl.where(is_tgt, tgt_t, 0.0)
                     tl.store(gt_row + offs, dt.to(gt_ptr.dtype.element_ty), mask=inb)
         if not FULL:
             # The M top-M entries overwrite what the streaming pass wrote there; the barrier
@@ -586,7 +587,8 @@ def _bwd_kernel(
             slot = tl.arange(0, MP)
             valid = slot < M
             ids = tl.load(ids_ptr + row * M + slot, mask=valid, other=0)
-            cs, ct = _bucket_coefs(
+            # One entry per top-M bucket: its gradient is the bucket's (no logit re-read).
+            a, b = _bucket_grads(
                 tl.load(blp_row + slot, mask=valid, other=float("-inf")),
                 tl.load(blp_row + (M + 1) + slot, mask=valid, other=float("-inf")),
                 kl,
@@ -598,12 +600,10 @@ def _bwd_kernel(
             )
             is_tgt = ids == tgt
             if GRAD_S:
-                ys = tl.load(s_row + ids, mask=valid, other=float("-inf")).to(tl.float32)
-                ds = tl.exp2(ys * scale2 - lse_s2) * cs + tl.where(is_tgt, tgt_s, 0.0)
+                ds = a + tl.where(is_tgt, tgt_s, 0.0)
                 tl.store(gs_row + ids, ds.to(gs_ptr.dtype.element_ty), mask=valid)
             if GRAD_T:
-                yt = tl.load(t_row + ids, mask=valid, other=float("-inf")).to(tl.float32)
-                dt = tl.exp2(yt * scale2 - lse_t2) * ct + tl.where(is_tgt, tgt_t, 0.0)
+                dt = b + tl.where(is_tgt, tgt_t, 0.0)
                 tl.store(gt_row + ids, dt.to(gt_ptr.dtype.element_ty), mask=valid)
 
 
