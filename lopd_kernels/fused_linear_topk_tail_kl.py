@@ -5,16 +5,22 @@
 ``/work/shared/design/math.md``), but takes the final hidden states and the LM heads instead of the
 logits, so the ``[N, V]`` logits of both models and their gradients never exist in memory at once:
 
-- **chunked** (CPU, and any device with the ``topk_tail_kl`` kernels): the forward walks token
-  chunks, computes the two ``[C, V]`` logit blocks with one GEMM each, runs the per-row
-  ``topk_tail_kl_fwd`` kernel on them and keeps only O(M) per row (top-M ids, both log-sum-exps,
-  the M+1 bucket log-masses). The backward recomputes each chunk's logits, runs
+- **chunked** (``"cpu"``, ``"cuda"``, and ``"auto"``): the forward walks token chunks, computes
+  the two ``[C, V]`` logit blocks with one vendor GEMM each (MKL / cuBLAS), runs the per-row
+  ``topk_tail_kl_fwd`` kernel on them and keeps only O(M) per row (top-M ids, both
+  log-sum-exps, the M+1 bucket log-masses). The backward recomputes a side's chunk logits, runs
   ``topk_tail_kl_bwd`` on the chunk and accumulates ``dh = ds @ W`` and ``dW += ds^T h`` (fp32).
   Peak memory is a few ``[C, V]`` blocks; ``C`` comes from the free memory (``chunk_size=``
   overrides it).
-- **triton** (GPU, or ``TRITON_INTERPRET=1``): a kernel that tiles tokens x vocabulary, keeps the
-  logit tile in registers and streams the tail log-sum-exps and the running teacher top-M; see
-  ``lopd_kernels/triton/fused_linear_topk_tail_kl.py``.
+- **frozen heads**: when a side's head (and bias) needs no gradient but its hidden states do (a
+  LoRA student, a frozen teacher whose activations carry the composer's gradient), the forward
+  also keeps that side's *tail projection* ``sum_{j not in top-M} softmax_j W[j]`` ([N, d]).
+  The logit gradient is ``S_j * c[b(j)]`` with one coefficient per bucket, so ``dh`` is the tail
+  projection times the tail coefficient plus M + 1 rows of ``W``: the backward skips that side's
+  logit recompute and its dh GEMM (one extra GEMM in the forward instead of two in the backward).
+- **triton** (``backend="triton"``; GPU, or ``TRITON_INTERPRET=1``): one kernel that tiles
+  tokens x vocabulary, keeps the logit tile in registers and streams the tail log-sum-exps and
+  the running teacher top-M; see ``lopd_kernels/triton/fused_linear_topk_tail_kl.py``.
 
 Rows whose target is ``ignore_index`` are dropped before any matmul: only real targets cost
 anything. Logits are always formed in float32 (the GEMMs accumulate in fp32 whatever the input
@@ -45,8 +51,9 @@ _DIVERGENCES = ("reverse", "forward")
 # Working-set cap for the chunked path's [C, V] blocks. 256 MiB is C ~ 220 rows of a 152k
 # vocabulary per live block pair: CPU GEMMs of that height run within ~20% of their large-M
 # throughput (~100 rows are ~35% slower, measured on 2 cores), and it keeps the op ~1/20 of the
-# materialized logits at N = 2048. A GPU needs taller blocks to fill its SMs.
-_CHUNK_BUDGET_CAP = {"cpu": 256 << 20, "cuda": 1 << 30}
+# materialized logits at N = 2048. On a GPU 512 MiB is ~440 rows of fp32 logits per block pair,
+# a ~0.5 TFLOP GEMM at d = 4096: large enough for cuBLAS to run near peak.
+_CHUNK_BUDGET_CAP = {"cpu": 256 << 20, "cuda": 512 << 20}
 # fp32 bytes of one weight slab upcast at a time when the head is bf16/fp16 (see _matmul_f32).
 _SLAB_BYTES = 64 << 20
 
@@ -317,7 +324,7 @@ def auto_chunk_rows(
 
     The chunk's working set is ``live_blocks`` float32 ``[C, V]`` blocks (forward: the two logit
     blocks; backward: logits and gradient of each side it recomputes), budgeted at a quarter of
-    the free memory and at most 256 MiB on CPU / 1 GiB on GPU (``_CHUNK_BUDGET_CAP``).
+    the free memory and at most 256 MiB on CPU / 512 MiB on GPU (``_CHUNK_BUDGET_CAP``).
 
     Args:
         vocab: ``V``, the LM-head rows.
@@ -919,14 +926,10 @@ def _resolve_impl(backend: str, device: torch.device, dtypes: tuple[torch.dtype,
         raise ValueError(f"backend='cpu' needs CPU tensors, got {device}")
     if backend == "cuda" and device.type != "cuda":
         raise ValueError(f"backend='cuda' needs CUDA tensors, got {device}")
-    if (
-        backend == "auto"
-        and device.type == "cuda"
-        and triton_available()
-        and all(dt in triton_dtypes for dt in dtypes)
-    ):
-        return "triton"
-    # "cpu", "cuda" (cuBLAS GEMMs + the CUDA topk_tail_kl kernels per chunk) and "auto" off-GPU.
+    # "cpu", "cuda" and "auto": token chunks with vendor GEMMs (MKL / cuBLAS) + the per-row
+    # topk_tail_kl kernels. "auto" does not pick the fully fused Triton kernel on GPUs: its
+    # logit tiles are plain tl.dot loops, not yet tuned against cuBLAS (see
+    # benchmarks/gpu_fused_linear.py, which measures both).
     return "chunked"
 
 
@@ -967,9 +970,9 @@ def fused_linear_topk_tail_kl(
         temperature: logits are divided by it before every softmax.
         divergence: ``"reverse"`` (KL(student || teacher), the paper's) or ``"forward"``.
         ignore_index: target value marking rows without a target.
-        backend: ``"auto"`` (Triton on GPU, chunked elsewhere), ``"torch"`` (the materialized
-            reference), ``"cpu"``/``"cuda"`` (chunked GEMMs + the ``topk_tail_kl`` kernels) or
-            ``"triton"``.
+        backend: ``"auto"`` (the chunked path; float64 inputs: the reference), ``"torch"``
+            (the materialized reference), ``"cpu"``/``"cuda"`` (chunked: vendor GEMMs + the
+            ``topk_tail_kl`` kernels per token chunk) or ``"triton"`` (the fully fused kernel).
         chunk_size: token rows per chunk of the chunked path; ``None`` picks it from the free
             memory (:func:`auto_chunk_rows`).
 

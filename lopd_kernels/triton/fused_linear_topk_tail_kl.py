@@ -49,6 +49,8 @@ from lopd_kernels.fused_linear_topk_tail_kl import bucket_coefs
 # Smallest float32 > -inf: the ranking key of a real entry whose logit is -inf, so that it still
 # outranks an empty / already-taken slot (key -inf).
 _NEG_BIG = -3.4028234663852886e38
+# The same inside kernels (compiled kernels may only read constexpr globals).
+NEG_BIG = tl.constexpr(_NEG_BIG)
 
 
 def _interpret() -> bool:
@@ -233,8 +235,8 @@ def _fwd_kernel(
                 new_s = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
                 new_i = tl.full((BLOCK_N, M_PAD), -1, tl.int32)
                 for k in tl.static_range(M):
-                    key_r = tl.where(avail_run, tl.maximum(run_t, _NEG_BIG), float("-inf"))
-                    key_c = tl.where(avail_tile, tl.maximum(t, _NEG_BIG), float("-inf"))
+                    key_r = tl.where(avail_run, tl.maximum(run_t, NEG_BIG), float("-inf"))
+                    key_c = tl.where(avail_tile, tl.maximum(t, NEG_BIG), float("-inf"))
                     best_r = tl.max(key_r, axis=1)
                     best_c = tl.max(key_c, axis=1)
                     arg_r = tl.argmax(key_r, axis=1)
