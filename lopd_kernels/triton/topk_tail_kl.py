@@ -87,7 +87,7 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Launch defaults for a GPU (H100/H200 class), chosen from ptxas register counts for sm_90 with
 # the 16-divisible pointers/strides/V Triton specializes on (128-bit loads); not yet timed on a
 # GPU. Top-M forward, 2048 x 8 warps: 74 registers (M <= 64), three programs per SM, each with
-# its next block in flight. Full-vocabulary forward, 4096 x 8: 80. Backward, 2048 x 8: 52.
+# its next block in flight. Full-vocabulary forward, 4096 x 8: 80. Backward, 2048 x 8: 58.
 # Tests pass small blocks to the interpreter.
 _FWD_BLOCK_V = 2048
 _FULL_BLOCK_V = 4096
