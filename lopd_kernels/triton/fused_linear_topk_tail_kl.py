@@ -234,7 +234,7 @@ def _fwd_kernel(
                 new_t = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
                 new_s = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
                 new_i = tl.full((BLOCK_N, M_PAD), -1, tl.int32)
-                for k in tl.static_range(M):
+                for k in range(M):
                     key_r = tl.where(avail_run, tl.maximum(run_t, NEG_BIG), float("-inf"))
                     key_c = tl.where(avail_tile, tl.maximum(t, NEG_BIG), float("-inf"))
                     best_r = tl.max(key_r, axis=1)
