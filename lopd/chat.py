@@ -277,13 +277,19 @@ def render_messages(
 ) -> list[int]:
     """Tokenize a whole conversation with the chat template (messages as in ``Trajectory``).
 
-    For the tiny model's template, a trajectory whose generated turns are canonical tokenizations
-    re-renders to exactly its ``input_ids``. Qwen3's template rewrites earlier assistant turns
-    (it drops their think blocks), so use the incremental segments there.
+    A conversation that ends with an assistant message is cut right after its end-of-turn token,
+    where a trajectory ends (templates append a newline after it). For the tiny model's
+    template, a trajectory whose generated turns are canonical tokenizations re-renders to exactly
+    its ``input_ids``. Qwen3's template rewrites earlier assistant turns (it drops their think
+    blocks), so trajectories of real models are only defined by their incremental segments.
     """
-    return encode(
-        tokenizer, _apply(tokenizer, messages, tools, add_generation_prompt, enable_thinking)
-    )
+    text = _apply(tokenizer, messages, tools, add_generation_prompt, enable_thinking)
+    if messages and messages[-1]["role"] == "assistant" and not add_generation_prompt:
+        eot = end_of_turn_token(tokenizer)
+        cut = text.rfind(eot)
+        if cut >= 0:
+            text = text[: cut + len(eot)]
+    return encode(tokenizer, text)
 
 
 def tools_fingerprint(tools: list[dict[str, Any]] | None) -> str:

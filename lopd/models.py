@@ -163,6 +163,13 @@ def tool_use_corpus(tasks: Sequence[Task]) -> list[str]:
 # Pieces harvested into the vocabulary: identifiers (optionally with their leading space) and
 # short punctuation runs (JSON scaffolding), never spanning a newline.
 _PIECE_RE = re.compile(r" ?[A-Za-z][A-Za-z_]*|[^\sA-Za-z0-9]{1,3}(?: [^\sA-Za-z0-9]{1,2})?")
+_QUOTED_WORD_RE = re.compile(r'"([A-Za-z][A-Za-z_]*)')
+
+
+def _is_spaced(piece: str, quoted: set[str]) -> bool:
+    return piece.startswith(" ") and piece[1:] in quoted
+
+
 # Template words (role names, tool tags) are always whole tokens.
 _FIXED_PIECES = (
     "system",
@@ -195,12 +202,21 @@ def build_tokenizer(texts: Sequence[str], min_count: int = 2, max_piece_len: int
     if min_count < 1:
         raise ValueError(f"min_count must be >= 1, got {min_count}")
     counts: collections.Counter[str] = collections.Counter()
+    quoted: set[str] = set()
     for text in texts:
         counts.update(m.group(0) for m in _PIECE_RE.finditer(text))
+        quoted.update(_QUOTED_WORD_RE.findall(text))
     chars = [chr(c) for c in range(32, 127)] + ["\n"]
     base = set(chars)
+    # A word that starts a JSON string value ("Portland", "Omar Costa") gets no leading-space
+    # piece: in the instruction it is then " " + "Portland", the same token the model must emit
+    # inside the tool call, so filling an argument is a plain copy of token ids.
     pieces = sorted(
-        (p for p, c in counts.items() if c >= min_count and 1 < len(p) <= max_piece_len),
+        (
+            p
+            for p, c in counts.items()
+            if c >= min_count and 1 < len(p) <= max_piece_len and not _is_spaced(p, quoted)
+        ),
         key=lambda p: (-counts[p], p),
     )
     pieces += [p for p in _FIXED_PIECES if p not in pieces]
@@ -263,7 +279,7 @@ class TinyBuildConfig:
     num_kv_heads: int = 2
     head_dim: int = 32
     min_count: int = 2
-    calib_tasks: int = 60
+    calib_tasks: int = 40
     target_reward: float = 0.35
     check_every: int = 60
     sft_tasks: int | None = None
@@ -271,7 +287,7 @@ class TinyBuildConfig:
     batch_size: int = 16
     lr: float = 3e-3
     eval_tasks: int = 120
-    threads: int = 2
+    threads: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,0 +1,109 @@
+"""The embedded tiny model: tokenizer, deterministic build, shipped asset, held-out reward."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lopd.envs import builtin_tasks
+from lopd.models import (
+    SPECIAL_TOKENS,
+    TINY_ASSET_DIR,
+    TinyBuildConfig,
+    build_tiny,
+    build_tokenizer,
+    load_model,
+    weights_hash,
+)
+from lopd.rollout import GenerationConfig, rollout
+
+# A build small enough for a test: a 1-layer, 32-wide model, 6 demonstrations, 3 SFT steps.
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    sft_tasks=6,
+    sft_steps=3,
+    batch_size=2,
+    eval_tasks=0,
+    threads=1,
+)
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return load_model()
+
+
+def test_tokenizer_round_trips_and_splits_lines():
+    tok = build_tokenizer(["find_policy find_policy policy_id policy_id", '": "', '": "'])
+    for text in [
+        '<tool_call>\n{"name": "find_policy", "arguments": {"policy_id": "PL-11"}}\n</tool_call>',
+        "naïve café — 東京 ✓\n\nTask Completed",
+        "",
+    ]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == text
+    ids = tok("find_policy\n\npolicy_id", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["find_policy", "\n", "\n", "policy_id"]
+    # Special tokens are atomic and never produced from plain text pieces.
+    for t in SPECIAL_TOKENS:
+        assert tok(t, add_special_tokens=False)["input_ids"] == [tok.convert_tokens_to_ids(t)]
+    with pytest.raises(ValueError, match="min_count"):
+        build_tokenizer(["x"], min_count=0)
+
+
+def test_build_is_deterministic(tmp_path):
+    a = build_tiny(TinyBuildConfig(seed=3, **SMALL), out=tmp_path / "a", verbose=False)
+    b = build_tiny(TinyBuildConfig(seed=3, **SMALL), out=None, verbose=False)
+    assert a["weights_sha256"] == b["weights_sha256"] == weights_hash(b["model"])
+    assert a["tokenizer"].get_vocab() == b["tokenizer"].get_vocab()
+    c = build_tiny(TinyBuildConfig(seed=4, **SMALL), out=None, verbose=False)
+    assert c["weights_sha256"] != a["weights_sha256"]
+    # The saved directory loads back bit-identically, tokenizer and chat template included.
+    model, tok = load_model(tmp_path / "a")
+    assert weights_hash(model) == a["weights_sha256"]
+    text = "Set the Glass limit of policy PN-3301 to $2000."
+    assert tok(text)["input_ids"] == a["tokenizer"](text)["input_ids"]
+    assert tok.chat_template == a["tokenizer"].chat_template
+    info = json.loads((tmp_path / "a" / "build_info.json").read_text())
+    assert info["weights_sha256"] == a["weights_sha256"] and info["config"]["seed"] == 3
+
+
+def test_shipped_asset(shipped):
+    model, tok = shipped
+    files = {p.name: p.stat().st_size for p in TINY_ASSET_DIR.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "build_info.json"} <= set(files)
+    assert sum(files.values()) <= 20 * 2**20
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    n = sum(p.numel() for p in model.parameters())
+    assert 0.8e6 <= n <= 10e6
+    assert not model.training
+    info = json.loads((TINY_ASSET_DIR / "build_info.json").read_text())
+    assert info["weights_sha256"] == weights_hash(model)
+    assert 0.2 <= info["heldout_reward"] <= 0.6
+    assert model.config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert model.config.vocab_size == len(tok)
+
+
+def test_shipped_heldout_reward_in_range(shipped):
+    """A 30-task held-out sample under the default sampling (the build prints the full figure)."""
+    model, tok = shipped
+    tasks = builtin_tasks("tool_use", split="test", n=30)
+    trajs = rollout(model, tok, tasks, GenerationConfig(), seed=0, batch_size=30)
+    mean = sum(t.reward for t in trajs) / len(trajs)
+    assert 0.2 <= mean <= 0.6, mean
+
+
+def test_load_model_dtype_and_errors(tmp_path):
+    model, _ = load_model(dtype="bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(FileNotFoundError, match="path"):
+        load_model(tmp_path / "missing")
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(dtype="float55")
