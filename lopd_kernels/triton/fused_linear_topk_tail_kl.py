@@ -480,7 +480,7 @@ def _bwd_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _config(n: int, vocab: int, dtype: torch.dtype) -> dict:
+def _config(dtype: torch.dtype) -> dict:
     """Tile sizes: GPU-sized on a device, the smallest legal ``tl.dot`` tiles in the interpreter."""
     if _interpret():
         return {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_D": 16, "num_warps": 1}
@@ -524,7 +524,7 @@ def fused_linear_fwd_triton(hs, ws, bs, ht, wt, bt, target, top_m, temperature, 
     h_t = ht.index_select(0, rows).contiguous()
     tgt = target.index_select(0, rows).to(torch.int32).contiguous()
     ws, wt, bs, bt = _pack(ws, wt, bs, bt)
-    cfg = _config(nv, vocab, hs.dtype)
+    cfg = _config(hs.dtype)
     bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
     n_blocks, n_tiles = triton.cdiv(nv, bn), triton.cdiv(vocab, bv)
     if _interpret():
@@ -653,7 +653,7 @@ def fused_linear_bwd_triton(
         else:
             c_s, c_t = bucket_coefs(u_kl, kl_v, bucket.index_select(0, rows), reverse, u_ls, u_t)
             ids = topk_ids.index_select(0, rows).contiguous()
-        cfg = _config(nv, vocab, hs.dtype)
+        cfg = _config(hs.dtype)
         bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
         precision, upcast = _precision(hs.dtype)
         dummy = rowp
