@@ -41,7 +41,9 @@ def shipped():
 
 
 def test_tokenizer_round_trips_and_splits_lines():
-    tok = build_tokenizer(["find_policy find_policy policy_id policy_id", '": "', '": "'])
+    # Each piece twice (min_count=2): "find_policy", "policy_id" and '": "' become tokens.
+    tok = build_tokenizer(["find_policy", "find_policy", "policy_id", "policy_id", '": "', '": "'])
+    assert {"find_policy", "policy_id", '": "'} <= set(tok.get_vocab())
     for text in [
         '<tool_call>\n{"name": "find_policy", "arguments": {"policy_id": "PL-11"}}\n</tool_call>',
         "naïve café — 東京 ✓\n\nTask Completed",
