@@ -29,6 +29,7 @@ dtype) and weight gradients accumulate in float32 across token chunks.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -344,25 +345,56 @@ def auto_chunk_rows(
     return int(max(1, min(rows, max(n_rows, 1))))
 
 
-def _matmul_f32(a: Tensor, b: Tensor, out: Tensor | None = None, beta: float = 0.0) -> Tensor:
-    """``beta * out + a @ b`` in float32 for ``a [R, K]``, ``b [K, C]``.
+_HALF = (torch.bfloat16, torch.float16)
 
-    float32 operands go straight to one GEMM. Half-precision operands are upcast one slab of
-    ``b``'s columns at a time, so a bf16 LM head is never copied to float32 whole.
+
+@functools.cache
+def _cuda_half_gemm_f32_out() -> bool:
+    """Whether cuBLAS half-precision GEMMs can write float32 here (``mm(..., out_dtype=)``)."""
+    try:
+        x = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+        return torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _matmul_f32(
+    a: Tensor, b: Tensor, out: Tensor | None = None, accumulate: bool = False
+) -> Tensor:
+    """``a @ b`` (or ``out += a @ b``) into float32, for ``a [R, K]``, ``b [K, C]``.
+
+    float32 operands go straight to one GEMM. With a half-precision ``b`` on a GPU, ``a`` is
+    cast to ``b``'s dtype (as autograd's bf16 matmuls do) and tensor-core GEMMs write float32
+    (``out_dtype``), accumulating in slabs of ``out``'s rows. Otherwise (CPU) half operands are
+    upcast one slab of ``b``'s columns at a time, so a bf16 LM head is never copied to float32
+    whole.
     """
     rows, cols = a.shape[0], b.shape[1]
     f32 = torch.float64 if a.dtype == torch.float64 else torch.float32
+    if a.is_cuda and b.dtype in _HALF and _cuda_half_gemm_f32_out():
+        a_h = a.to(b.dtype)
+        if out is None:
+            return torch.mm(a_h, b, out_dtype=torch.float32)
+        slab = max(1, _SLAB_BYTES // (4 * max(cols, 1)))
+        for r0 in range(0, rows, slab):
+            r1 = min(rows, r0 + slab)
+            part = torch.mm(a_h[r0:r1], b, out_dtype=torch.float32)
+            if accumulate:
+                out[r0:r1] += part
+            else:
+                out[r0:r1] = part
+        return out
     if out is None:
         out = torch.empty(rows, cols, dtype=f32, device=a.device)
-        beta = 0.0
+        accumulate = False
     if a.dtype == f32 and b.dtype == f32:
-        return out.addmm_(a, b) if beta else torch.mm(a, b, out=out)
+        return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
     a32 = a.to(f32)
     slab = max(1, _SLAB_BYTES // (4 * max(b.shape[0], 1)))
     for c0 in range(0, cols, slab):
         c1 = min(cols, c0 + slab)
         dst = out[:, c0:c1]
-        if beta:
+        if accumulate:
             dst.addmm_(a32, b[:, c0:c1].to(f32))
         else:
             torch.mm(a32, b[:, c0:c1].to(f32), out=dst)
@@ -606,7 +638,7 @@ def _chunked_bwd(
                     d_h.index_copy_(0, r, _matmul_f32(grad, w))
                 if d_w is not None:
                     # dW[V, d] += ds^T [V, C] @ h [C, d]: one GEMM per chunk, fp32 accumulator.
-                    _matmul_f32(grad.T, h, out=d_w, beta=1.0)
+                    _matmul_f32(grad.T, h, out=d_w, accumulate=True)
                 if d_b is not None:
                     d_b += grad.sum(0)
             del g_s, g_t
