@@ -3,7 +3,8 @@
 Shape (the issue's): N = 2048 token rows, d = 1024, V = 151,936 (Qwen3), M = 20, float32.
 Gradients as in distillation with a trained student head and a frozen teacher head:
 ``student_hidden``, ``student_weight`` and ``teacher_hidden`` require grad, ``teacher_weight``
-does not. Both variants backpropagate ``sum(kl) + sum(privilege) + sum(student_logprob)``:
+does not (``LOPD_BENCH_FL_GRADS=frozen-heads``: only the hidden states, as with a LoRA student).
+Both variants backpropagate ``sum(kl) + sum(privilege) + sum(student_logprob)``:
 
 * ``materialized``: ``s = h_s W_s^T``, ``t = h_t W_t^T`` then ``lk.topk_tail_kl`` (its C++
   kernel), autograd through the matmuls;
@@ -34,11 +35,12 @@ D = int(os.environ.get("LOPD_BENCH_FL_D", "1024"))
 V = int(os.environ.get("LOPD_BENCH_FL_V", "151936"))
 M = 20
 THREADS = int(os.environ.get("LOPD_BENCH_THREADS", "2"))
+HEAD_GRAD = os.environ.get("LOPD_BENCH_FL_GRADS", "student-head") != "frozen-heads"
 SHAPES = {"N": N, "d": D, "V": V, "M": M, "dtype": "float32", "pass": "fwd+bwd",
-          "grads": "h_s, W_s, h_t"}  # fmt: skip
+          "grads": "h_s, W_s, h_t" if HEAD_GRAD else "h_s, h_t"}  # fmt: skip
 # What the caller holds anyway after the backward: the gradients of the two hidden states and of
 # the student head.
-GRAD_BYTES = (2 * N * D + V * D) * 4
+GRAD_BYTES = (2 * N * D + (V * D if HEAD_GRAD else 0)) * 4
 
 # The same source runs in this process (timing) and in a fresh one (peak RSS).
 SETUP = f"""
@@ -49,7 +51,7 @@ N, D, V, M = {N}, {D}, {V}, {M}
 _g = torch.Generator().manual_seed(0)
 # In place only: a temporary as large as a head would raise the setup's RSS high-water mark
 # above what the measured call adds, hiding it.
-ws = torch.empty(V, D).normal_(generator=_g).mul_(D**-0.5).requires_grad_(True)
+ws = torch.empty(V, D).normal_(generator=_g).mul_(D**-0.5).requires_grad_({HEAD_GRAD})
 wt = torch.empty(V, D).normal_(generator=_g).mul_(0.1 * D**-0.5).add_(ws.detach())
 hs = torch.empty(N, D).normal_(generator=_g).mul_(2).requires_grad_(True)
 ht = torch.empty(N, D).normal_(generator=_g).mul_(0.5).add_(hs.detach()).requires_grad_(True)
