@@ -9,6 +9,7 @@ from lopd_kernels._backend import BACKENDS, extension_loaded
 from lopd_kernels.fused_linear_topk_tail_kl import (
     causal_lm_topk_tail_kl,
     fused_linear_topk_tail_kl,
+    fused_linear_topk_tail_kl_reference,
     lm_head_topk_tail_kl,
 )
 from lopd_kernels.qformer import QFormerCompressor
@@ -31,6 +32,7 @@ __all__ = [
     "causal_lm_topk_tail_kl",
     "extension_loaded",
     "fused_linear_topk_tail_kl",
+    "fused_linear_topk_tail_kl_reference",
     "lm_head_topk_tail_kl",
     "topk_tail_kl",
     "topk_tail_kl_reference",
