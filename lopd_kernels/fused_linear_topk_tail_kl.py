@@ -60,8 +60,8 @@ _SLAB_BYTES = 64 << 20
 
 
 # ----------------------------------------------------------------------------------------------
-# Per-row math on a logit block (PyTorch). Used by the reference and, when the compiled
-# topk_tail_kl kernels are missing, by the chunked path.
+# PyTorch twins of the per-row topk_tail_kl kernels (same outputs from the same inputs): the
+# chunked path's fallback where the compiled kernels are missing (a pure-Python install).
 # ----------------------------------------------------------------------------------------------
 
 
