@@ -170,6 +170,40 @@ def test_gradient_reaches_phi_and_student_never_the_teacher(trainer):
     assert 0.0 < sums["teacher_top_m_mass"] <= len(trajs) + 1e-6
 
 
+def test_fused_linear_path_gives_the_same_loss_and_gradients(trainer):
+    """``lopd.fused_linear=true`` (KL straight from hidden states + LM heads) == logits path."""
+    import dataclasses
+
+    from lopd.trainer import LOPDMethod
+
+    tr = trainer
+    trajs = tr.bank_trajectories[:2]
+    tr.beta = 0.5
+    results = []
+    base_cfg = tr.cfg.lopd
+    try:
+        for fused in (False, True):
+            tr.cfg.lopd = dataclasses.replace(base_cfg, fused_linear=fused)
+            for p in (*tr.student.parameters(), *tr.composer.parameters()):
+                p.grad = None
+            loss, sums = LOPDMethod().loss(tr, trajs, num_total=len(trajs))
+            loss.backward()
+            lora = {
+                n: p.grad.clone() for n, p in tr.composer.named_parameters() if p.grad is not None
+            }
+            head = tr.student.get_output_embeddings().weight.grad.clone()
+            results.append((loss.detach(), sums, lora, head))
+    finally:
+        tr.cfg.lopd = base_cfg
+    (l0, s0, g0, h0), (l1, s1, g1, h1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-6)
+    assert s1["teacher_top_m_mass"] == pytest.approx(s0["teacher_top_m_mass"], rel=1e-4)
+    torch.testing.assert_close(h1, h0, rtol=1e-3, atol=1e-6)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-3, atol=1e-6, msg=n)
+
+
 def test_teacher_mode_is_the_pure_base_model(trainer):
     from lopd.models import load_model
 
