@@ -31,6 +31,14 @@ per-row bucket coefficients (PyTorch, O(N * M), ``bucket_coefs``), and accumulat
 ``dh += ds @ W`` and ``dW += ds^T h`` (and the bias gradient) with fp32 atomics, like Cut
 Cross-Entropy does for plain cross-entropy.
 
+Cost model, and why ``backend="auto"`` uses the chunked path (cuBLAS GEMMs + per-row kernels)
+instead: the logit tiles are plain ``tl.dot`` loops (no autotuning, no warp specialization), and
+unlike cross-entropy's gradient this KL's ``ds`` is dense, so there is no block sparsity to skip:
+the backward's atomics move ``N * d * V / BLOCK_V`` fp32 partial sums of ``dh`` (and the same
+for ``dW``). That is fine up to mid-size problems and the kernel is exact, but at LLM scale
+(N = 16k, d = 4096, V = 152k) the vendor-GEMM path is expected to be faster;
+``benchmarks/gpu_fused_linear.py`` measures both.
+
 Pointer offsets are int64 (``V * D`` overflows int32 for 152k x 8k heads). fp32 inputs use IEEE
 (not TF32) products so fp32 results match the float64 reference at fp32 tolerances.
 """
