@@ -360,7 +360,7 @@ def answers(results: Sequence[dict[str, Any]]) -> list[str]:
         lines.append("- Fraction of GRPO's rollouts: needs both `lopd` and `grpo` runs.")
     if "lopd-m0" in by and "lopd-frozen" in by:
         d, se, n = _paired(by["lopd-m0"], by["lopd-frozen"])
-        below = "yes" if d < 0 else "no"
+        below = "yes" if d < 0 else ("no (equal)" if d == 0 else "no")
         if d < 0 and not math.isnan(se) and -d <= 2 * se:
             below = "below on average, but within 2 stderr (not significant)"
         lines.append(
