@@ -302,6 +302,24 @@ def test_cpu_tail_exact_for_tiny_tail_mass():
 
 
 @requires_cpp
+@pytest.mark.parametrize("divergence", ["reverse", "forward"])
+def test_cpu_lopsided_buckets_finite_gradients(divergence):
+    """One side gives some buckets ~e^-100 of the other's mass (a very sharp teacher against a
+    flat student, and the reverse): the ratios P_b / Q_b of math.md overflow float32 there, but
+    the gradients are finite and must match the reference."""
+    n, v, m = 4, 300, 8
+    g = torch.Generator().manual_seed(21)
+    sharp = torch.randn(n, v, generator=g, dtype=torch.float64)
+    sharp[:, 1:] -= 100.0  # one dominant entry; the rest of the top-M holds ~e^-100
+    flat = torch.randn(n, v, generator=g, dtype=torch.float64) * 0.1
+    target = torch.randint(0, v, (n,), generator=g)
+    for s, t in ((flat, sharp), (sharp, flat)):
+        check_against_reference(
+            s.float(), t.float(), target, "cpu", top_m=m, temperature=1.0, divergence=divergence
+        )
+
+
+@requires_cpp
 def test_cpu_shapes_strides_and_requires_grad():
     """[B, L, V] inputs, non-contiguous logits, int32 targets, one side without grad."""
     s, t, target = make_inputs(6, 33, seed=2, ignore_rows=(4,))

@@ -85,33 +85,42 @@ LOPD_HOST_DEVICE inline float bucket_kl_term(float logp, float logq, bool revers
   return logq == LOPD_NEG_INF ? 0.0f : expf(logq) * (logq - logp);
 }
 
-// Per-bucket gradient coefficients, so that for every vocabulary entry j in bucket b
-//   d(u_kl * KL)/ds_j = S_j * coef_s   and   d(u_kl * KL)/dt_j = T_j * coef_t
-// (before the 1/temperature chain factor). Reverse KL: coef_s = u_kl (g_b - KL),
-// coef_t = u_kl (1 - P_b / Q_b) with g_b = log P_b - log Q_b. Forward KL: coef_s =
-// u_kl (1 - Q_b / P_b), coef_t = u_kl (h_b - F) with h_b = -g_b. A zero-mass bucket on a side has
-// S_j = 0 (resp. T_j = 0) for all its entries, so its coefficient is set to 0 rather than the
-// NaN its formula would give.
-LOPD_HOST_DEVICE inline void bucket_grad_coefs(float logp, float logq, float kl, bool reverse,
-                                               float u_kl, float* coef_s, float* coef_t) {
-  const bool p_zero = logp == LOPD_NEG_INF;
-  const bool q_zero = logq == LOPD_NEG_INF;
+// Per-bucket gradient factors. For vocabulary entry j in bucket b, on either side x (student s
+// or teacher t), with w_j = exp(x_j / T - lse_b(x)) the entry's share of its bucket's mass on that
+// side (1 for a top-M entry, X_j / X_tail for a tail entry):
+//   d(u_kl KL + u_ls student_logprob + u_lt teacher_logprob) / dx_j
+//       = (w_j * k_x + u_lx * 1[j = a]) / T.
+// From math.md with S_j = w_j P_b and T_j = w_j Q_b:
+//   reverse: k_s = P_b (u_kl (g_b - KL) - u_ls),      k_t = Q_b (u_kl - u_lt) - u_kl P_b
+//   forward: k_s = P_b (u_kl - u_ls) - u_kl Q_b,      k_t = Q_b (u_kl (h_b - F) - u_lt)
+// The ratios Q_b / P_b and P_b / Q_b of math.md only ever appear multiplied by P_b (Q_b) here, so
+// every factor is a bucket mass in [0, 1] times a finite number: no overflow however lopsided
+// the two distributions are (a bucket one side gives e^-100 of the other's mass). A zero-mass
+// bucket's log-ratio term is dropped (0, not 0 * inf).
+LOPD_HOST_DEVICE inline void bucket_grad_factors(float logp, float logq, float kl, bool reverse,
+                                                 float u_kl, float u_ls, float u_lt, float* k_s,
+                                                 float* k_t) {
+  const float p = expf(logp);  // exactly 0 for -inf
+  const float q = expf(logq);
   if (reverse) {
-    *coef_s = p_zero ? 0.0f : u_kl * ((logp - logq) - kl);
-    *coef_t = q_zero ? 0.0f : u_kl * (1.0f - expf(logp - logq));
+    *k_s = logp == LOPD_NEG_INF ? 0.0f : p * (u_kl * ((logp - logq) - kl) - u_ls);
+    *k_t = q * (u_kl - u_lt) - u_kl * p;
   } else {
-    *coef_s = p_zero ? 0.0f : u_kl * (1.0f - expf(logq - logp));
-    *coef_t = q_zero ? 0.0f : u_kl * ((logq - logp) - kl);
+    *k_s = p * (u_kl - u_ls) - u_kl * q;
+    *k_t = logq == LOPD_NEG_INF ? 0.0f : q * (u_kl * ((logq - logp) - kl) - u_lt);
   }
 }
 
-// Gradient of one vocabulary entry given its probability `prob` (S_j or T_j), its bucket's
-// coefficient, the upstream gradient of that side's sampled-token log-prob `u_lp` and whether j is
-// the target: (prob * coef + u_lp * (1[j = a] - prob)) / temperature.
-LOPD_HOST_DEVICE inline float entry_grad(float prob, float coef, float u_lp, bool is_target,
+// log of a bucket's own mass on one side, lse_b = lse + log_mass, for the shares w_j. A bucket
+// without mass gives +inf, so that every share exp(x_j / T - lse_b) is 0 rather than NaN.
+LOPD_HOST_DEVICE inline float bucket_lse(float lse, float log_mass) {
+  return (log_mass == LOPD_NEG_INF || lse == LOPD_NEG_INF) ? INFINITY : lse + log_mass;
+}
+
+// One entry's gradient: (share * k + u_lp * 1[j = a]) / temperature.
+LOPD_HOST_DEVICE inline float entry_grad(float share, float k, float u_lp, bool is_target,
                                          float inv_temperature) {
-  const float g = prob * (coef - u_lp) + (is_target ? u_lp : 0.0f);
-  return g * inv_temperature;
+  return (share * k + (is_target ? u_lp : 0.0f)) * inv_temperature;
 }
 
 // Finishes a top-M row. Inputs: the selected entries' scaled logits s_top[i], t_top[i]

@@ -13,8 +13,9 @@
 // The tail is thus accumulated directly over the complement of the selection, with its own
 // running max (no underflow however small it is), and the full log-sum-exps are
 // logaddexp(lse(top), tail) at the end.
-// Backward, one row: one pass per tensor writes S_j * c_tail (or T_j * c_tail) for every entry,
-// then the M selected entries and the target are rewritten with their own bucket coefficients.
+// Backward, one row: one pass per tensor writes the tail formula (share of the tail mass times the
+// tail's factor, see bucket_grad_factors) for every entry, then the M selected entries and the
+// target are rewritten with their own factors.
 // GCC 12 reports -Wmaybe-uninitialized false positives inside its own avx512fintrin.h (the
 // `_mm512_undefined_*` placeholders ATen's Vectorized uses); they are not about this file's code.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -336,55 +337,58 @@ void fwd_impl(const TopKTailKLFwdArgs& a) {
 // Backward
 // ---------------------------------------------------------------------------------------------
 
-// grad[j] = exp(x[j] * inv - lse) * k for the whole row, then the selected entries and the target
-// rewritten with their own coefficients. coef[i] is entry i's bucket coefficient (coef[M]: tail).
+// One side's gradient row. k[i] is bucket i's factor (k[M]: the tail), tail_lse the log-sum-exp
+// of that side's tail logits. Streams grad[j] = exp(x[j] / T - tail_lse) * k[M] / T (the tail
+// formula) over the whole row, then rewrites the M selected entries (share 1: no logit read) and
+// the target.
 template <typename T>
-void bwd_topk_side(const T* x, T* g, int64_t V, int64_t M, const int64_t* ids, const float* coef,
-                   float lse, float u_lp, int64_t tgt, float inv) {
-  const float k = (coef[M] - u_lp) * inv;
-  const Vec vinv(inv), vlse(lse), vk(k);
+void bwd_topk_side(const T* x, T* g, int64_t V, int64_t M, const int64_t* ids, const float* k,
+                   float tail_lse, float u_lp, int64_t tgt, float inv) {
+  const float kt = k[M] * inv;
+  const Vec vinv(inv), vlse(tail_lse), vk(kt);
   int64_t j = 0;
   for (; V - j >= kStep; j += kStep) {
     Vec x0, x1;
     load2(x + j, x0, x1);
+    // Selected entries may exceed tail_lse here (share > 1, even inf): they are rewritten below.
     store2(g + j, (x0 * vinv - vlse).exp() * vk, (x1 * vinv - vlse).exp() * vk);
   }
   for (; j < V; ++j) {
-    g[j] = static_cast<T>(std::exp(static_cast<float>(x[j]) * inv - lse) * k);
+    g[j] = static_cast<T>(std::exp(static_cast<float>(x[j]) * inv - tail_lse) * kt);
   }
   bool target_selected = false;
   for (int64_t i = 0; i < M; ++i) {
     const int64_t id = ids[i];
-    const float p = std::exp(math::log_normalize(static_cast<float>(x[id]) * inv, lse));
-    g[id] = static_cast<T>(math::entry_grad(p, coef[i], u_lp, id == tgt, inv));
+    g[id] = static_cast<T>(math::entry_grad(1.0f, k[i], u_lp, id == tgt, inv));
     target_selected |= id == tgt;
   }
   if (!target_selected) {
-    const float p = std::exp(math::log_normalize(static_cast<float>(x[tgt]) * inv, lse));
-    g[tgt] = static_cast<T>(math::entry_grad(p, coef[M], u_lp, true, inv));
+    const float share = std::exp(static_cast<float>(x[tgt]) * inv - tail_lse);
+    g[tgt] = static_cast<T>(math::entry_grad(share, k[M], u_lp, true, inv));
   }
 }
 
-// Full-vocabulary backward: every entry is its own bucket, so both sides need both logits.
+// Full-vocabulary backward: every entry is its own bucket (share 1), so both sides need both
+// logits; the factors are those of math::bucket_grad_factors with P = S_j, Q = T_j.
 template <typename TS, typename TT>
 void bwd_full_row(const TS* s, const TT* t, TS* gs, TT* gt, int64_t V, float lse_s, float lse_t,
                   float kl, bool reverse, float u_kl, float u_ls, float u_lt, int64_t tgt,
                   float inv) {
   const Vec vinv(inv), vlse_s(lse_s), vlse_t(lse_t), vkl(kl), vukl(u_kl), vuls(u_ls), vult(u_lt);
-  const Vec vneg(kNegInf), vzero(0.0f), vone(1.0f);
+  const Vec vneg(kNegInf), vzero(0.0f);
   auto grads = [&](const Vec& ls, const Vec& lt, Vec& out_s, Vec& out_t) {
-    Vec cs, ct;
+    const Vec p = ls.exp();
+    const Vec q = lt.exp();
+    Vec ks, kt;
     if (reverse) {
-      cs = vukl * ((ls - lt) - vkl);
-      ct = vukl * (vone - (ls - lt).exp());
+      ks = Vec::blendv(p * (vukl * ((ls - lt) - vkl) - vuls), vzero, ls == vneg);
+      kt = q * (vukl - vult) - vukl * p;
     } else {
-      cs = vukl * (vone - (lt - ls).exp());
-      ct = vukl * ((lt - ls) - vkl);
+      ks = p * (vukl - vuls) - vukl * q;
+      kt = Vec::blendv(q * (vukl * ((lt - ls) - vkl) - vult), vzero, lt == vneg);
     }
-    cs = Vec::blendv(cs, vzero, ls == vneg);
-    ct = Vec::blendv(ct, vzero, lt == vneg);
-    out_s = ls.exp() * (cs - vuls) * vinv;
-    out_t = lt.exp() * (ct - vult) * vinv;
+    out_s = ks * vinv;
+    out_t = kt * vinv;
   };
   int64_t j = 0;
   for (; V - j >= kStep; j += kStep) {
@@ -399,14 +403,10 @@ void bwd_full_row(const TS* s, const TT* t, TS* gs, TT* gt, int64_t V, float lse
   auto scalar = [&](int64_t i, bool is_target) {
     const float ls = math::log_normalize(static_cast<float>(s[i]) * inv, lse_s);
     const float lt = math::log_normalize(static_cast<float>(t[i]) * inv, lse_t);
-    float cs, ct;
-    math::bucket_grad_coefs(ls, lt, kl, reverse, u_kl, &cs, &ct);
-    if (gs != nullptr) {
-      gs[i] = static_cast<TS>(math::entry_grad(std::exp(ls), cs, u_ls, is_target, inv));
-    }
-    if (gt != nullptr) {
-      gt[i] = static_cast<TT>(math::entry_grad(std::exp(lt), ct, u_lt, is_target, inv));
-    }
+    float ks, kt;
+    math::bucket_grad_factors(ls, lt, kl, reverse, u_kl, u_ls, u_lt, &ks, &kt);
+    if (gs != nullptr) gs[i] = static_cast<TS>(math::entry_grad(1.0f, ks, u_ls, is_target, inv));
+    if (gt != nullptr) gt[i] = static_cast<TT>(math::entry_grad(1.0f, kt, u_lt, is_target, inv));
   };
   for (; j < V; ++j) scalar(j, false);
   scalar(tgt, true);
@@ -432,7 +432,7 @@ void bwd_impl(const TopKTailKLBwdArgs& a) {
   const float inv = a.inv_temperature;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> cs(M + 1), ct(M + 1);
+    std::vector<float> ks(M + 1), kt(M + 1);
     for (int64_t n = begin; n < end; ++n) {
       TS* gs = gs_base != nullptr ? gs_base + n * V : nullptr;
       TT* gt = gt_base != nullptr ? gt_base + n * V : nullptr;
@@ -455,11 +455,14 @@ void bwd_impl(const TopKTailKLBwdArgs& a) {
       const float* logp = bucket + n * 2 * (M + 1);
       const float* logq = logp + (M + 1);
       for (int64_t b = 0; b <= M; ++b) {
-        math::bucket_grad_coefs(logp[b], logq[b], kl[n], a.reverse, g_kl[n], &cs[b], &ct[b]);
+        math::bucket_grad_factors(logp[b], logq[b], kl[n], a.reverse, g_kl[n], g_ls[n], g_lt[n],
+                                  &ks[b], &kt[b]);
       }
       const int64_t* ids_n = ids + n * M;
-      if (gs != nullptr) bwd_topk_side(s, gs, V, M, ids_n, cs.data(), lse_s, g_ls[n], tgt, inv);
-      if (gt != nullptr) bwd_topk_side(t, gt, V, M, ids_n, ct.data(), lse_t, g_lt[n], tgt, inv);
+      const float tail_s = math::bucket_lse(lse_s, logp[M]);
+      const float tail_t = math::bucket_lse(lse_t, logq[M]);
+      if (gs != nullptr) bwd_topk_side(s, gs, V, M, ids_n, ks.data(), tail_s, g_ls[n], tgt, inv);
+      if (gt != nullptr) bwd_topk_side(t, gt, V, M, ids_n, kt.data(), tail_t, g_lt[n], tgt, inv);
     }
   });
 }
