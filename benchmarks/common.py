@@ -93,26 +93,37 @@ def record(
 def peak_rss_bytes(setup: str, run: str, threads: int | None = None) -> tuple[int, int]:
     """Run ``setup`` then ``run`` in a fresh Python process; return (rss after setup, peak RSS).
 
-    Peak RSS (``ru_maxrss``) of a fresh process is the honest CPU memory figure: it counts every
-    temporary the allocator ever held, which ``tracemalloc``-style counters miss for torch.
-    ``peak - after_setup`` is the memory the measured call needed beyond its inputs.
+    Peak RSS of a fresh process is the honest CPU memory figure: it counts every temporary the
+    allocator ever held, which ``tracemalloc``-style counters miss for torch. The child reads
+    ``VmHWM`` from ``/proc/self/status`` after resetting it (``/proc/self/clear_refs``) at the
+    start of ``run``, not ``ru_maxrss``: Linux carries ``ru_maxrss`` over fork+exec, so a parent
+    holding large tensors would hide the child's peak. ``peak - after_setup`` is the memory the
+    measured call needed beyond its inputs.
     """
     code = textwrap.dedent(
         f"""
-        import resource, torch
+        import torch
         {f"torch.set_num_threads({threads})" if threads else ""}
+        def _status_kib(field):
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(field + ":"):
+                        return int(line.split()[1])
+            raise RuntimeError(field + " missing from /proc/self/status")
         """
     )
     code += textwrap.dedent(setup) + textwrap.dedent(
         """
-        import gc, resource
+        import gc
         gc.collect()
-        _before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        _before = _status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
         """
     )
     code += textwrap.dedent(run) + textwrap.dedent(
         """
-        _peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        _peak = max(_status_kib("VmHWM"), _before)
         print("LOPD_RSS", _before * 1024, _peak * 1024)
         """
     )
