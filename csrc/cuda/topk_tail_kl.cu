@@ -17,9 +17,10 @@
 //     of times per row and the kernel is bound by the logits' bytes;
 //   * at the end the per-thread tails are merged (warp shuffles, then shared memory) and thread 0
 //     finishes the row with topk_row_finalize.
-// Backward, one block per row, one streaming pass per tensor: grad_j = P_j * c_tail for all j
-// (vectorized), then, after a barrier, the M selected entries and the target are rewritten with
-// their own bucket coefficients.
+// Backward, one block per row, one streaming pass per tensor: every entry gets the tail formula
+// (its share of the tail mass times the tail's factor, math::bucket_grad_factors: bucket masses
+// times finite numbers, no P_b/Q_b ratios), then, after a barrier, the M selected entries and the
+// target are rewritten with their own factors.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -391,49 +392,50 @@ struct BwdParams {
   bool reverse;
 };
 
-// One side (student or teacher) of a top-M row: x are that side's logits, coef its bucket
-// coefficients (coef[M] = tail). Called by the whole block.
+// One side (student or teacher) of a top-M row: x are that side's logits, k its bucket factors
+// (k[M] = tail, see math::bucket_grad_factors), tail_lse the log-sum-exp of that side's tail.
+// Streams the tail formula grad_j = exp(x_j / T - tail_lse) * k[M] / T over the whole row, then
+// rewrites the M selected entries (share 1: no logit read) and the target. Called by the whole
+// block.
 template <typename T>
 __device__ void bwd_topk_side(const T* x, T* g, int64_t V, int64_t M, const int64_t* ids,
-                              const float* coef, float lse, float u_lp, int64_t tgt, float inv,
+                              const float* k, float tail_lse, float u_lp, int64_t tgt, float inv,
                               bool aligned) {
-  const float k = (coef[M] - u_lp) * inv;
+  const float kt = k[M] * inv;
   for (int64_t base = int64_t(threadIdx.x) * kVec; base < V; base += kTile) {
     const int valid = valid_in(V, base);
     float xv[kVec], gv[kVec];
     load8(x + base, valid, aligned, xv);
+    // Selected entries may exceed tail_lse here (share > 1, even inf): they are rewritten below.
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) gv[i] = __expf(xv[i] * inv - lse) * k;
+    for (int i = 0; i < kVec; ++i) gv[i] = __expf(xv[i] * inv - tail_lse) * kt;
     store8(g + base, valid, aligned, gv);
   }
   // Global writes of this block are visible to the block after the barrier: the rewrites below
   // land after the streaming writes of the same addresses.
   __syncthreads();
   for (int64_t i = threadIdx.x; i <= M; i += blockDim.x) {
-    int64_t id;
-    float c;
     if (i < M) {
-      id = ids[i];
-      c = coef[i];
-    } else {
-      // The target, unless it is one of the selected entries (then its thread handled it).
-      bool selected = false;
-      for (int64_t m = 0; m < M; ++m) selected |= ids[m] == tgt;
-      if (selected) continue;
-      id = tgt;
-      c = coef[M];
+      const int64_t id = ids[i];
+      g[id] = from_float<T>(math::entry_grad(1.0f, k[i], u_lp, id == tgt, inv));
+      continue;
     }
-    const float prob = expf(math::log_normalize(to_float(x[id]) * inv, lse));
-    g[id] = from_float<T>(math::entry_grad(prob, c, u_lp, id == tgt, inv));
+    // The target, unless it is one of the selected entries (then its thread handled it).
+    bool selected = false;
+    for (int64_t m = 0; m < M; ++m) selected |= ids[m] == tgt;
+    if (!selected) {
+      const float share = expf(to_float(x[tgt]) * inv - tail_lse);
+      g[tgt] = from_float<T>(math::entry_grad(share, k[M], u_lp, true, inv));
+    }
   }
 }
 
-// Dynamic shared memory: 2 * (M + 1) floats of bucket coefficients.
+// Dynamic shared memory: 2 * (M + 1) floats of bucket factors.
 template <typename TS, typename TT>
 __global__ void __launch_bounds__(kThreads)
     topk_tail_kl_bwd_kernel(const TS* __restrict__ student, const TT* __restrict__ teacher,
                             TS* grad_student, TT* grad_teacher, BwdParams p) {
-  extern __shared__ float coef[];
+  extern __shared__ float factors[];
   const int64_t row = blockIdx.x;
   const int64_t V = p.vocab;
   const int64_t M = p.top_m;
@@ -475,11 +477,11 @@ __global__ void __launch_bounds__(kThreads)
       for (int i = 0; i < kVec; ++i) {
         const float ls = math::log_normalize(sv[i] * inv, lse_s);
         const float lt = math::log_normalize(tv[i] * inv, lse_t);
-        float cs, ct;
-        math::bucket_grad_coefs(ls, lt, kl, p.reverse, u_kl, &cs, &ct);
+        float ks, kt;
+        math::bucket_grad_factors(ls, lt, kl, p.reverse, u_kl, u_ls, u_lt, &ks, &kt);
         const bool is_tgt = base + i == tgt;
-        gsv[i] = math::entry_grad(__expf(ls), cs, u_ls, is_tgt, inv);
-        gtv[i] = math::entry_grad(__expf(lt), ct, u_lt, is_tgt, inv);
+        gsv[i] = math::entry_grad(1.0f, ks, u_ls, is_tgt, inv);
+        gtv[i] = math::entry_grad(1.0f, kt, u_lt, is_tgt, inv);
       }
       if (gs != nullptr) store8(gs + base, valid, aligned, gsv);
       if (gt != nullptr) store8(gt + base, valid, aligned, gtv);
@@ -489,15 +491,17 @@ __global__ void __launch_bounds__(kThreads)
 
   const float* logp = p.bucket + row * 2 * (M + 1);
   const float* logq = logp + (M + 1);
-  float* cs = coef;
-  float* ct = coef + (M + 1);
+  float* ks = factors;
+  float* kt = factors + (M + 1);
   for (int64_t b = threadIdx.x; b <= M; b += blockDim.x) {
-    math::bucket_grad_coefs(logp[b], logq[b], kl, p.reverse, u_kl, &cs[b], &ct[b]);
+    math::bucket_grad_factors(logp[b], logq[b], kl, p.reverse, u_kl, u_ls, u_lt, &ks[b], &kt[b]);
   }
   __syncthreads();
   const int64_t* ids = p.ids + row * M;
-  if (gs != nullptr) bwd_topk_side(s, gs, V, M, ids, cs, lse_s, u_ls, tgt, inv, aligned);
-  if (gt != nullptr) bwd_topk_side(t, gt, V, M, ids, ct, lse_t, u_lt, tgt, inv, aligned);
+  const float tail_s = math::bucket_lse(lse_s, logp[M]);
+  const float tail_t = math::bucket_lse(lse_t, logq[M]);
+  if (gs != nullptr) bwd_topk_side(s, gs, V, M, ids, ks, tail_s, u_ls, tgt, inv, aligned);
+  if (gt != nullptr) bwd_topk_side(t, gt, V, M, ids, kt, tail_t, u_lt, tgt, inv, aligned);
 }
 
 // ---- host side ---------------------------------------------------------------------------------------
