@@ -114,8 +114,9 @@ def collect_bank(
         gen: a :class:`lopd.rollout.GenerationConfig` (default sampling when ``None``).
         min_reward: success threshold: an episode enters the bank when ``reward >= min_reward``.
         rollouts_per_task: episodes per task (the paper samples several to cover more tasks).
-        seed: sampling seed; chunk ``c`` rolls out with ``seed * 1_000_003 + c``, so the result
-            is deterministic for a fixed ``(seed, chunk_size, batch_size)``, device and threads.
+        seed: sampling seed; chunk ``c`` rolls out with ``seed * 1_000_003 + c`` (mod 2**63),
+            so the result is deterministic for a fixed ``(seed, chunk_size, batch_size)``,
+            device and threads.
         batch_size: episodes generated together (see :func:`lopd.rollout.rollout`).
         chunk_size: episodes per durable chunk: successes are appended and the progress bar
             advances after each chunk; a chunk refills its batch continuously, so only its tail
@@ -165,9 +166,9 @@ def collect_bank(
         for c, s in enumerate(range(0, len(episodes), chunk_size)):
             chunk = episodes[s : s + chunk_size]
             t0 = time.perf_counter()
-            trajs = rollout(
-                model, tokenizer, chunk, gen, seed=seed * 1_000_003 + c, batch_size=batch_size
-            )
+            # Modulo 2**63: torch generators take at most 64-bit seeds, whatever ``seed`` is.
+            chunk_seed = (seed * 1_000_003 + c) % (1 << 63)
+            trajs = rollout(model, tokenizer, chunk, gen, seed=chunk_seed, batch_size=batch_size)
             rollout_s += time.perf_counter() - t0
             wins = [t for t in trajs if bank.is_success(t)]
             added += len(bank.add_many(wins, meta={"collect_seed": seed}))
