@@ -452,10 +452,12 @@ def _resolve_backend(backend: str, device: torch.device, fp64: bool, top_m: int)
         if device.type == "cpu":
             return "cpu" if _HAS_CPP else "torch"  # _backend warned once if _C is missing
         if device.type == "cuda":
-            if _HAS_CUDA_KERNEL:
-                return "cuda"
+            # Triton is the measured GPU default; the CUDA kernel takes over where Triton cannot
+            # run (no triton, top_m above its limit) until a GPU benchmark shows it faster.
             if top_m <= _cuda_triton_max_top_m():
                 return "triton"
+            if _HAS_CUDA_KERNEL:
+                return "cuda"
         return "torch"
     if backend == "torch":
         return backend
@@ -534,8 +536,8 @@ def topk_tail_kl(
         temperature: T > 0; both logits are divided by T first.
         divergence: ``"reverse"`` = KL(student || teacher) (the paper's) or ``"forward"``.
         ignore_index: target value marking ignored rows.
-        backend: ``"auto"`` (CPU tensors: the C++ kernel; CUDA tensors: the CUDA kernel if built,
-            else Triton; float64: the reference), ``"torch"``, ``"cpu"``, ``"triton"``,
+        backend: ``"auto"`` (CPU tensors: the C++ kernel; CUDA tensors: Triton, else the CUDA
+            kernel if built; float64: the reference), ``"torch"``, ``"cpu"``, ``"triton"``,
             ``"cuda"``.
 
     Returns:
