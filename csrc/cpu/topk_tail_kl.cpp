@@ -16,30 +16,14 @@
 #include <cstring>
 #include <tuple>
 
+#include "common/topk_tail_kl_checks.h"
 #include "cpu/isa_dispatch.h"
 #include "cpu/topk_tail_kl.h"
 
 namespace lopd::cpu {
 namespace {
 
-void check_logits(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.device().is_cpu(), "topk_tail_kl (CPU): ", name, " must be a CPU tensor, got ",
-              x.device());
-  TORCH_CHECK(x.dim() == 2, "topk_tail_kl: ", name, " must be 2-D [N, V], got shape ", x.sizes());
-  const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "topk_tail_kl (CPU): ",
-              name, " must be float32, bfloat16 or float16, got ", dt,
-              " (float64 runs only on backend='torch', the reference)");
-}
-
-void check_row_vector(const at::Tensor& x, const char* name, int64_t n, at::ScalarType dtype) {
-  TORCH_CHECK(x.device().is_cpu(), "topk_tail_kl (CPU): ", name, " must be a CPU tensor, got ",
-              x.device());
-  TORCH_CHECK(x.dim() == 1 && x.size(0) == n, "topk_tail_kl: ", name, " must have shape [", n,
-              "], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == dtype, "topk_tail_kl: ", name, " must be ", dtype, ", got ",
-              x.scalar_type());
-}
+namespace checks = ::lopd::topk_tail_kl;
 
 void check_targets(const at::Tensor& target, int64_t vocab, int64_t ignore_index) {
   const int64_t* p = target.data_ptr<int64_t>();
@@ -73,34 +57,21 @@ void advise_huge_pages(const at::Tensor& x) {
 #endif
 }
 
-float checked_inv_temperature(double temperature) {
-  TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0,
-              "topk_tail_kl: temperature must be a finite number > 0, got ", temperature);
-  return static_cast<float>(1.0 / temperature);
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 topk_tail_kl_fwd_cpu(const at::Tensor& student_logits, const at::Tensor& teacher_logits,
                      const at::Tensor& target_ids, int64_t top_m, double temperature,
                      bool reverse, int64_t ignore_index) {
-  check_logits(student_logits, "student_logits");
-  check_logits(teacher_logits, "teacher_logits");
-  TORCH_CHECK(student_logits.sizes() == teacher_logits.sizes(),
-              "topk_tail_kl: student_logits and teacher_logits must have the same shape, got ",
-              student_logits.sizes(), " and ", teacher_logits.sizes());
+  checks::check_fwd_args(student_logits, teacher_logits, target_ids, top_m, c10::DeviceType::CPU,
+                         "CPU");
   const int64_t n = student_logits.size(0);
   const int64_t v = student_logits.size(1);
-  TORCH_CHECK(v >= 1, "topk_tail_kl: the vocabulary (last dim of student_logits) is empty");
-  check_row_vector(target_ids, "target_ids", n, at::kLong);
-  TORCH_CHECK(top_m == 0 || (top_m >= 1 && top_m < v), "topk_tail_kl: top_m must be 0 (full ",
-              "vocabulary) or in [1, V = ", v, "), got ", top_m);
   TopKTailKLFwdArgs a;
   a.student = student_logits.contiguous();
   a.teacher = teacher_logits.contiguous();
   a.target = target_ids.contiguous();
   check_targets(a.target, v, ignore_index);
   a.top_m = top_m;
-  a.inv_temperature = checked_inv_temperature(temperature);
+  a.inv_temperature = checks::checked_inv_temperature(temperature);
   a.reverse = reverse;
   a.ignore_index = ignore_index;
   const auto f32 = student_logits.options().dtype(at::kFloat);
@@ -121,31 +92,10 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cpu(
     const at::Tensor& kl, const at::Tensor& lse, const at::Tensor& bucket_logp,
     double temperature, bool reverse, int64_t ignore_index, bool student_requires_grad,
     bool teacher_requires_grad) {
-  check_logits(student_logits, "student_logits");
-  check_logits(teacher_logits, "teacher_logits");
-  TORCH_CHECK(student_logits.sizes() == teacher_logits.sizes(),
-              "topk_tail_kl: student_logits and teacher_logits must have the same shape, got ",
-              student_logits.sizes(), " and ", teacher_logits.sizes());
-  const int64_t n = student_logits.size(0);
+  checks::check_bwd_args(grad_kl, grad_student_logprob, grad_teacher_logprob, student_logits,
+                         teacher_logits, target_ids, topk_ids, kl, lse, bucket_logp,
+                         c10::DeviceType::CPU, "CPU");
   const int64_t v = student_logits.size(1);
-  check_row_vector(target_ids, "target_ids", n, at::kLong);
-  check_row_vector(grad_kl, "grad_kl", n, at::kFloat);
-  check_row_vector(grad_student_logprob, "grad_student_logprob", n, at::kFloat);
-  check_row_vector(grad_teacher_logprob, "grad_teacher_logprob", n, at::kFloat);
-  check_row_vector(kl, "kl", n, at::kFloat);
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == n && topk_ids.size(1) < v &&
-                  topk_ids.scalar_type() == at::kLong,
-              "topk_tail_kl: topk_ids must be int64 [N = ", n, ", M < V = ", v, "], got ",
-              topk_ids.scalar_type(), " ", topk_ids.sizes());
-  const int64_t m = topk_ids.size(1);
-  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == n && lse.size(1) == 2 &&
-                  lse.scalar_type() == at::kFloat,
-              "topk_tail_kl: lse must be float32 [N = ", n, ", 2], got ", lse.scalar_type(), " ",
-              lse.sizes());
-  TORCH_CHECK(bucket_logp.dim() == 3 && bucket_logp.size(0) == n && bucket_logp.size(1) == 2 &&
-                  bucket_logp.size(2) == m + 1 && bucket_logp.scalar_type() == at::kFloat,
-              "topk_tail_kl: bucket_logp must be float32 [N = ", n, ", 2, M + 1 = ", m + 1,
-              "], got ", bucket_logp.scalar_type(), " ", bucket_logp.sizes());
   TopKTailKLBwdArgs a;
   a.grad_kl = grad_kl.contiguous();
   a.grad_student_logprob = grad_student_logprob.contiguous();
@@ -158,7 +108,7 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cpu(
   a.kl = kl.contiguous();
   a.lse = lse.contiguous();
   a.bucket_logp = bucket_logp.contiguous();
-  a.inv_temperature = checked_inv_temperature(temperature);
+  a.inv_temperature = checks::checked_inv_temperature(temperature);
   a.reverse = reverse;
   a.ignore_index = ignore_index;
   if (student_requires_grad) {

@@ -34,12 +34,14 @@
 #include <cstdint>
 #include <tuple>
 
+#include "common/topk_tail_kl_checks.h"
 #include "common/topk_tail_kl_math.h"
 
 namespace lopd::cuda {
 namespace {
 
 namespace math = ::lopd::topk_tail_kl;
+namespace checks = ::lopd::topk_tail_kl;
 
 constexpr int kThreads = 256;
 constexpr int kVec = 8;                       // entries per thread per step
@@ -506,31 +508,6 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- host side ---------------------------------------------------------------------------------------
 
-void check_logits(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.is_cuda(), "topk_tail_kl (CUDA): ", name, " must be a CUDA tensor, got ",
-              x.device());
-  TORCH_CHECK(x.dim() == 2, "topk_tail_kl: ", name, " must be 2-D [N, V], got shape ", x.sizes());
-  const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "topk_tail_kl (CUDA): ",
-              name, " must be float32, bfloat16 or float16, got ", dt);
-}
-
-void check_row_vector(const at::Tensor& x, const char* name, int64_t n, at::ScalarType dtype,
-                      const at::Device& device) {
-  TORCH_CHECK(x.device() == device, "topk_tail_kl: ", name, " must be on ", device, ", got ",
-              x.device());
-  TORCH_CHECK(x.dim() == 1 && x.size(0) == n, "topk_tail_kl: ", name, " must have shape [", n,
-              "], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == dtype, "topk_tail_kl: ", name, " must be ", dtype, ", got ",
-              x.scalar_type());
-}
-
-float checked_inv_temperature(double temperature) {
-  TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0,
-              "topk_tail_kl: temperature must be a finite number > 0, got ", temperature);
-  return static_cast<float>(1.0 / temperature);
-}
-
 // Calls F.template operator()<TS, TT>() for the (student, teacher) dtype pair.
 template <typename F>
 void dispatch_pair(at::ScalarType s, at::ScalarType t, F&& f) {
@@ -565,20 +542,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 topk_tail_kl_fwd_cuda(const at::Tensor& student_logits, const at::Tensor& teacher_logits,
                       const at::Tensor& target_ids, int64_t top_m, double temperature,
                       bool reverse, int64_t ignore_index) {
-  check_logits(student_logits, "student_logits");
-  check_logits(teacher_logits, "teacher_logits");
-  TORCH_CHECK(student_logits.device() == teacher_logits.device(),
-              "topk_tail_kl: student_logits and teacher_logits must be on the same device, got ",
-              student_logits.device(), " and ", teacher_logits.device());
-  TORCH_CHECK(student_logits.sizes() == teacher_logits.sizes(),
-              "topk_tail_kl: student_logits and teacher_logits must have the same shape, got ",
-              student_logits.sizes(), " and ", teacher_logits.sizes());
+  checks::check_fwd_args(student_logits, teacher_logits, target_ids, top_m,
+                         c10::DeviceType::CUDA, "CUDA");
   const int64_t n = student_logits.size(0);
   const int64_t v = student_logits.size(1);
-  TORCH_CHECK(v >= 1 && v < (int64_t(1) << 32), "topk_tail_kl (CUDA): V must be in [1, 2^32)");
-  check_row_vector(target_ids, "target_ids", n, at::kLong, student_logits.device());
-  TORCH_CHECK(top_m == 0 || (top_m >= 1 && top_m < v), "topk_tail_kl: top_m must be 0 (full ",
-              "vocabulary) or in [1, V = ", v, "), got ", top_m);
+  TORCH_CHECK(v < (int64_t(1) << 32), "topk_tail_kl (CUDA): V must be < 2^32, got ", v);
   TORCH_CHECK(top_m <= kMaxTopM, "topk_tail_kl (CUDA): top_m must be <= ", kMaxTopM, ", got ",
               top_m, " (use top_m=None for the full vocabulary)");
   const c10::cuda::CUDAGuard guard(student_logits.device());
@@ -596,7 +564,7 @@ topk_tail_kl_fwd_cuda(const at::Tensor& student_logits, const at::Tensor& teache
     FwdParams prm{tgt.data_ptr<int64_t>(), kl.data_ptr<float>(), slp.data_ptr<float>(),
                   tlp.data_ptr<float>(), ids.data_ptr<int64_t>(), lse.data_ptr<float>(),
                   bucket.data_ptr<float>(), n, v, top_m, ignore_index,
-                  checked_inv_temperature(temperature), reverse};
+                  checks::checked_inv_temperature(temperature), reverse};
     const size_t smem = top_m > 0 ? kSortCap * sizeof(uint64_t) : 0;
     auto stream = c10::cuda::getCurrentCUDAStream();
     dispatch_pair(s.scalar_type(), t.scalar_type(), [&](auto s_tag, auto t_tag) {
@@ -620,31 +588,12 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cuda(
     const at::Tensor& kl, const at::Tensor& lse, const at::Tensor& bucket_logp,
     double temperature, bool reverse, int64_t ignore_index, bool student_requires_grad,
     bool teacher_requires_grad) {
-  check_logits(student_logits, "student_logits");
-  check_logits(teacher_logits, "teacher_logits");
-  TORCH_CHECK(student_logits.sizes() == teacher_logits.sizes(),
-              "topk_tail_kl: student_logits and teacher_logits must have the same shape, got ",
-              student_logits.sizes(), " and ", teacher_logits.sizes());
+  const int64_t m = checks::check_bwd_args(
+      grad_kl, grad_student_logprob, grad_teacher_logprob, student_logits, teacher_logits,
+      target_ids, topk_ids, kl, lse, bucket_logp, c10::DeviceType::CUDA, "CUDA");
   const auto dev = student_logits.device();
   const int64_t n = student_logits.size(0);
   const int64_t v = student_logits.size(1);
-  check_row_vector(target_ids, "target_ids", n, at::kLong, dev);
-  check_row_vector(grad_kl, "grad_kl", n, at::kFloat, dev);
-  check_row_vector(grad_student_logprob, "grad_student_logprob", n, at::kFloat, dev);
-  check_row_vector(grad_teacher_logprob, "grad_teacher_logprob", n, at::kFloat, dev);
-  check_row_vector(kl, "kl", n, at::kFloat, dev);
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == n && topk_ids.size(1) < v &&
-                  topk_ids.scalar_type() == at::kLong && topk_ids.device() == dev,
-              "topk_tail_kl: topk_ids must be int64 [N = ", n, ", M < V = ", v, "] on ", dev);
-  const int64_t m = topk_ids.size(1);
-  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == n && lse.size(1) == 2 &&
-                  lse.scalar_type() == at::kFloat && lse.device() == dev,
-              "topk_tail_kl: lse must be float32 [N = ", n, ", 2] on ", dev);
-  TORCH_CHECK(bucket_logp.dim() == 3 && bucket_logp.size(0) == n && bucket_logp.size(1) == 2 &&
-                  bucket_logp.size(2) == m + 1 && bucket_logp.scalar_type() == at::kFloat &&
-                  bucket_logp.device() == dev,
-              "topk_tail_kl: bucket_logp must be float32 [N = ", n, ", 2, M + 1 = ", m + 1, "] on ",
-              dev);
   const c10::cuda::CUDAGuard guard(dev);
   const at::Tensor s = student_logits.contiguous();
   const at::Tensor t = teacher_logits.contiguous();
@@ -658,7 +607,7 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cuda(
     BwdParams prm{g_kl.data_ptr<float>(), g_ls.data_ptr<float>(), g_lt.data_ptr<float>(),
                   tgt.data_ptr<int64_t>(), ids.data_ptr<int64_t>(), kl_c.data_ptr<float>(),
                   lse_c.data_ptr<float>(), bucket.data_ptr<float>(), v, m, ignore_index,
-                  checked_inv_temperature(temperature), reverse};
+                  checks::checked_inv_temperature(temperature), reverse};
     const size_t smem = 2 * (m + 1) * sizeof(float);
     auto stream = c10::cuda::getCurrentCUDAStream();
     dispatch_pair(s.scalar_type(), t.scalar_type(), [&](auto s_tag, auto t_tag) {
