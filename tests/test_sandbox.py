@@ -142,11 +142,21 @@ def test_work_dir_is_writable_and_is_home():
 
 @needs_root
 def test_writing_outside_the_work_dir_fails(tmp_path):
-    # The installed package directory stands for any root-owned place (the repo, other files).
-    target = Path(lopd.__file__).parent / f"pwned-{uuid.uuid4().hex}.txt"
+    # The standard library's directory stands for any root-owned place outside /tmp.
+    target = Path(os.__file__).parent / f"pwned-{uuid.uuid4().hex}.txt"
     try:
         r = run_python(f"open({str(target)!r}, 'w').write('x')")
         assert r.returncode != 0 and "PermissionError" in r.stderr
+        assert not target.exists()
+    finally:
+        target.unlink(missing_ok=True)
+    # The installed package (the repo): read-only, or invisible when the checkout itself lies
+    # under /tmp (as in CI), which the sandbox replaces with a private one.
+    target = Path(lopd.__file__).parent / f"pwned-{uuid.uuid4().hex}.txt"
+    try:
+        r = run_python(f"open({str(target)!r}, 'w').write('x')")
+        assert r.returncode != 0
+        assert "PermissionError" in r.stderr or "FileNotFoundError" in r.stderr
         assert not target.exists()
     finally:
         target.unlink(missing_ok=True)
