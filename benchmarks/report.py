@@ -38,7 +38,7 @@ def _fmt(v: object) -> str:
 
 
 def _mib(b: object) -> str:
-    return "" if b is None else f"{int(b) / 2**20:.1f}"
+    return "" if b in (None, "") else f"{int(b) / 2**20:.1f}"
 
 
 def table(rows: list[dict]) -> str:
