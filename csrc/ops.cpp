@@ -1,39 +1,17 @@
-// Schemas of every torch.ops.lopd.* op implemented in C++/CUDA, one line each with a comment.
-// Implementations register per dispatch key in csrc/cpu/<op>.cpp and csrc/cuda/<op>.cu
-// (TORCH_LIBRARY_IMPL), so a CPU build and a CUDA build expose the same op names.
-// Fake (meta) implementations for torch.compile live next to each op in lopd_kernels/<op>.py.
+// Declares every torch.ops.lopd.* op implemented in C++/CUDA (schemas and their documentation:
+// csrc/common/schemas.h). Implementations register per dispatch key in csrc/cpu/<op>.cpp and
+// csrc/cuda/<op>.cu (TORCH_LIBRARY_IMPL), so a CPU build and a CUDA build expose the same op
+// names. Fake (meta) implementations for torch.compile live next to each op in
+// lopd_kernels/<op>.py. fused_linear_topk_tail_kl and varlen_cross_attention are Python custom
+// ops (lopd_kernels/) built on these and on vendor GEMMs / Triton.
 #include <Python.h>
 #include <torch/library.h>
 
+#include "common/schemas.h"
+
 TORCH_LIBRARY(lopd, m) {
-  // ---- topk_tail_kl (lopd_kernels/topk_tail_kl.py) ----
-  // Forward. top_m == 0 means the full vocabulary (no selection, no tail bucket); else
-  // 1 <= top_m < V. Logits [N, V] fp32/bf16/fp16 (the two may differ), math in fp32.
-  // Returns kl[N], student_logprob[N], teacher_logprob[N] (fp32), topk_ids[N,M] (int64, by
-  // descending teacher logit, ties to the lower id), lse[N,2] (fp32 log-sum-exp of student/T and
-  // teacher/T), bucket_logp[N,2,M+1] (fp32 log P_b, log Q_b in topk_ids order; index M is the
-  // tail; with top_m == 0 it holds 0, 0: one bucket of mass 1). Rows whose
-  // target == ignore_index are all zeros; other targets must lie in [0, V).
-  m.def(
-      "topk_tail_kl_fwd(Tensor student_logits, Tensor teacher_logits, Tensor target_ids, "
-      "int top_m, float temperature, bool reverse, int ignore_index) -> "
-      "(Tensor kl, Tensor student_logprob, Tensor teacher_logprob, Tensor topk_ids, Tensor lse, "
-      "Tensor bucket_logp)");
-  // Backward. grad_teacher_logprob already includes the privilege's upstream gradient.
-  // Returns grad_student [N,V], grad_teacher [N,V] in the logits' dtypes; a side whose
-  // *_requires_grad is false gets an empty float32 tensor of shape [0].
-  m.def(
-      "topk_tail_kl_bwd(Tensor grad_kl, Tensor grad_student_logprob, Tensor grad_teacher_logprob, "
-      "Tensor student_logits, Tensor teacher_logits, Tensor target_ids, Tensor topk_ids, "
-      "Tensor kl, Tensor lse, Tensor bucket_logp, float temperature, bool reverse, "
-      "int ignore_index, bool student_requires_grad, bool teacher_requires_grad) -> "
-      "(Tensor grad_student, Tensor grad_teacher)");
-
-  // ---- fused_linear_topk_tail_kl (lopd_kernels/fused_linear_topk_tail_kl.py) ----
-  // (schemas added by that op's C++/CUDA implementation, if any)
-
-  // ---- varlen_cross_attention (lopd_kernels/varlen_cross_attention.py) ----
-  // (schemas added by that op's C++/CUDA implementation, if any)
+  m.def(lopd::schemas::kTopkTailKlFwd);
+  m.def(lopd::schemas::kTopkTailKlBwd);
 }
 
 // `import lopd_kernels._C` loads this library (and with it the registrations above); the module

@@ -1,10 +1,14 @@
-"""topk_tail_kl's CUDA kernel (csrc/cuda/topk_tail_kl.cu) against the float64 reference: the same
-checks as the other backends (all outputs, both gradients under random upstream gradients).
+"""topk_tail_kl's CUDA kernels (csrc/cuda/topk_tail_kl_kernels.cuh) against the float64
+reference: the same checks as the other backends (all outputs, both gradients under random
+upstream gradients), on two targets:
 
-Runs only where the extension was built with CUDA and a GPU is present (benchmarks/gpu_all.sh
-runs it, also under compute-sanitizer memcheck with LOPD_TEST_SMALL=1). Elsewhere every test
-skips with the reason; the kernel's per-row arithmetic is shared with the C++ CPU kernel
-(csrc/common/topk_tail_kl_math.h), which tests/test_topk_tail_kl.py covers on every machine.
+- ``cuda``: the real kernels on a GPU (where the extension was built with CUDA; elsewhere these
+  skip with the reason). benchmarks/gpu_all.sh runs them, also under compute-sanitizer memcheck
+  with LOPD_TEST_SMALL=1;
+- ``emulated``: the same kernel source compiled by g++ and run on CPU tensors by the SIMT
+  emulator (csrc/emu/, tests/simt_emu.py), on every machine with a C++ compiler. It checks the
+  kernels' indexing, arithmetic, and barrier / warp-collective structure (a divergent
+  ``__syncthreads`` fails the test with the source lines), not their speed or memory model.
 """
 
 from __future__ import annotations
@@ -17,13 +21,12 @@ import torch
 import lopd_kernels as lk
 from lopd_kernels import _backend
 from lopd_kernels.topk_tail_kl import TopKTailKLOutput, topk_tail_kl_reference
+from tests import simt_emu
 from tests.test_topk_tail_kl import assert_grad_close, make_inputs, random_upstream, run
 from tests.utils import assert_close
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and _backend.has_cuda_kernel("topk_tail_kl_fwd")),
-    reason="needs a CUDA device and lopd_kernels._C built with the CUDA kernels",
-)
+HAS_GPU_KERNEL = torch.cuda.is_available() and _backend.has_cuda_kernel("topk_tail_kl_fwd")
+EMU_UNAVAILABLE = simt_emu.unavailable_reason()
 SMALL = os.environ.get("LOPD_TEST_SMALL") == "1"
 
 
@@ -33,33 +36,62 @@ def cuda_op(s, t, target, **kw):
     return TopKTailKLOutput(*(o.cpu() for o in out))
 
 
-def check(s, t, target, **kw):
-    up = random_upstream(target.numel())
-    out, gs, gt = run(cuda_op, s, t, target, up, **kw)
-    ref, rgs, rgt = run(topk_tail_kl_reference, s.double(), t.double(), target, up, **kw)
+@pytest.fixture(
+    params=[
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not HAS_GPU_KERNEL,
+                reason="needs a CUDA device and lopd_kernels._C built with the CUDA kernels",
+            ),
+        ),
+        pytest.param(
+            "emulated",
+            marks=pytest.mark.skipif(EMU_UNAVAILABLE is not None, reason=str(EMU_UNAVAILABLE)),
+        ),
+    ]
+)
+def target(request):
+    """Where the CUDA kernels run: ``"cuda"`` (a GPU) or ``"emulated"`` (SIMT emulator, CPU)."""
+    if request.param == "emulated":
+        simt_emu.load()
+        simt_emu.set_schedule_seed(0)
+    return request.param
+
+
+def op_for(where: str):
+    return cuda_op if where == "cuda" else simt_emu.topk_tail_kl_emulated
+
+
+def check(where, s, t, target_ids, **kw):
+    up = random_upstream(target_ids.numel())
+    out, gs, gt = run(op_for(where), s, t, target_ids, up, **kw)
+    ref, rgs, rgt = run(topk_tail_kl_reference, s.double(), t.double(), target_ids, up, **kw)
     for name in ("kl", "privilege", "student_logprob", "teacher_logprob"):
-        assert_close(getattr(out, name), getattr(ref, name), torch.float32, f"cuda {name}")
-    assert torch.equal(out.topk_ids, ref.topk_ids), "cuda topk_ids"
-    assert_grad_close(gs, rgs, s.dtype, "cuda grad student")
-    assert_grad_close(gt, rgt, t.dtype, "cuda grad teacher")
+        assert_close(getattr(out, name), getattr(ref, name), torch.float32, f"{where} {name}")
+    assert torch.equal(out.topk_ids, ref.topk_ids), f"{where} topk_ids"
+    assert_grad_close(gs, rgs, s.dtype, f"{where} grad student")
+    assert_grad_close(gt, rgt, t.dtype, f"{where} grad teacher")
 
 
+# (N, V, M). The kernel's tile is 2,048 entries per block step and its candidate buffer
+# compacts at ~4k keys, so V = 5003 and 32000 cover several tiles and several compactions;
+# M = 1000 is near the 1024 limit of the selection buffer.
 SHAPES = [(1, 1, 1), (3, 7, 1), (3, 97, 20), (17, 1000, 64), (5, 5003, 20), (4, 32000, 1000)]
-if not SMALL:
-    SHAPES += [(257, 1000, 20), (2, 151936, 20)]
+LARGE_SHAPES = [(257, 1000, 20), (2, 151936, 20)]
 
 
-@pytest.mark.parametrize(("n", "v", "m"), SHAPES)
+@pytest.mark.parametrize(("n", "v", "m"), SHAPES + ([] if SMALL else LARGE_SHAPES))
 @pytest.mark.parametrize("divergence", ["reverse", "forward"])
-def test_cuda_matches_reference(n, v, m, divergence):
-    s, t, target = make_inputs(n, v, seed=n + v)
-    check(s, t, target, top_m=m if m < v else None, divergence=divergence, temperature=0.7)
+def test_matches_reference(target, n, v, m, divergence):
+    s, t, tgt = make_inputs(n, v, seed=n + v)
+    check(target, s, t, tgt, top_m=m if m < v else None, divergence=divergence, temperature=0.7)
 
 
 @pytest.mark.parametrize("v", [7, 1000] + ([] if SMALL else [151936]))
-def test_cuda_full_vocabulary(v):
-    s, t, target = make_inputs(3, v, seed=v)
-    check(s, t, target, top_m=None, divergence="forward")
+def test_full_vocabulary(target, v):
+    s, t, tgt = make_inputs(3, v, seed=v)
+    check(target, s, t, tgt, top_m=None, divergence="forward")
 
 
 @pytest.mark.parametrize(
@@ -70,23 +102,66 @@ def test_cuda_full_vocabulary(v):
         (torch.float32, torch.bfloat16),
     ],
 )
-def test_cuda_dtypes(s_dtype, t_dtype):
-    s, t, target = make_inputs(5, 4096, s_dtype=s_dtype, t_dtype=t_dtype, seed=3)
-    check(s, t, target, top_m=20)
+def test_dtypes(target, s_dtype, t_dtype):
+    s, t, tgt = make_inputs(5, 4096, s_dtype=s_dtype, t_dtype=t_dtype, seed=3)
+    check(target, s, t, tgt, top_m=20)
 
 
-def test_cuda_ignored_and_padded_rows():
-    s, t, target = make_inputs(6, 1003, seed=5, pad=40, ignore_rows=(0, 3))
-    check(s, t, target, top_m=20)
-    s, t, target = make_inputs(4, 64, seed=6, ignore_rows=(0, 1, 2, 3))
-    out = cuda_op(s, t, target, top_m=8)
+def test_unaligned_rows(target):
+    # V % 8 != 0 and a storage offset: the kernels fall back from 16-byte vector loads.
+    s, t, tgt = make_inputs(3, 2 * 2048 + 13, seed=11)
+    check(target, s[:, 1:], t[:, 1:], torch.clamp(tgt, max=2 * 2048 + 11), top_m=33)
+
+
+def test_ignored_and_padded_rows(target):
+    s, t, tgt = make_inputs(6, 1003, seed=5, pad=40, ignore_rows=(0, 3))
+    check(target, s, t, tgt, top_m=20)
+    s, t, tgt = make_inputs(4, 64, seed=6, ignore_rows=(0, 1, 2, 3))
+    out = op_for(target)(s, t, tgt, top_m=8)
     assert not torch.isnan(out.kl).any() and (out.kl == 0).all()
 
 
-def test_cuda_sorted_adversarial_row():
+def test_sorted_adversarial_row(target):
     # Ascending teacher logits: every tile beats the running threshold (the slow, rare path).
     v = 20000
     t = torch.linspace(-5, 5, v).repeat(2, 1)
     s = t.flip(-1) * 0.5
-    target = torch.tensor([3, v - 2])
-    check(s, t, target, top_m=64)
+    tgt = torch.tensor([3, v - 2])
+    check(target, s, t, tgt, top_m=64)
+
+
+def test_ties_select_lower_ids(target):
+    # Equal teacher logits: the selection breaks ties to the lower vocabulary id, as the
+    # reference does.
+    t = torch.zeros(2, 300)
+    t[:, 100:140] = 1.0
+    s = torch.randn(2, 300, generator=torch.Generator().manual_seed(0))
+    tgt = torch.tensor([120, 5])
+    check(target, s, t, tgt, top_m=25)
+
+
+@pytest.mark.skipif(EMU_UNAVAILABLE is not None, reason=str(EMU_UNAVAILABLE))
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_emulated_random_schedules(seed):
+    """The kernels give the reference's results whatever order the emulated threads resume in
+    at each barrier and atomic (a seeded random schedule instead of round-robin)."""
+    simt_emu.load()
+    simt_emu.set_schedule_seed(seed)
+    try:
+        for n, v, m in [(3, 97, 1), (2, 5003, 20), (2, 4500, 600)]:
+            s, t, tgt = make_inputs(n, v, seed=seed + v)
+            check("emulated", s, t, tgt, top_m=m)
+    finally:
+        simt_emu.set_schedule_seed(0)
+
+
+@pytest.mark.skipif(EMU_UNAVAILABLE is not None, reason=str(EMU_UNAVAILABLE))
+def test_emulated_rejects_bad_input_like_the_cuda_op():
+    simt_emu.load()
+    s, t, tgt = make_inputs(2, 50, seed=0)
+    with pytest.raises(RuntimeError, match="top_m must be <= 1024"):
+        torch.ops.lopd_simt_emu.topk_tail_kl_fwd(
+            torch.zeros(1, 3000), torch.zeros(1, 3000), tgt[:1], 1025, 1.0, True, -100
+        )
+    with pytest.raises(RuntimeError, match="same shape"):
+        torch.ops.lopd_simt_emu.topk_tail_kl_fwd(s, t[:, :49], tgt, 5, 1.0, True, -100)

@@ -1,0 +1,47 @@
+// What the CUDA kernels of csrc/cuda/ need from their surroundings, in two builds:
+//   * nvcc (the real thing): CUDA headers, `extern __shared__`, <<<...>>> launches on the current
+//     stream, a device guard, errors checked after every launch;
+//   * LOPD_SIMT_EMULATION (g++, tests on machines without a GPU): the same kernel source runs on
+//     the CPU under csrc/emu/simt_emulator.h, on CPU tensors.
+// Kernel files use only the macros below for the parts that differ, so the emulated build
+// compiles exactly the device code that nvcc compiles.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#ifdef LOPD_SIMT_EMULATION
+
+#include "emu/simt_emulator.h"
+
+// `T* name` pointing at the block's dynamic shared memory.
+#define LOPD_EXTERN_SHARED(T, name) T* name = ::lopd::simt_emu::dynamic_shared<T>()
+#define LOPD_LAUNCH(kernel, grid, block, smem_bytes, ...) \
+  ::lopd::simt_emu::launch(kernel, grid, block, smem_bytes, __VA_ARGS__)
+#define LOPD_DEVICE_GUARD(device)
+// Where the op's tensors live and how messages name the implementation.
+#define LOPD_SIMT_DEVICE_TYPE c10::DeviceType::CPU
+#define LOPD_SIMT_BACKEND "CUDA-emulated"
+
+#else
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#define LOPD_EXTERN_SHARED(T, name) extern __shared__ T name[]
+// Raises the dynamic shared memory limit to what this launch asks for (above 48 KB needs an
+// explicit opt-in), launches on the current stream and checks the launch.
+#define LOPD_LAUNCH(kernel, grid, block, smem_bytes, ...)                                     \
+  do {                                                                                        \
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, \
+                                        int(smem_bytes)));                                    \
+    kernel<<<grid, block, smem_bytes, c10::cuda::getCurrentCUDAStream()>>>(__VA_ARGS__);      \
+    C10_CUDA_KERNEL_LAUNCH_CHECK();                                                           \
+  } while (0)
+#define LOPD_DEVICE_GUARD(device) const c10::cuda::CUDAGuard lopd_device_guard_(device)
+#define LOPD_SIMT_DEVICE_TYPE c10::DeviceType::CUDA
+#define LOPD_SIMT_BACKEND "CUDA"
+
+#endif

@@ -1,0 +1,30 @@
+// Test build: the CUDA kernels of csrc/cuda/topk_tail_kl_kernels.cuh, compiled by g++ and run on
+// CPU tensors by the SIMT emulator (csrc/emu/simt_emulator.h), as torch.ops.lopd_simt_emu.*
+// with the same schemas as torch.ops.lopd.*. Built and loaded by tests/simt_emu.py; never part of
+// the installed library.
+#ifndef LOPD_SIMT_EMULATION
+#error "compile with -DLOPD_SIMT_EMULATION (tests/simt_emu.py does)"
+#endif
+
+#include <torch/library.h>
+
+#include "common/schemas.h"
+#include "cuda/topk_tail_kl_kernels.cuh"
+
+namespace {
+void set_schedule_seed(int64_t seed) { lopd::simt_emu::set_schedule_seed(uint64_t(seed)); }
+}  // namespace
+
+TORCH_LIBRARY(lopd_simt_emu, m) {
+  m.def(lopd::schemas::kTopkTailKlFwd);
+  m.def(lopd::schemas::kTopkTailKlBwd);
+  // 0: threads resume round-robin; any other value: a random order seeded by it.
+  m.def("set_schedule_seed(int seed) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(lopd_simt_emu, CPU, m) {
+  m.impl("topk_tail_kl_fwd", &lopd::cuda::topk_tail_kl_fwd_cuda);
+  m.impl("topk_tail_kl_bwd", &lopd::cuda::topk_tail_kl_bwd_cuda);
+}
+
+TORCH_LIBRARY_IMPL(lopd_simt_emu, CatchAll, m) { m.impl("set_schedule_seed", &set_schedule_seed); }

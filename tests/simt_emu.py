@@ -1,0 +1,107 @@
+"""The CUDA kernels of ``csrc/cuda/`` run on the CPU by the SIMT emulator (``csrc/emu/``).
+
+``load()`` compiles ``csrc/emu/*.cpp`` once per session with g++ (``-DLOPD_SIMT_EMULATION``: the
+kernel sources nvcc compiles, with the emulator in place of the CUDA runtime) into
+``build/simt-emu/`` and registers ``torch.ops.lopd_simt_emu.*``: the same schemas as
+``torch.ops.lopd.*``, on CPU tensors. ``topk_tail_kl_emulated`` wraps the emulated forward and
+backward like ``lopd_kernels.topk_tail_kl`` wraps the real ones, so the CUDA tests run unchanged.
+
+What passing under the emulator shows: the kernels' indexing, per-thread arithmetic, barrier and
+warp-collective structure are right (divergent barriers are reported as errors). What it does
+not show: speed, the memory model, or anything about the real toolchain's code generation.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from pathlib import Path
+
+import torch
+
+from lopd_kernels.topk_tail_kl import (
+    TopKTailKLOutput,
+    _bwd_fake,
+    _check_inputs,
+    _fwd_fake,
+    _make_autograd,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = sorted((ROOT / "csrc" / "emu").glob("*.cpp"))
+
+
+def unavailable_reason() -> str | None:
+    """Why the emulated build cannot be made here (None: it can)."""
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        return "no C++ compiler (g++) to build the SIMT-emulated CUDA kernels"
+    if shutil.which("ninja") is None:
+        return "ninja (torch.utils.cpp_extension) is needed to build the SIMT-emulated kernels"
+    return None
+
+
+@functools.cache
+def load() -> None:
+    """Builds (once; cached by torch.utils.cpp_extension) and loads the emulated ops."""
+    from torch.utils import cpp_extension
+
+    build = ROOT / "build" / "simt-emu"
+    build.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name="lopd_simt_emu",
+        sources=[str(s) for s in SOURCES],
+        extra_include_paths=[str(ROOT / "csrc")],
+        # -O1: the emulated kernels run on tiny shapes; compile time dominates.
+        extra_cflags=["-std=c++20", "-O1", "-DLOPD_SIMT_EMULATION", "-Wno-unknown-pragmas"],
+        build_directory=str(build),
+        is_python_module=False,
+        verbose=False,
+    )
+    torch.library.register_fake("lopd_simt_emu::topk_tail_kl_fwd")(_fwd_fake)
+    torch.library.register_fake("lopd_simt_emu::topk_tail_kl_bwd")(_bwd_fake)
+    setup, backward = _make_autograd(torch.ops.lopd_simt_emu.topk_tail_kl_bwd)
+    torch.library.register_autograd(
+        "lopd_simt_emu::topk_tail_kl_fwd", backward, setup_context=setup
+    )
+
+
+def set_schedule_seed(seed: int) -> None:
+    """0: emulated threads resume round-robin; otherwise in a random order seeded by ``seed``."""
+    load()
+    torch.ops.lopd_simt_emu.set_schedule_seed(seed)
+
+
+def topk_tail_kl_emulated(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    *,
+    top_m: int | None = 20,
+    temperature: float = 1.0,
+    divergence: str = "reverse",
+    ignore_index: int = -100,
+) -> TopKTailKLOutput:
+    """``lopd_kernels.topk_tail_kl(..., backend="cuda")`` with the CUDA kernels emulated on CPU
+    tensors ``[..., V]``; differentiable in both logits."""
+    load()
+    m = _check_inputs(
+        student_logits, teacher_logits, target_ids, top_m, temperature, divergence, ignore_index
+    )
+    vocab = student_logits.shape[-1]
+    lead = student_logits.shape[:-1]
+    kl, slp, tlp, ids, _lse, _bucket = torch.ops.lopd_simt_emu.topk_tail_kl_fwd(
+        student_logits.reshape(-1, vocab).contiguous(),
+        teacher_logits.reshape(-1, vocab).contiguous(),
+        target_ids.reshape(-1).to(torch.int64).contiguous(),
+        m,
+        float(temperature),
+        divergence == "reverse",
+        int(ignore_index),
+    )
+    return TopKTailKLOutput(
+        kl=kl.reshape(lead),
+        privilege=(tlp - slp.detach()).reshape(lead),
+        student_logprob=slp.reshape(lead),
+        teacher_logprob=tlp.reshape(lead),
+        topk_ids=ids.reshape(*lead, m),
+    )
