@@ -7,6 +7,7 @@ that the top-M boundary has no near-ties (the selection is then the same in ever
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 
@@ -146,6 +147,49 @@ def test_frozen_heads_tail_projection(dtype, divergence):
         inputs, target, "cpu", dtype, requires=requires, top_m=8, temperature=0.9,
         divergence=divergence, chunk_size=4,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunked path with the CUDA per-row kernels as its epilogue (what backend="cuda" runs on a
+# GPU: cuBLAS logit blocks + csrc/cuda/topk_tail_kl_kernels.cuh), here on CPU tensors with those
+# kernels run by the SIMT emulator (tests/simt_emu.py).
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def emulated_cuda_epilogue(monkeypatch):
+    from tests import simt_emu
+
+    # The module, not the function of the same name that lopd_kernels exports.
+    fl = importlib.import_module("lopd_kernels.fused_linear_topk_tail_kl")
+
+    reason = simt_emu.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    simt_emu.load()
+    ops = torch.ops.lopd_simt_emu
+    monkeypatch.setattr(
+        fl, "_kernels_for", lambda device: (ops.topk_tail_kl_fwd, ops.topk_tail_kl_bwd)
+    )
+
+
+@pytest.mark.parametrize(
+    "case", [CASES[0], CASES[2], CASES[3], CASES[5]], ids=lambda c: "-".join(map(str, c))
+)
+def test_chunked_with_emulated_cuda_epilogue(case, emulated_cuda_epilogue):
+    n, d, vocab, top_m, temp, div, bias, chunk = case
+    inputs, target = make_inputs(n, d, vocab, bias=bias)
+    check(
+        inputs, target, "cpu", torch.float32,
+        top_m=top_m, temperature=temp, divergence=div, chunk_size=chunk,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_heads_with_emulated_cuda_epilogue(dtype, emulated_cuda_epilogue):
+    inputs, target = make_inputs(11, 64, 2203, dtype, bias=True, seed=16)
+    requires = {"student_hidden", "teacher_hidden"}
+    check(inputs, target, "cpu", dtype, requires=requires, top_m=8, temperature=0.9, chunk_size=4)
 
 
 @pytest.mark.parametrize("divergence", ["reverse", "forward"])
