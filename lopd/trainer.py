@@ -323,30 +323,14 @@ def distill_rows(
             temperature=tau,
             divergence=cfg.divergence,
         )
-        with torch.no_grad():
-            mass = _top_m_mass_chunked(h_t.detach(), head_t, out.topk_ids, tau)
-        return out, mass
-    s, t = head_s(h_s), head_t(h_t)  # [N, V] on action rows only
-    out = topk_tail_kl(s, t, targets, top_m=cfg.top_m, temperature=tau, divergence=cfg.divergence)
-    with torch.no_grad():
-        mass = _top_m_mass(t.detach().float() / tau, out.topk_ids)
-    return out, mass
-
-
-def _top_m_mass(t: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    if topk_ids.shape[-1] == 0:  # full-vocabulary KL: the "top-M" is everything
-        return torch.ones(t.shape[0], device=t.device)
-    return torch.exp(torch.logsumexp(t.gather(1, topk_ids), 1) - torch.logsumexp(t, 1))
-
-
-def _top_m_mass_chunked(
-    h: torch.Tensor, head: nn.Module, topk_ids: torch.Tensor, tau: float, chunk: int = 256
-) -> torch.Tensor:
-    parts = [
-        _top_m_mass(head(h[i : i + chunk]).float() / tau, topk_ids[i : i + chunk])
-        for i in range(0, h.shape[0], chunk)
-    ]
-    return torch.cat(parts) if parts else torch.zeros(0, device=h.device)
+    else:
+        s, t = head_s(h_s), head_t(h_t)  # [N, V] on action rows only
+        out = topk_tail_kl(
+            s, t, targets, top_m=cfg.top_m, temperature=tau, divergence=cfg.divergence
+        )
+    # The kernels return the teacher's top-M mass from their bucket log-masses: no second pass
+    # over the teacher logits (for the fused path, no second LM-head GEMM) just for logging.
+    return out, out.teacher_topk_mass
 
 
 # ------------------------------------------------------------------------------ serialization

@@ -37,7 +37,11 @@ import torch
 from torch import Tensor
 
 from lopd_kernels._backend import check_backend, has_cpp_op, triton_available
-from lopd_kernels.topk_tail_kl import TopKTailKLOutput, topk_tail_kl_reference
+from lopd_kernels.topk_tail_kl import (
+    TopKTailKLOutput,
+    teacher_topk_mass,
+    topk_tail_kl_reference,
+)
 
 __all__ = [
     "auto_chunk_rows",
@@ -1010,8 +1014,9 @@ def fused_linear_topk_tail_kl(
 
     Returns:
         :class:`TopKTailKLOutput` ``(kl, privilege, student_logprob, teacher_logprob,
-        topk_ids)``. Gradients reach the hidden states, weights and biases wherever they require
-        grad; weight gradients are accumulated in float32 and returned in the weight's dtype.
+        topk_ids, teacher_topk_mass)``. Gradients reach the hidden states, weights and biases
+        wherever they require grad; weight gradients are accumulated in float32 and returned in
+        the weight's dtype.
     """
     m = _check_scalars(top_m, temperature, divergence, ignore_index, backend, chunk_size)
     hs, ws, ht, wt = student_hidden, student_weight, teacher_hidden, teacher_weight
@@ -1035,11 +1040,12 @@ def fused_linear_topk_tail_kl(
     flags = [tail_proj(hs, ws, student_bias), tail_proj(ht, wt, teacher_bias)]
     if impl != "chunked":
         flags = [False, False]
-    kl, lp_s, lp_t, ids, *_ = _fwd_op(
+    kl, lp_s, lp_t, ids, _lse, bucket, *_ = _fwd_op(
         hs, ws, student_bias, ht, wt, teacher_bias, target, m, float(temperature),
         divergence == "reverse", ignore_index, chunk_size or 0, impl, flags,
     )  # fmt: skip
-    return TopKTailKLOutput(kl, lp_t - lp_s.detach(), lp_s, lp_t, ids)
+    mass = teacher_topk_mass(bucket, target, ignore_index)
+    return TopKTailKLOutput(kl, lp_t - lp_s.detach(), lp_s, lp_t, ids, mass)
 
 
 # ----------------------------------------------------------------------------------------------

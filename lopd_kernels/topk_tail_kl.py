@@ -57,6 +57,10 @@ class TopKTailKLOutput(NamedTuple):
         student_logprob: ``[...]`` ``log_softmax(student_logits / T)[target]``.
         teacher_logprob: ``[...]`` ``log_softmax(teacher_logits / T)[target]``.
         topk_ids: ``[..., M]`` int64 teacher top-M ids (``[..., 0]`` in full-vocabulary mode).
+        teacher_topk_mass: ``[...]`` float32, no gradient: the teacher's probability mass on its
+            top-M ids, ``sum_i exp(log Q_i)`` over the kernel's bucket log-masses (exact also for
+            a sharp teacher; no extra pass over the logits). 1 in full-vocabulary mode; 0 at
+            ignored rows. How much of the teacher the top-M buckets resolve (paper, A.2).
     """
 
     kl: Tensor
@@ -64,6 +68,21 @@ class TopKTailKLOutput(NamedTuple):
     student_logprob: Tensor
     teacher_logprob: Tensor
     topk_ids: Tensor
+    teacher_topk_mass: Tensor
+
+
+def teacher_topk_mass(bucket_logp: Tensor, target_ids: Tensor, ignore_index: int) -> Tensor:
+    """``[N]`` teacher mass on its top-M from the ops' ``bucket_logp [N, 2, M+1]`` (no gradient).
+
+    A sum of M non-negative terms (never ``1 - tail``); 1 for the full vocabulary (``M = 0``),
+    0 at rows whose target is ``ignore_index``.
+    """
+    m = bucket_logp.shape[-1] - 1
+    if m == 0:
+        mass = torch.ones(bucket_logp.shape[0], dtype=torch.float32, device=bucket_logp.device)
+    else:
+        mass = bucket_logp.detach()[:, 1, :m].float().exp().sum(-1)
+    return torch.where(target_ids == ignore_index, torch.zeros_like(mass), mass)
 
 
 # ------------------------------------------------------------------------------------ checks
@@ -234,6 +253,11 @@ def topk_tail_kl_reference(
         logp = torch.cat([s.gather(1, ids), _masked_logsumexp(s, tail).unsqueeze(1)], 1) - lse_s
         logq = torch.cat([t.gather(1, ids), _masked_logsumexp(t, tail).unsqueeze(1)], 1) - lse_t
     kl = _bucket_divergence(logp, logq, divergence == "reverse")
+    with torch.no_grad():
+        if m == 0:
+            mass = torch.ones(rows.numel(), dtype=dtype, device=s.device)
+        else:
+            mass = logq[:, :m].exp().sum(-1)
 
     n = tgt.numel()
 
@@ -241,13 +265,14 @@ def topk_tail_kl_reference(
         full = torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
         return full.index_put((rows,), x)
 
-    kl, slp, tlp, ids = (scatter_rows(x) for x in (kl, slp, tlp, ids))
+    kl, slp, tlp, ids, mass = (scatter_rows(x) for x in (kl, slp, tlp, ids, mass))
     return TopKTailKLOutput(
         kl=kl.reshape(lead),
         privilege=(tlp - slp.detach()).reshape(lead),
         student_logprob=slp.reshape(lead),
         teacher_logprob=tlp.reshape(lead),
         topk_ids=ids.reshape(*lead, ids.shape[-1]),
+        teacher_topk_mass=mass.reshape(lead),
     )
 
 
@@ -542,8 +567,8 @@ def topk_tail_kl(
 
     Returns:
         :class:`TopKTailKLOutput` ``(kl, privilege, student_logprob, teacher_logprob,
-        topk_ids)``; float outputs are float32 ``[...]`` (float64 from the float64 reference),
-        ``topk_ids`` is int64 ``[..., M]``.
+        topk_ids, teacher_topk_mass)``; float outputs are float32 ``[...]`` (float64 from the
+        float64 reference), ``topk_ids`` is int64 ``[..., M]``.
 
     Raises:
         TypeError / ValueError: bad dtypes, shapes, devices, ``top_m``, ``temperature``,
@@ -572,10 +597,11 @@ def topk_tail_kl(
         if name == "triton"
         else torch.ops.lopd.topk_tail_kl_fwd
     )
-    kl, slp, tlp, ids, _lse, _bucket = op(
+    flat_target = target_ids.reshape(-1).to(torch.int64).contiguous()
+    kl, slp, tlp, ids, _lse, bucket = op(
         student_logits.reshape(-1, vocab).contiguous(),
         teacher_logits.reshape(-1, vocab).contiguous(),
-        target_ids.reshape(-1).to(torch.int64).contiguous(),
+        flat_target,
         m,
         float(temperature),
         divergence == "reverse",
@@ -587,6 +613,7 @@ def topk_tail_kl(
         student_logprob=slp.reshape(lead),
         teacher_logprob=tlp.reshape(lead),
         topk_ids=ids.reshape(*lead, m),
+        teacher_topk_mass=teacher_topk_mass(bucket, flat_target, ignore_index).reshape(lead),
     )
 
 

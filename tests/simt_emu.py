@@ -14,6 +14,7 @@ not show: speed, the memory model, or anything about the real toolchain's code g
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from lopd_kernels.topk_tail_kl import (
     _check_inputs,
     _fwd_fake,
     _make_autograd,
+    teacher_topk_mass,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,19 +42,34 @@ def unavailable_reason() -> str | None:
     return None
 
 
+# LOPD_SIMT_SANITIZE=address builds the emulated kernels with AddressSanitizer (the CPU stand-in
+# for compute-sanitizer memcheck); the process must then run with libasan preloaded, see
+# tests/test_simt_emulator.py::test_emulated_cuda_kernels_under_address_sanitizer.
+SANITIZE = os.environ.get("LOPD_SIMT_SANITIZE", "")
+
+
 @functools.cache
 def load() -> None:
     """Builds (once; cached by torch.utils.cpp_extension) and loads the emulated ops."""
     from torch.utils import cpp_extension
 
-    build = ROOT / "build" / "simt-emu"
+    if SANITIZE not in ("", "address"):
+        raise ValueError(f"LOPD_SIMT_SANITIZE must be '' or 'address', got {SANITIZE!r}")
+    suffix = "-asan" if SANITIZE else ""
+    build = ROOT / "build" / f"simt-emu{suffix}"
     build.mkdir(parents=True, exist_ok=True)
+    # -O1: the emulated kernels run on small shapes; compile time dominates.
+    cflags = ["-std=c++20", "-O1", "-DLOPD_SIMT_EMULATION", "-Wno-unknown-pragmas"]
+    ldflags = []
+    if SANITIZE:
+        cflags += ["-g", "-fsanitize=address", "-fno-omit-frame-pointer"]
+        ldflags += ["-fsanitize=address"]
     cpp_extension.load(
-        name="lopd_simt_emu",
+        name="lopd_simt_emu" + suffix.replace("-", "_"),
         sources=[str(s) for s in SOURCES],
         extra_include_paths=[str(ROOT / "csrc")],
-        # -O1: the emulated kernels run on tiny shapes; compile time dominates.
-        extra_cflags=["-std=c++20", "-O1", "-DLOPD_SIMT_EMULATION", "-Wno-unknown-pragmas"],
+        extra_cflags=cflags,
+        extra_ldflags=ldflags,
         build_directory=str(build),
         is_python_module=False,
         verbose=False,
@@ -89,10 +106,11 @@ def topk_tail_kl_emulated(
     )
     vocab = student_logits.shape[-1]
     lead = student_logits.shape[:-1]
-    kl, slp, tlp, ids, _lse, _bucket = torch.ops.lopd_simt_emu.topk_tail_kl_fwd(
+    flat_target = target_ids.reshape(-1).to(torch.int64).contiguous()
+    kl, slp, tlp, ids, _lse, bucket = torch.ops.lopd_simt_emu.topk_tail_kl_fwd(
         student_logits.reshape(-1, vocab).contiguous(),
         teacher_logits.reshape(-1, vocab).contiguous(),
-        target_ids.reshape(-1).to(torch.int64).contiguous(),
+        flat_target,
         m,
         float(temperature),
         divergence == "reverse",
@@ -104,4 +122,5 @@ def topk_tail_kl_emulated(
         student_logprob=slp.reshape(lead),
         teacher_logprob=tlp.reshape(lead),
         topk_ids=ids.reshape(*lead, m),
+        teacher_topk_mass=teacher_topk_mass(bucket, flat_target, ignore_index).reshape(lead),
     )

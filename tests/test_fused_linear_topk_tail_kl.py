@@ -94,6 +94,7 @@ def check(inputs, target, backend, dtype, requires=None, **kw):
         assert getattr(out, name).dtype == torch.float32, name
         assert_close(getattr(out, name), getattr(ref_out, name), dtype, f"{backend} {name}")
     assert torch.equal(out.topk_ids, ref_out.topk_ids), f"{backend} topk_ids"
+    assert_close(out.teacher_topk_mass, ref_out.teacher_topk_mass, dtype, f"{backend} mass")
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
         assert grad.dtype == inputs[name].dtype, name

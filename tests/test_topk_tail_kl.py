@@ -122,6 +122,8 @@ def check_against_reference(s, t, target, backend, **kw):
         assert getattr(out, name).dtype == torch.float32
         assert_close(getattr(out, name), getattr(ref, name), torch.float32, f"{backend} {name}")
     assert torch.equal(out.topk_ids, ref.topk_ids), f"{backend} topk_ids"
+    assert_close(out.teacher_topk_mass, ref.teacher_topk_mass, torch.float32, f"{backend} mass")
+    assert not out.teacher_topk_mass.requires_grad
     assert gs.dtype == s.dtype and gt.dtype == t.dtype
     assert_grad_close(gs, rgs, s.dtype, f"{backend} grad student")
     assert_grad_close(gt, rgt, t.dtype, f"{backend} grad teacher")
@@ -138,6 +140,7 @@ def brute_force(s, t, target, top_m, temperature, reverse, ignore_index=-100):
     tlp = torch.zeros(n, dtype=torch.float64)
     m = 0 if top_m is None or top_m >= v else top_m
     ids = torch.zeros(n, m, dtype=torch.int64)
+    mass = torch.zeros(n, dtype=torch.float64)
     for r in range(n):
         a = int(target[r])
         if a == ignore_index:
@@ -154,10 +157,11 @@ def brute_force(s, t, target, top_m, temperature, reverse, ignore_index=-100):
             ids[r] = torch.tensor(top)
             pb = [p[j].item() for j in top] + [p[rest].sum().item()]
             qb = [q[j].item() for j in top] + [q[rest].sum().item()]
+        mass[r] = 1.0 if m == 0 else sum(qb[:m])
         if not reverse:
             pb, qb = qb, pb
         kl[r] = sum(x * (math.log(x) - math.log(y)) for x, y in zip(pb, qb) if x > 0)
-    return kl, slp, tlp, ids
+    return kl, slp, tlp, ids, mass
 
 
 # --------------------------------------------------------------------------------- reference
@@ -178,13 +182,14 @@ def test_reference_matches_bruteforce(v, top_m, temperature, divergence):
     ref = topk_tail_kl_reference(
         s, t, target, top_m=top_m, temperature=temperature, divergence=divergence
     )
-    kl, slp, tlp, ids = brute_force(s, t, target, top_m, temperature, divergence == "reverse")
+    kl, slp, tlp, ids, mass = brute_force(s, t, target, top_m, temperature, divergence == "reverse")
     torch.testing.assert_close(ref.kl, kl, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(ref.student_logprob, slp, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(ref.teacher_logprob, tlp, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(ref.privilege, tlp - slp, rtol=1e-10, atol=1e-12)
     assert torch.equal(ref.topk_ids, ids)
-    assert ref.kl[2] == 0 and (ref.topk_ids[2] == 0).all()
+    torch.testing.assert_close(ref.teacher_topk_mass, mass, rtol=1e-10, atol=1e-12)
+    assert ref.kl[2] == 0 and (ref.topk_ids[2] == 0).all() and ref.teacher_topk_mass[2] == 0
 
 
 @pytest.mark.parametrize("divergence", ["reverse", "forward"])

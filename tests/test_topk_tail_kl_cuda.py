@@ -70,6 +70,7 @@ def check(where, s, t, target_ids, **kw):
     for name in ("kl", "privilege", "student_logprob", "teacher_logprob"):
         assert_close(getattr(out, name), getattr(ref, name), torch.float32, f"{where} {name}")
     assert torch.equal(out.topk_ids, ref.topk_ids), f"{where} topk_ids"
+    assert_close(out.teacher_topk_mass, ref.teacher_topk_mass, torch.float32, f"{where} mass")
     assert_grad_close(gs, rgs, s.dtype, f"{where} grad student")
     assert_grad_close(gt, rgt, t.dtype, f"{where} grad teacher")
 
