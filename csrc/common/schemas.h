@@ -29,4 +29,25 @@ inline constexpr const char* kTopkTailKlBwd =
     "int ignore_index, bool student_requires_grad, bool teacher_requires_grad) -> "
     "(Tensor grad_student, Tensor grad_teacher)";
 
+// ---- varlen_cross_attention (lopd_kernels/varlen_cross_attention.py) ----
+// The hand-written CUDA kernels (csrc/cuda/varlen_cross_attention_kernels.cuh; CUDA only, no CPU
+// implementation: the CPU and Triton paths are Python custom ops). Same arguments as the Triton
+// ops lopd::varlen_cross_attention_triton_fwd / _bwd.
+// Forward. q [B, Lq, Hq, D], k/v packed [total_k, Hkv, D] (one dtype: fp32/bf16/fp16, contiguous,
+// Hq % Hkv == 0, D <= 256), cu_seqlens_k int32 [B+1] (0 = cu[0] <= ... <= cu[B] = total_k),
+// max_seqlen_k >= the longest item. Math in fp32. Returns out [B, Lq, Hq, D] in q's dtype and
+// lse [B, Hq, Lq] fp32 (log-sum-exp of the scaled scores); an empty item gets out = 0,
+// lse = -inf.
+inline constexpr const char* kVarlenCrossAttentionCudaFwd =
+    "varlen_cross_attention_cuda_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_k, "
+    "float scale, int max_seqlen_k) -> (Tensor out, Tensor lse)";
+
+// Backward. grad_out like q, grad_lse fp32 [B, Hq, Lq] (honoured: delta = <do, out> - dlse),
+// out and lse from the forward. Returns dq (q's dtype), dk, dv (k's dtype; for GQA summed over the
+// query heads of each kv head); dq of an empty item is 0.
+inline constexpr const char* kVarlenCrossAttentionCudaBwd =
+    "varlen_cross_attention_cuda_bwd(Tensor grad_out, Tensor grad_lse, Tensor q, Tensor k, "
+    "Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_k, float scale, int max_seqlen_k) -> "
+    "(Tensor dq, Tensor dk, Tensor dv)";
+
 }  // namespace lopd::schemas

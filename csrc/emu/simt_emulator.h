@@ -391,6 +391,8 @@ struct alignas(16) Uint4 {
 
 }  // namespace lopd::simt_emu
 
+// CUDA's dim3 (grid / block sizes built by the host launchers).
+using dim3 = ::lopd::simt_emu::Dim3;
 using float2 = ::lopd::simt_emu::Float2;
 using float4 = ::lopd::simt_emu::Float4;
 using uint4 = ::lopd::simt_emu::Uint4;

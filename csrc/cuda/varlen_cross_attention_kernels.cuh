@@ -1,0 +1,752 @@
+// CUDA kernels and host launchers of lopd::varlen_cross_attention_cuda_fwd / _bwd (schemas:
+// csrc/common/schemas.h; the math: the docstring of lopd_kernels/varlen_cross_attention.py).
+// Included by csrc/cuda/varlen_cross_attention.cu (nvcc, the CUDA op) and by
+// csrc/emu/varlen_cross_attention_emu.cpp (g++, the same kernels under the SIMT emulator, for CPU
+// tests).
+//
+// Plain CUDA-core fp32 FMA code (no tensor cores): inputs are converted to fp32 when staged in
+// shared memory, every dot product and accumulator is fp32, outputs are rounded once.
+//
+// Layout: q [B, Lq, Hq, D], k/v packed [total_k, Hkv, D], cu_seqlens_k int32 [B+1], out like q,
+// lse fp32 [B, Hq, Lq]. Query head h uses kv head g = h / G (G = Hq / Hkv). Without a causal mask
+// the G heads of a group are just G * Lq independent query rows against the same keys, so every
+// kernel works on "rows" r in [0, G * Lq) of one (item b, kv head g): head h = g * G + r / Lq,
+// position i = r % Lq. In the lse layout the rows of (b, g) are contiguous:
+// lse[(b * Hq + g * G) * Lq + r].
+//
+// Forward (one block per (item, kv head, chunk of 4 * warps rows)): the block's rows are staged
+// in shared memory (pre-scaled by `scale`); the item's keys stream through shared memory in tiles
+// of 32. Each warp owns 4 rows. Per tile, two phases, each with the thread layout that makes its
+// shared-memory reads conflict-free:
+//   1. scores: lane j owns key j of the tile and computes its score against the warp's 4 rows
+//      (q reads are warp broadcasts; k rows are stored with an odd stride, so the 32 lanes hit
+//      32 banks). Scores go to a per-warp shared buffer; every lane then reads the tile's
+//      row maximum from it, rescales the running state (online softmax) and stores p;
+//   2. P @ V: lane c owns output dims c, c + 32, ... (ceil(D / 32) <= 8 of them, a template
+//      parameter) and accumulates sum_j p_j v_j[d] (p reads are broadcasts).
+// The row maximum is read from shared memory rather than reduced with shuffles: one __syncwarp
+// per tile instead of 4 rows x 5 shuffles. The softmax denominator is kept per lane (each lane
+// sums the p of its own keys, all lanes rescale by the same warp-uniform maximum) and reduced once
+// at the end.
+//
+// Backward: delta_i = <do_i, out_i> - dlse_i (a small pre-pass kernel, one warp per row), then
+//   * dQ (same grid and phases as the forward, no online softmax: p = exp(s - lse) from the saved
+//     lse): ds_ij = p_ij (<do_i, v_j> - delta_i), dq_i = scale * sum_j ds_ij k_j;
+//   * dK/dV (one block per (item, kv head, tile of 32 keys)): the tile's k/v stay in shared
+//     memory while all G * Lq query rows of the kv head stream through in chunks of 32 (they are
+//     few: 128 for the QFormer); phase 1 computes p and ds of the chunk x tile (lane = key), phase
+//     2 accumulates dk, dv (each warp owns 4 keys, lane = dims). Every key belongs to exactly one
+//     block, so dk/dv need no atomics, and a GQA group's query heads are summed in registers.
+//
+// Empty items: the forward writes out = 0, lse = -inf and dQ writes dq = 0 without reading lse, so
+// no exp(-inf - -inf) NaN is ever formed; they own no keys, so dK/dV never sees them.
+//
+// Expected speed (never measured on a GPU): the op does 4 * rows * T * D flops per kv head
+// forward and 8 * rows * T * D backward on 4 * T * D bytes of bf16 k/v, i.e. ~rows flop/byte
+// (128 for the QFormer): far above the fp32 CUDA-core ridge point, so these kernels are bound by
+// FMA throughput, which tensor-core kernels (Triton, flash-attn) exceed by ~10x.
+#pragma once
+
+#include <ATen/Dispatch.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "cuda/simt.cuh"
+
+namespace lopd::cuda::varlen_xattn {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kRowsPerWarp = 4;  // query rows a warp owns in the forward and dQ kernels
+constexpr int kMaxWarps = 8;     // forward / dQ blocks: up to 8 warps = 32 rows
+constexpr int kKeyTile = 32;     // keys per shared-memory tile (one per lane in phase 1)
+constexpr int kBwdWarps = 8;     // dK/dV blocks: 256 threads
+constexpr int kKeysPerWarp = kKeyTile / kBwdWarps;          // dK/dV phase 2: keys a warp owns
+constexpr int kRowChunk = kBwdWarps * kRowsPerWarp;         // dK/dV: query rows per chunk
+constexpr int kMaxHeadDim = 256;                            // 8 dims per lane
+constexpr unsigned kFull = 0xffffffffu;
+
+// ---- element conversion ------------------------------------------------------------------------
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Shared-memory row stride (floats) of a k/v tile: odd, so that lane j reading element d of row j
+// hits bank (j * stride + d) % 32, distinct for the 32 lanes.
+__host__ __device__ __forceinline__ int kv_stride(int D) { return D % 2 == 0 ? D + 1 : D; }
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) x += __shfl_xor_sync(kFull, x, off);
+  return x;
+}
+
+struct Shape {
+  int64_t batch, lq, hq, hkv, d;
+  int64_t group;  // G = hq / hkv
+  int64_t rows;   // G * lq: query rows per (item, kv head)
+  float scale;
+};
+
+// Offset of element 0 of query row r of (item b, kv head g) in a [B, Lq, Hq, D] tensor.
+__device__ __forceinline__ int64_t q_offset(const Shape& s, int64_t b, int64_t g, int64_t r) {
+  const int64_t h = g * s.group + r / s.lq;
+  const int64_t i = r % s.lq;
+  return ((b * s.lq + i) * s.hq + h) * s.d;
+}
+
+// Offset of the lse / delta entry of query row r of (b, g) in a [B, Hq, Lq] tensor.
+__device__ __forceinline__ int64_t lse_offset(const Shape& s, int64_t b, int64_t g, int64_t r) {
+  return (b * s.hq + g * s.group) * s.lq + r;
+}
+
+// Stages keys [key0, key0 + n) of kv head g from packed [total_k, Hkv, D] into a fp32 tile of
+// kKeyTile rows with stride kv_stride(D); rows past n are zero (their scores are masked anyway).
+// Called by the whole block.
+template <typename T>
+__device__ __forceinline__ void load_kv_tile(const T* __restrict__ src, float* tile,
+                                             const Shape& s, int64_t key0, int n, int64_t g) {
+  const int D = int(s.d);
+  const int stride = kv_stride(D);
+  for (int e = threadIdx.x; e < kKeyTile * D; e += blockDim.x) {
+    const int j = e / D;
+    const int d = e % D;
+    tile[j * stride + d] =
+        j < n ? to_float(src[((key0 + j) * s.hkv + g) * s.d + d]) : 0.0f;
+  }
+}
+
+// Stages query-layout rows [row0, row0 + n_rows) of (b, g) as fp32 [n_rows, D] times `mul`;
+// rows past s.rows are zero. Called by the whole block.
+template <typename T>
+__device__ __forceinline__ void load_rows(const T* __restrict__ src, float* dst, const Shape& s,
+                                          int64_t b, int64_t g, int64_t row0, int n_rows,
+                                          float mul) {
+  const int D = int(s.d);
+  for (int e = threadIdx.x; e < n_rows * D; e += blockDim.x) {
+    const int rr = e / D;
+    const int d = e % D;
+    const int64_t r = row0 + rr;
+    dst[e] = r < s.rows ? to_float(src[q_offset(s, b, g, r) + d]) * mul : 0.0f;
+  }
+}
+
+// Phase 1 of the backward kernels, for one key (kj, vj: its k and v rows in shared memory) and
+// kRowsPerWarp query rows (row m at qs + m * row_step, dos + m * row_step):
+// sc[m] = <q_m, k_j>, dp[m] = <do_m, v_j>. Even and odd dims go to separate accumulators: shorter
+// dependency chains (ILP) and a smaller rounding error than one running sum over D.
+__device__ __forceinline__ void dot_rows(const float* qs, const float* dos, int row_step,
+                                         const float* kj, const float* vj,
+                                         float (&sc)[kRowsPerWarp], float (&dp)[kRowsPerWarp],
+                                         int D) {
+  float s_even[kRowsPerWarp] = {}, s_odd[kRowsPerWarp] = {};
+  float p_even[kRowsPerWarp] = {}, p_odd[kRowsPerWarp] = {};
+  int d = 0;
+  for (; d + 1 < D; d += 2) {
+    const float k0 = kj[d], k1 = kj[d + 1], v0 = vj[d], v1 = vj[d + 1];
+#pragma unroll
+    for (int m = 0; m < kRowsPerWarp; ++m) {
+      s_even[m] += qs[m * row_step + d] * k0;
+      s_odd[m] += qs[m * row_step + d + 1] * k1;
+      p_even[m] += dos[m * row_step + d] * v0;
+      p_odd[m] += dos[m * row_step + d + 1] * v1;
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < kRowsPerWarp; ++m) {
+    if (d < D) {
+      s_even[m] += qs[m * row_step + d] * kj[d];
+      p_even[m] += dos[m * row_step + d] * vj[d];
+    }
+    sc[m] = s_even[m] + s_odd[m];
+    dp[m] = p_even[m] + p_odd[m];
+  }
+}
+
+// ---- forward -----------------------------------------------------------------------------------
+
+// Grid (B, Hkv, row chunks), block 32 * warps threads (rows per block: 4 * warps).
+// Dynamic shared memory (floats): q [rpb * D] | k tile | v tile [kKeyTile * stride each] |
+// scores, p [rpb * kKeyTile each].
+template <typename T, int NPL>
+__global__ void __launch_bounds__(kMaxWarps * kWarp)
+    fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+               const int* __restrict__ cu, T* __restrict__ out, float* __restrict__ lse,
+               Shape s) {
+  LOPD_EXTERN_SHARED(float, smem);
+  const int64_t b = blockIdx.x, g = blockIdx.y;
+  const int rpb = int(blockDim.x / kWarp) * kRowsPerWarp;
+  const int64_t row0 = int64_t(blockIdx.z) * rpb;
+  const int D = int(s.d);
+  const int stride = kv_stride(D);
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t key_begin = cu[b];
+  const int64_t n_keys = cu[b + 1] - key_begin;
+
+  if (n_keys == 0) {
+    // Empty item (block-uniform): out = 0, lse = -inf, no key is read.
+    for (int e = threadIdx.x; e < rpb * D; e += blockDim.x) {
+      const int64_t r = row0 + e / D;
+      if (r < s.rows) out[q_offset(s, b, g, r) + e % D] = from_float<T>(0.0f);
+    }
+    for (int rr = threadIdx.x; rr < rpb; rr += blockDim.x) {
+      if (row0 + rr < s.rows) lse[lse_offset(s, b, g, row0 + rr)] = -INFINITY;
+    }
+    return;
+  }
+
+  float* q_s = smem;
+  float* k_s = q_s + rpb * D;
+  float* v_s = k_s + kKeyTile * stride;
+  float* s_w = v_s + kKeyTile * stride;     // this warp's scores: s_w[warp rows][key]
+  float* p_w = s_w + rpb * kKeyTile;        // and probabilities
+  s_w += warp * kRowsPerWarp * kKeyTile;
+  p_w += warp * kRowsPerWarp * kKeyTile;
+
+  load_rows(q, q_s, s, b, g, row0, rpb, s.scale);  // pre-scaled: scores are dot products
+  const float* q_w = q_s + warp * kRowsPerWarp * D;
+  // Rows past the end are skipped by the whole warp (their validity is warp-uniform).
+  int n_rows = int(s.rows - (row0 + warp * kRowsPerWarp));
+  n_rows = n_rows < 0 ? 0 : (n_rows > kRowsPerWarp ? kRowsPerWarp : n_rows);
+
+  float m[kRowsPerWarp], l[kRowsPerWarp], acc[kRowsPerWarp][NPL];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    m[r] = -INFINITY;  // running max (warp-uniform)
+    l[r] = 0.0f;       // this lane's share of the running denominator
+#pragma unroll
+    for (int c = 0; c < NPL; ++c) acc[r][c] = 0.0f;
+  }
+
+  for (int64_t t0 = 0; t0 < n_keys; t0 += kKeyTile) {
+    const int n = n_keys - t0 < kKeyTile ? int(n_keys - t0) : kKeyTile;
+    __syncthreads();  // the previous tile (and q staging) is done with
+    load_kv_tile(k, k_s, s, key_begin + t0, n, g);
+    load_kv_tile(v, v_s, s, key_begin + t0, n, g);
+    __syncthreads();
+
+    // Phase 1: lane = key. Every tile has at least one valid key, so the tile maximum is finite.
+    float sc[kRowsPerWarp];
+    {
+      // Even and odd dims in separate accumulators: shorter dependency chains (ILP) and a
+      // smaller rounding error than one running sum over D.
+      float even[kRowsPerWarp] = {}, odd[kRowsPerWarp] = {};
+      const float* kj = k_s + lane * stride;
+      int d = 0;
+      for (; d + 1 < D; d += 2) {
+        const float k0 = kj[d], k1 = kj[d + 1];
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r) {
+          even[r] += q_w[r * D + d] * k0;
+          odd[r] += q_w[r * D + d + 1] * k1;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        if (d < D) even[r] += q_w[r * D + d] * kj[d];
+        sc[r] = even[r] + odd[r];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) s_w[r * kKeyTile + lane] = lane < n ? sc[r] : -INFINITY;
+    __syncwarp(kFull);
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      if (r >= n_rows) continue;
+      float tile_max = -INFINITY;
+      for (int j = 0; j < n; ++j) tile_max = fmaxf(tile_max, s_w[r * kKeyTile + j]);
+      const float m_new = fmaxf(m[r], tile_max);
+      const float corr = expf(m[r] - m_new);  // m = -inf on the first tile: 0
+      const float p = lane < n ? expf(sc[r] - m_new) : 0.0f;
+      l[r] = l[r] * corr + p;
+      p_w[r * kKeyTile + lane] = p;
+      m[r] = m_new;
+#pragma unroll
+      for (int c = 0; c < NPL; ++c) acc[r][c] *= corr;
+    }
+    __syncwarp(kFull);
+
+    // Phase 2: lane = dims lane, lane + 32, ...
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      if (r >= n_rows) continue;
+      for (int j = 0; j < n; ++j) {
+        const float p = p_w[r * kKeyTile + j];
+#pragma unroll
+        for (int c = 0; c < NPL; ++c) {
+          const int d = lane + c * kWarp;
+          if (d < D) acc[r][c] += p * v_s[j * stride + d];
+        }
+      }
+    }
+  }
+
+  // Reductions only: no barrier below, so warps may leave in any order.
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    if (r >= n_rows) continue;
+    const float denom = warp_sum(l[r]);  // >= 1: the maximum's own term is exp(0)
+    const int64_t row = row0 + warp * kRowsPerWarp + r;
+    T* o = out + q_offset(s, b, g, row);
+#pragma unroll
+    for (int c = 0; c < NPL; ++c) {
+      const int d = lane + c * kWarp;
+      if (d < D) o[d] = from_float<T>(acc[r][c] / denom);
+    }
+    if (lane == 0) lse[lse_offset(s, b, g, row)] = m[r] + logf(denom);
+  }
+}
+
+// ---- backward: delta ---------------------------------------------------------------------------
+
+// delta[b, h, i] = <do[b, i, h], out[b, i, h]> - dlse[b, h, i]; one warp per entry of the
+// [B, Hq, Lq] layout. Grid ceil(B * Hq * Lq / 8), block 256.
+template <typename T>
+__global__ void __launch_bounds__(kBwdWarps * kWarp)
+    delta_kernel(const T* __restrict__ dout, const T* __restrict__ out,
+                 const float* __restrict__ dlse, float* __restrict__ delta, Shape s) {
+  const int64_t n = int64_t(blockIdx.x) * kBwdWarps + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (n >= s.batch * s.hq * s.lq) return;  // warp-uniform; no barrier in this kernel
+  const int64_t i = n % s.lq;
+  const int64_t h = (n / s.lq) % s.hq;
+  const int64_t b = n / (s.lq * s.hq);
+  const int64_t off = ((b * s.lq + i) * s.hq + h) * s.d;
+  float x = 0.0f;
+  for (int64_t d = lane; d < s.d; d += kWarp) x += to_float(dout[off + d]) * to_float(out[off + d]);
+  x = warp_sum(x);
+  if (lane == 0) delta[n] = x - dlse[n];
+}
+
+// ---- backward: dQ ------------------------------------------------------------------------------
+
+// Grid and block as fwd_kernel. Dynamic shared memory (floats): q, do [rpb * D each] |
+// k tile | v tile | ds [rpb * kKeyTile].
+template <typename T, int NPL>
+__global__ void __launch_bounds__(kMaxWarps * kWarp)
+    dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+              const T* __restrict__ dout, const int* __restrict__ cu,
+              const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq,
+              Shape s) {
+  LOPD_EXTERN_SHARED(float, smem);
+  const int64_t b = blockIdx.x, g = blockIdx.y;
+  const int rpb = int(blockDim.x / kWarp) * kRowsPerWarp;
+  const int64_t row0 = int64_t(blockIdx.z) * rpb;
+  const int D = int(s.d);
+  const int stride = kv_stride(D);
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t key_begin = cu[b];
+  const int64_t n_keys = cu[b + 1] - key_begin;
+
+  if (n_keys == 0) {
+    // Empty item: dq = 0; its lse (-inf) is never read.
+    for (int e = threadIdx.x; e < rpb * D; e += blockDim.x) {
+      const int64_t r = row0 + e / D;
+      if (r < s.rows) dq[q_offset(s, b, g, r) + e % D] = from_float<T>(0.0f);
+    }
+    return;
+  }
+
+  float* q_s = smem;
+  float* do_s = q_s + rpb * D;
+  float* k_s = do_s + rpb * D;
+  float* v_s = k_s + kKeyTile * stride;
+  float* ds_w = v_s + kKeyTile * stride + warp * kRowsPerWarp * kKeyTile;
+
+  load_rows(q, q_s, s, b, g, row0, rpb, s.scale);
+  load_rows(dout, do_s, s, b, g, row0, rpb, 1.0f);
+  const float* q_w = q_s + warp * kRowsPerWarp * D;
+  const float* do_w = do_s + warp * kRowsPerWarp * D;
+  int n_rows = int(s.rows - (row0 + warp * kRowsPerWarp));
+  n_rows = n_rows < 0 ? 0 : (n_rows > kRowsPerWarp ? kRowsPerWarp : n_rows);
+
+  float row_lse[kRowsPerWarp], row_delta[kRowsPerWarp], acc[kRowsPerWarp][NPL];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int64_t row = row0 + warp * kRowsPerWarp + r;
+    row_lse[r] = r < n_rows ? lse[lse_offset(s, b, g, row)] : 0.0f;
+    row_delta[r] = r < n_rows ? delta[lse_offset(s, b, g, row)] : 0.0f;
+#pragma unroll
+    for (int c = 0; c < NPL; ++c) acc[r][c] = 0.0f;
+  }
+
+  for (int64_t t0 = 0; t0 < n_keys; t0 += kKeyTile) {
+    const int n = n_keys - t0 < kKeyTile ? int(n_keys - t0) : kKeyTile;
+    __syncthreads();
+    load_kv_tile(k, k_s, s, key_begin + t0, n, g);
+    load_kv_tile(v, v_s, s, key_begin + t0, n, g);
+    __syncthreads();
+
+    // Phase 1: lane = key: s = <scale q, k>, dp = <do, v>, ds = p (dp - delta).
+    float sc[kRowsPerWarp], dp[kRowsPerWarp];
+    dot_rows(q_w, do_w, D, k_s + lane * stride, v_s + lane * stride, sc, dp, D);
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const bool live = lane < n && r < n_rows;
+      const float p = live ? expf(sc[r] - row_lse[r]) : 0.0f;
+      ds_w[r * kKeyTile + lane] = p * (dp[r] - row_delta[r]);
+    }
+    __syncwarp(kFull);
+
+    // Phase 2: lane = dims: acc += ds_j k_j.
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      if (r >= n_rows) continue;
+      for (int j = 0; j < n; ++j) {
+        const float ds = ds_w[r * kKeyTile + j];
+#pragma unroll
+        for (int c = 0; c < NPL; ++c) {
+          const int d = lane + c * kWarp;
+          if (d < D) acc[r][c] += ds * k_s[j * stride + d];
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    if (r >= n_rows) continue;
+    T* o = dq + q_offset(s, b, g, row0 + warp * kRowsPerWarp + r);
+#pragma unroll
+    for (int c = 0; c < NPL; ++c) {
+      const int d = lane + c * kWarp;
+      if (d < D) o[d] = from_float<T>(acc[r][c] * s.scale);
+    }
+  }
+}
+
+// ---- backward: dK, dV --------------------------------------------------------------------------
+
+// Grid (B, Hkv, key tiles of the longest item), block kBwdWarps * 32. Dynamic shared memory
+// (floats): k tile | v tile [kKeyTile * stride each] | q, do [kRowChunk * D each] |
+// p, ds [kRowChunk * kKeyTile each] | lse, delta [kRowChunk each].
+template <typename T, int NPL>
+__global__ void __launch_bounds__(kBwdWarps * kWarp)
+    dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                const T* __restrict__ dout, const int* __restrict__ cu,
+                const float* __restrict__ lse, const float* __restrict__ delta,
+                T* __restrict__ dk, T* __restrict__ dv, Shape s) {
+  LOPD_EXTERN_SHARED(float, smem);
+  const int64_t b = blockIdx.x, g = blockIdx.y;
+  const int64_t t0 = int64_t(blockIdx.z) * kKeyTile;
+  const int64_t key_begin = cu[b];
+  const int64_t n_keys = cu[b + 1] - key_begin;
+  if (t0 >= n_keys) return;  // block-uniform: this item is shorter than the longest one
+  const int n = n_keys - t0 < kKeyTile ? int(n_keys - t0) : kKeyTile;
+  const int D = int(s.d);
+  const int stride = kv_stride(D);
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+
+  float* k_s = smem;
+  float* v_s = k_s + kKeyTile * stride;
+  float* q_s = v_s + kKeyTile * stride;
+  float* do_s = q_s + kRowChunk * D;
+  float* p_s = do_s + kRowChunk * D;
+  float* ds_s = p_s + kRowChunk * kKeyTile;
+  float* lse_s = ds_s + kRowChunk * kKeyTile;
+  float* delta_s = lse_s + kRowChunk;
+
+  load_kv_tile(k, k_s, s, key_begin + t0, n, g);
+  load_kv_tile(v, v_s, s, key_begin + t0, n, g);
+
+  // Phase 2 ownership: warp w accumulates keys w * kKeysPerWarp + kk of the tile.
+  float dk_acc[kKeysPerWarp][NPL], dv_acc[kKeysPerWarp][NPL];
+#pragma unroll
+  for (int kk = 0; kk < kKeysPerWarp; ++kk) {
+#pragma unroll
+    for (int c = 0; c < NPL; ++c) dk_acc[kk][c] = dv_acc[kk][c] = 0.0f;
+  }
+
+  for (int64_t row0 = 0; row0 < s.rows; row0 += kRowChunk) {
+    __syncthreads();  // k/v staged; the previous chunk's p/ds/q/do are consumed
+    load_rows(q, q_s, s, b, g, row0, kRowChunk, 1.0f);
+    load_rows(dout, do_s, s, b, g, row0, kRowChunk, 1.0f);
+    for (int rr = threadIdx.x; rr < kRowChunk; rr += blockDim.x) {
+      const bool valid = row0 + rr < s.rows;
+      lse_s[rr] = valid ? lse[lse_offset(s, b, g, row0 + rr)] : 0.0f;
+      delta_s[rr] = valid ? delta[lse_offset(s, b, g, row0 + rr)] : 0.0f;
+    }
+    __syncthreads();
+
+    // Phase 1: lane = key j, warp w takes rows w, w + kBwdWarps, ... of the chunk.
+    float sc[kRowsPerWarp], dp[kRowsPerWarp];
+    dot_rows(q_s + warp * D, do_s + warp * D, kBwdWarps * D, k_s + lane * stride,
+             v_s + lane * stride, sc, dp, D);
+#pragma unroll
+    for (int m = 0; m < kRowsPerWarp; ++m) {
+      const int rr = warp + m * kBwdWarps;
+      // Padded rows and keys contribute nothing; lse is finite (the item has keys).
+      const bool live = lane < n && row0 + rr < s.rows;
+      const float p = live ? expf(sc[m] * s.scale - lse_s[rr]) : 0.0f;
+      p_s[rr * kKeyTile + lane] = p;
+      ds_s[rr * kKeyTile + lane] = p * (dp[m] - delta_s[rr]);
+    }
+    __syncthreads();
+
+    // Phase 2: lane = dims; dv_j += p_ij do_i, dk_j += ds_ij q_i over the chunk's rows.
+    const int rows_here = s.rows - row0 < kRowChunk ? int(s.rows - row0) : kRowChunk;
+    for (int rr = 0; rr < rows_here; ++rr) {
+#pragma unroll
+      for (int kk = 0; kk < kKeysPerWarp; ++kk) {
+        const int j = warp * kKeysPerWarp + kk;
+        const float p = p_s[rr * kKeyTile + j];
+        const float ds = ds_s[rr * kKeyTile + j];
+#pragma unroll
+        for (int c = 0; c < NPL; ++c) {
+          const int d = lane + c * kWarp;
+          if (d < D) {
+            dv_acc[kk][c] += p * do_s[rr * D + d];
+            dk_acc[kk][c] += ds * q_s[rr * D + d];
+          }
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int kk = 0; kk < kKeysPerWarp; ++kk) {
+    const int j = warp * kKeysPerWarp + kk;
+    if (j >= n) continue;
+    const int64_t off = ((key_begin + t0 + j) * s.hkv + g) * s.d;
+#pragma unroll
+    for (int c = 0; c < NPL; ++c) {
+      const int d = lane + c * kWarp;
+      if (d < D) {
+        dk[off + d] = from_float<T>(dk_acc[kk][c] * s.scale);
+        dv[off + d] = from_float<T>(dv_acc[kk][c]);
+      }
+    }
+  }
+}
+
+// ---- host side -----------------------------------------------------------------------------------
+
+#define LOPD_XATTN_CHECK(cond, ...) \
+  TORCH_CHECK(cond, "varlen_cross_attention (" LOPD_SIMT_BACKEND "): ", __VA_ARGS__)
+
+// Calls f(T{}, std::integral_constant<int, NPL>{}) for q's dtype and the per-lane dim count bucket
+// of D (1, 2, 3, 4 or 8 dims per lane: D <= 32, 64, 96, 128, 256).
+template <typename F>
+void dispatch(at::ScalarType dtype, int64_t D, F&& f) {
+  auto with_npl = [&](auto tag) {
+    if (D <= 32) {
+      f(tag, std::integral_constant<int, 1>{});
+    } else if (D <= 64) {
+      f(tag, std::integral_constant<int, 2>{});
+    } else if (D <= 96) {
+      f(tag, std::integral_constant<int, 3>{});
+    } else if (D <= 128) {
+      f(tag, std::integral_constant<int, 4>{});
+    } else {
+      f(tag, std::integral_constant<int, 8>{});
+    }
+  };
+  switch (dtype) {
+    case at::kFloat:
+      with_npl(float{});
+      break;
+    case at::kHalf:
+      with_npl(__half{});
+      break;
+    default:
+      with_npl(__nv_bfloat16{});
+      break;
+  }
+}
+
+void check_same_device(const at::Tensor& ref, const at::Tensor& t, const char* name) {
+  LOPD_XATTN_CHECK(t.device().type() == LOPD_SIMT_DEVICE_TYPE, name, " must be a ",
+                   c10::DeviceTypeName(LOPD_SIMT_DEVICE_TYPE), " tensor, got one on ", t.device());
+  LOPD_XATTN_CHECK(t.device() == ref.device(), name, " is on ", t.device(), " but q is on ",
+                   ref.device());
+  LOPD_XATTN_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// Checks the forward inputs; returns the shape parameters.
+Shape check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& cu, double scale, int64_t max_seqlen_k) {
+  check_same_device(q, q, "q");
+  check_same_device(q, k, "k");
+  check_same_device(q, v, "v");
+  check_same_device(q, cu, "cu_seqlens_k");
+  const auto dt = q.scalar_type();
+  LOPD_XATTN_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
+                   "q must be float32, float16 or bfloat16, got ", dt);
+  LOPD_XATTN_CHECK(k.scalar_type() == dt && v.scalar_type() == dt,
+                   "k and v must have q's dtype ", dt, ", got ", k.scalar_type(), " and ",
+                   v.scalar_type());
+  LOPD_XATTN_CHECK(q.dim() == 4, "q must be [B, Lq, Hq, D], got shape ", q.sizes());
+  LOPD_XATTN_CHECK(k.dim() == 3, "k must be packed [total_k, Hkv, D], got shape ", k.sizes());
+  LOPD_XATTN_CHECK(v.sizes() == k.sizes(), "v must have k's shape ", k.sizes(), ", got ",
+                   v.sizes());
+  const int64_t D = q.size(3);
+  LOPD_XATTN_CHECK(k.size(2) == D, "k head dim ", k.size(2), " must equal q head dim ", D);
+  LOPD_XATTN_CHECK(D >= 1 && D <= kMaxHeadDim, "head dim D must be in [1, ", kMaxHeadDim,
+                   "], got ", D);
+  LOPD_XATTN_CHECK(k.size(1) > 0 && q.size(2) % k.size(1) == 0, "q heads (", q.size(2),
+                   ") must be a positive multiple of k/v heads (", k.size(1), ")");
+  LOPD_XATTN_CHECK(cu.scalar_type() == at::kInt, "cu_seqlens_k must be int32, got ",
+                   cu.scalar_type());
+  LOPD_XATTN_CHECK(cu.dim() == 1 && cu.size(0) == q.size(0) + 1, "cu_seqlens_k must be [B+1] = [",
+                   q.size(0) + 1, "], got shape ", cu.sizes());
+  LOPD_XATTN_CHECK(std::isfinite(scale) && scale > 0, "scale must be a positive finite float, got ",
+                   scale);
+  LOPD_XATTN_CHECK(max_seqlen_k >= 0, "max_seqlen_k must be >= 0, got ", max_seqlen_k);
+  LOPD_XATTN_CHECK(k.size(0) <= INT32_MAX, "total_k must fit int32 (cu_seqlens_k), got ",
+                   k.size(0));
+  // Grid limits: B on x (2^31 - 1), Hkv on y, row chunks / key tiles on z (65535 each).
+  LOPD_XATTN_CHECK(k.size(1) <= 65535, "at most 65535 k/v heads, got ", k.size(1));
+  LOPD_XATTN_CHECK((max_seqlen_k + kKeyTile - 1) / kKeyTile <= 65535,
+                   "max_seqlen_k must be <= ", int64_t(65535) * kKeyTile, ", got ", max_seqlen_k);
+  if (cu.device().is_cpu() && q.size(0) > 0) {
+    // The boundaries are free to check on the CPU (the emulated build); on a GPU they would cost
+    // a device sync (the Python wrapper checks them where they are free).
+    const int* c = cu.data_ptr<int>();
+    LOPD_XATTN_CHECK(c[0] == 0 && c[q.size(0)] == k.size(0),
+                     "cu_seqlens_k must start at 0 and end at total_k = ", k.size(0));
+    for (int64_t i = 0; i < q.size(0); ++i) {
+      LOPD_XATTN_CHECK(c[i + 1] >= c[i], "cu_seqlens_k must be non-decreasing");
+      LOPD_XATTN_CHECK(c[i + 1] - c[i] <= max_seqlen_k, "max_seqlen_k=", max_seqlen_k,
+                       " is below the length ", c[i + 1] - c[i], " of item ", i);
+    }
+  }
+  Shape s{};
+  s.batch = q.size(0);
+  s.lq = q.size(1);
+  s.hq = q.size(2);
+  s.hkv = k.size(1);
+  s.d = D;
+  s.group = s.hq / s.hkv;
+  s.rows = s.group * s.lq;
+  s.scale = float(scale);
+  return s;
+}
+
+// Forward / dQ blocks: enough warps for the rows of one (item, kv head), at most kMaxWarps.
+int row_warps(const Shape& s) {
+  const int64_t w = (s.rows + kRowsPerWarp - 1) / kRowsPerWarp;
+  return int(w < 1 ? 1 : (w > kMaxWarps ? kMaxWarps : w));
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_cross_attention_fwd_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_k,
+    double scale, int64_t max_seqlen_k) {
+  const Shape s = check_inputs(q, k, v, cu_seqlens_k, scale, max_seqlen_k);
+  LOPD_DEVICE_GUARD(q.device());
+  at::Tensor out = at::empty_like(q);
+  at::Tensor lse = at::empty({s.batch, s.hq, s.lq}, q.options().dtype(at::kFloat));
+  if (s.batch == 0 || s.rows == 0) return {out, lse};
+  const int warps = row_warps(s);
+  const int rpb = warps * kRowsPerWarp;
+  const int64_t chunks = (s.rows + rpb - 1) / rpb;
+  LOPD_XATTN_CHECK(chunks <= 65535, "too many query rows per kv head (", s.rows, ")");
+  const size_t smem =
+      sizeof(float) * (size_t(rpb) * s.d + 2 * kKeyTile * kv_stride(int(s.d)) + 2 * rpb * kKeyTile);
+  const dim3 grid(unsigned(s.batch), unsigned(s.hkv), unsigned(chunks));
+  dispatch(q.scalar_type(), s.d, [&](auto tag, auto npl) {
+    using T = decltype(tag);
+    auto kernel = fwd_kernel<T, decltype(npl)::value>;
+    LOPD_LAUNCH(kernel, grid, warps * kWarp, smem, reinterpret_cast<const T*>(q.data_ptr()),
+                reinterpret_cast<const T*>(k.data_ptr()), reinterpret_cast<const T*>(v.data_ptr()),
+                cu_seqlens_k.data_ptr<int>(), reinterpret_cast<T*>(out.data_ptr()),
+                lse.data_ptr<float>(), s);
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_cross_attention_bwd_cuda(
+    const at::Tensor& grad_out, const at::Tensor& grad_lse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const at::Tensor& cu_seqlens_k, double scale, int64_t max_seqlen_k) {
+  const Shape s = check_inputs(q, k, v, cu_seqlens_k, scale, max_seqlen_k);
+  check_same_device(q, grad_out, "grad_out");
+  check_same_device(q, out, "out");
+  check_same_device(q, grad_lse, "grad_lse");
+  check_same_device(q, lse, "lse");
+  LOPD_XATTN_CHECK(grad_out.sizes() == q.sizes() && grad_out.scalar_type() == q.scalar_type(),
+                   "grad_out must match q (shape ", q.sizes(), ", dtype ", q.scalar_type(),
+                   "), got ", grad_out.sizes(), " ", grad_out.scalar_type());
+  LOPD_XATTN_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+                   "out must match q (shape ", q.sizes(), ", dtype ", q.scalar_type(), "), got ",
+                   out.sizes(), " ", out.scalar_type());
+  const std::vector<int64_t> lse_shape{s.batch, s.hq, s.lq};
+  LOPD_XATTN_CHECK(lse.sizes() == lse_shape && lse.scalar_type() == at::kFloat,
+                   "lse must be float32 [B, Hq, Lq] = ", at::IntArrayRef(lse_shape), ", got ",
+                   lse.sizes(), " ", lse.scalar_type());
+  LOPD_XATTN_CHECK(grad_lse.sizes() == lse_shape && grad_lse.scalar_type() == at::kFloat,
+                   "grad_lse must be float32 [B, Hq, Lq] = ", at::IntArrayRef(lse_shape),
+                   ", got ", grad_lse.sizes(), " ", grad_lse.scalar_type());
+  LOPD_DEVICE_GUARD(q.device());
+  at::Tensor dq = at::empty_like(q);
+  // Every key row belongs to exactly one item (cu_seqlens_k runs from 0 to total_k), so the
+  // dK/dV kernel overwrites all of dk and dv.
+  at::Tensor dk = at::empty_like(k);
+  at::Tensor dv = at::empty_like(v);
+  if (s.batch == 0 || s.rows == 0) {
+    dk.zero_();  // no query rows: the keys get no gradient
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+  at::Tensor delta = at::empty({s.batch, s.hq, s.lq}, q.options().dtype(at::kFloat));
+  const int warps = row_warps(s);
+  const int rpb = warps * kRowsPerWarp;
+  const int64_t chunks = (s.rows + rpb - 1) / rpb;
+  LOPD_XATTN_CHECK(chunks <= 65535, "too many query rows per kv head (", s.rows, ")");
+  const int stride = kv_stride(int(s.d));
+  const size_t dq_smem =
+      sizeof(float) * (2 * size_t(rpb) * s.d + 2 * kKeyTile * stride + rpb * kKeyTile);
+  const size_t dkdv_smem = sizeof(float) * (2 * kKeyTile * stride + 2 * kRowChunk * s.d +
+                                            2 * kRowChunk * kKeyTile + 2 * kRowChunk);
+  const int64_t n_delta = s.batch * s.hq * s.lq;
+  const int64_t key_tiles = (max_seqlen_k + kKeyTile - 1) / kKeyTile;
+  dispatch(q.scalar_type(), s.d, [&](auto tag, auto npl) {
+    using T = decltype(tag);
+    constexpr int NPL = decltype(npl)::value;
+    const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+    const T* kp = reinterpret_cast<const T*>(k.data_ptr());
+    const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+    const T* dop = reinterpret_cast<const T*>(grad_out.data_ptr());
+    const int* cup = cu_seqlens_k.data_ptr<int>();
+    auto dk_ = delta_kernel<T>;
+    LOPD_LAUNCH(dk_, unsigned((n_delta + kBwdWarps - 1) / kBwdWarps), kBwdWarps * kWarp, 0, dop,
+                reinterpret_cast<const T*>(out.data_ptr()), grad_lse.data_ptr<float>(),
+                delta.data_ptr<float>(), s);
+    auto dq_ = dq_kernel<T, NPL>;
+    LOPD_LAUNCH(dq_, dim3(unsigned(s.batch), unsigned(s.hkv), unsigned(chunks)), warps * kWarp,
+                dq_smem, qp, kp, vp, dop, cup, lse.data_ptr<float>(), delta.data_ptr<float>(),
+                reinterpret_cast<T*>(dq.data_ptr()), s);
+    if (key_tiles > 0) {
+      auto dkdv_ = dkdv_kernel<T, NPL>;
+      LOPD_LAUNCH(dkdv_, dim3(unsigned(s.batch), unsigned(s.hkv), unsigned(key_tiles)),
+                  kBwdWarps * kWarp, dkdv_smem, qp, kp, vp, dop, cup, lse.data_ptr<float>(),
+                  delta.data_ptr<float>(), reinterpret_cast<T*>(dk.data_ptr()),
+                  reinterpret_cast<T*>(dv.data_ptr()), s);
+    }
+  });
+  return {dq, dk, dv};
+}
+
+#undef LOPD_XATTN_CHECK
+
+}  // namespace
+}  // namespace lopd::cuda::varlen_xattn
