@@ -43,12 +43,20 @@ Backends:
 * ``"triton"``: ``torch.ops.lopd.varlen_cross_attention_triton_fwd/_bwd``
   (:mod:`lopd_kernels.triton.varlen_cross_attention`): split-KV online-softmax forward, a dQ pass
   and a dK/dV pass. Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``.
-* ``"auto"``: Triton for CUDA tensors when Triton is importable, else the ``"cpu"`` op.
+* ``"cuda"``: ``torch.ops.lopd.varlen_cross_attention_cuda_fwd/_bwd``, hand-written CUDA kernels
+  (``csrc/cuda/varlen_cross_attention_kernels.cuh``): a forward with an online softmax over key
+  tiles staged in shared memory, a dQ kernel and a dK/dV kernel (one block per key tile, looping
+  over the ``G * Lq`` query rows of its kv head: no atomics), all CUDA-core fp32 FMA (no tensor
+  cores). Available when ``lopd_kernels._C`` was built with CUDA. Tested on CPU under the SIMT
+  emulator (``tests/test_varlen_cross_attention_cuda.py``); it has never run on a GPU.
+* ``"auto"``: Triton for CUDA tensors when Triton is importable, else the ``"cpu"`` op. Not the
+  CUDA kernel: at the QFormer shape the op does ~``G * Lq`` flops per byte of ``k``/``v``, so it
+  is bound by arithmetic, where Triton's tensor-core ``tl.dot`` outruns fp32 FMA by an order of
+  magnitude on paper.
 
-There is no hand-written CUDA kernel. The Triton kernels read each key/value tile once per kv head
-(the GQA group's query rows share it), so the op is bound by reading ``k``/``v``; whether a CUDA
-kernel could beat them is for ``benchmarks/gpu_qformer.py`` to show (it also times flash-attn's
-``flash_attn_varlen_func``), which has not been run on a GPU yet.
+The Triton kernels read each key/value tile once per kv head (the GQA group's query rows share
+it); ``benchmarks/gpu_qformer.py`` times them against the CUDA kernel and flash-attn's
+``flash_attn_varlen_func``, which has not been run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from lopd_kernels._backend import check_backend, triton_available
+from lopd_kernels._backend import check_backend, has_cpp_op, has_cuda_kernel, triton_available
 
 __all__ = [
     "varlen_cross_attention",
@@ -410,6 +418,19 @@ torch.library.register_autograd(
     setup_context=_setup_context,
 )
 
+# The hand-written CUDA kernels (csrc/cuda/varlen_cross_attention_kernels.cuh): the ops are
+# declared by every build of lopd_kernels._C, implemented only by a CUDA build.
+_HAS_CPP = has_cpp_op("varlen_cross_attention_cuda_fwd")
+_HAS_CUDA_KERNEL = _HAS_CPP and has_cuda_kernel("varlen_cross_attention_cuda_fwd")
+if _HAS_CPP:
+    torch.library.register_fake("lopd::varlen_cross_attention_cuda_fwd")(_fwd_fake)
+    torch.library.register_fake("lopd::varlen_cross_attention_cuda_bwd")(_bwd_fake)
+    torch.library.register_autograd(
+        "lopd::varlen_cross_attention_cuda_fwd",
+        _make_backward(torch.ops.lopd.varlen_cross_attention_cuda_bwd),
+        setup_context=_setup_context,
+    )
+
 
 # --------------------------------------------------------------------------------------------
 # Public function
@@ -421,10 +442,13 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "cpu"
     if backend == "cuda":
-        raise ValueError(
-            "backend='cuda': varlen_cross_attention has no hand-written CUDA kernel (Triton is "
-            "at the memory bound for this op); use backend='triton' or 'auto'"
-        )
+        if device.type != "cuda":
+            raise ValueError(f"backend='cuda' needs CUDA tensors, got tensors on {device}")
+        if not _HAS_CUDA_KERNEL:
+            raise RuntimeError(
+                "backend='cuda': lopd_kernels._C was built without the CUDA varlen_cross_attention "
+                "kernels (build it with nvcc and a CUDA torch); use backend='triton' or 'auto'"
+            )
     if backend == "triton" and not triton_available():
         raise ValueError(
             "backend='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 for CPU)"
@@ -451,10 +475,11 @@ def varlen_cross_attention(
         v: ``[total_k, Hkv, D]`` values, same layout as ``k``.
         cu_seqlens_k: ``[B+1]`` int32, ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` are item ``b``'s rows
             of ``k``/``v``. Equal neighbours make an empty item, whose output is zeros.
-        max_seqlen_k: Longest item; sizes the Triton grid without a device sync. Computed from
-            ``cu_seqlens_k`` (one sync) when ``None``.
+        max_seqlen_k: Longest item; sizes the Triton / CUDA grid without a device sync. Computed
+            from ``cu_seqlens_k`` (one sync) when ``None``.
         scale: Softmax scale; ``D ** -0.5`` when ``None``.
-        backend: ``"auto"``, ``"torch"`` (reference), ``"cpu"``, ``"triton"``; ``"cuda"`` raises.
+        backend: ``"auto"``, ``"torch"`` (reference), ``"cpu"``, ``"triton"``, ``"cuda"`` (the
+            hand-written CUDA kernels; CUDA tensors and a CUDA build of the extension, D <= 256).
         return_lse: Also return the fp32 ``[B, Hq, Lq]`` log-sum-exp of the scaled scores
             (``-inf`` for an empty item); it is differentiable. Not available for ``"torch"``.
 
@@ -481,7 +506,10 @@ def varlen_cross_attention(
         if max_seqlen_k is None:
             lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
             max_seqlen_k = int(lengths.max()) if lengths.numel() else 0
-        out, lse = torch.ops.lopd.varlen_cross_attention_triton_fwd(
-            q, k, v, cu_seqlens_k, scale, int(max_seqlen_k)
+        fwd = (
+            torch.ops.lopd.varlen_cross_attention_cuda_fwd
+            if backend == "cuda"
+            else torch.ops.lopd.varlen_cross_attention_triton_fwd
         )
+        out, lse = fwd(q, k, v, cu_seqlens_k, scale, int(max_seqlen_k))
     return (out, lse) if return_lse else out

@@ -3,8 +3,9 @@
 ``load()`` compiles ``csrc/emu/*.cpp`` once per session with g++ (``-DLOPD_SIMT_EMULATION``: the
 kernel sources nvcc compiles, with the emulator in place of the CUDA runtime) into
 ``build/simt-emu/`` and registers ``torch.ops.lopd_simt_emu.*``: the same schemas as
-``torch.ops.lopd.*``, on CPU tensors. ``topk_tail_kl_emulated`` wraps the emulated forward and
-backward like ``lopd_kernels.topk_tail_kl`` wraps the real ones, so the CUDA tests run unchanged.
+``torch.ops.lopd.*``, on CPU tensors. ``topk_tail_kl_emulated`` and
+``varlen_cross_attention_emulated`` wrap the emulated forwards and backwards like
+``lopd_kernels`` wraps the real ones, so the CUDA tests run unchanged.
 
 What passing under the emulator shows: the kernels' indexing, per-thread arithmetic, barrier and
 warp-collective structure are right (divergent barriers are reported as errors). What it does
@@ -28,6 +29,10 @@ from lopd_kernels.topk_tail_kl import (
     _make_autograd,
     teacher_topk_mass,
 )
+from lopd_kernels.varlen_cross_attention import _bwd_fake as _xattn_bwd_fake
+from lopd_kernels.varlen_cross_attention import _fwd_fake as _xattn_fwd_fake
+from lopd_kernels.varlen_cross_attention import _make_backward as _xattn_make_backward
+from lopd_kernels.varlen_cross_attention import _setup_context as _xattn_setup_context
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted((ROOT / "csrc" / "emu").glob("*.cpp"))
@@ -80,6 +85,14 @@ def load() -> None:
     torch.library.register_autograd(
         "lopd_simt_emu::topk_tail_kl_fwd", backward, setup_context=setup
     )
+    # varlen_cross_attention: the fakes and autograd wiring of lopd_kernels' CUDA ops.
+    torch.library.register_fake("lopd_simt_emu::varlen_cross_attention_cuda_fwd")(_xattn_fwd_fake)
+    torch.library.register_fake("lopd_simt_emu::varlen_cross_attention_cuda_bwd")(_xattn_bwd_fake)
+    torch.library.register_autograd(
+        "lopd_simt_emu::varlen_cross_attention_cuda_fwd",
+        _xattn_make_backward(torch.ops.lopd_simt_emu.varlen_cross_attention_cuda_bwd),
+        setup_context=_xattn_setup_context,
+    )
 
 
 def set_schedule_seed(seed: int) -> None:
@@ -124,3 +137,24 @@ def topk_tail_kl_emulated(
         topk_ids=ids.reshape(*lead, m),
         teacher_topk_mass=teacher_topk_mass(bucket, flat_target, ignore_index).reshape(lead),
     )
+
+
+def varlen_cross_attention_emulated(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``lopd_kernels.varlen_cross_attention(..., backend="cuda")`` with the CUDA kernels emulated
+    on CPU tensors; differentiable in ``q``, ``k``, ``v`` (and through ``lse``)."""
+    load()
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    max_seqlen_k = int(lengths.max()) if lengths.numel() else 0
+    out, lse = torch.ops.lopd_simt_emu.varlen_cross_attention_cuda_fwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_k, scale, max_seqlen_k
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,289 @@
+"""varlen_cross_attention's CUDA kernels (csrc/cuda/varlen_cross_attention_kernels.cuh) against
+the float64 reference: out and lse, and dq, dk, dv under a random output gradient *and* a nonzero
+lse gradient, on two targets (as tests/test_topk_tail_kl_cuda.py):
+
+- ``cuda``: the real kernels on a GPU (where the extension was built with CUDA; elsewhere these
+  skip with the reason);
+- ``emulated``: the same kernel source compiled by g++ and run on CPU tensors by the SIMT
+  emulator (csrc/emu/, tests/simt_emu.py). It checks the kernels' indexing, arithmetic, and
+  barrier / warp-collective structure, not their speed or memory model.
+
+Shapes cover the kernels' edges: D in {16, 64, 80, 128} (1, 2, 3, 4 dims per lane; 80 leaves
+lanes idle in the last slot), key tiles of 32 (items of 0, 1, 7, 33, 97 and ~2000 keys), query
+rows per kv head (G * Lq) that fill 1 to 8 warps and several dK/dV row chunks of 32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lopd_kernels as lk
+from lopd_kernels import _backend
+from lopd_kernels.varlen_cross_attention import varlen_cross_attention_reference
+from tests import simt_emu
+from tests.test_varlen_cross_attention import _cu, _inputs
+from tests.utils import TOLERANCES, assert_close
+
+HAS_GPU_KERNEL = torch.cuda.is_available() and _backend.has_cuda_kernel(
+    "varlen_cross_attention_cuda_fwd"
+)
+EMU_UNAVAILABLE = simt_emu.unavailable_reason()
+# Odd lengths: a 1-key item, an empty item in the middle, partial and multiple key tiles.
+LENGTHS = [1, 7, 0, 97, 33]
+
+
+def cuda_op(q, k, v, cu, *, scale=None, return_lse=False):
+    """The CUDA backend on copies of CPU leaves; outputs back on the CPU (autograd crosses)."""
+    res = lk.varlen_cross_attention(
+        q.cuda(), k.cuda(), v.cuda(), cu.cuda(), scale=scale, backend="cuda", return_lse=True
+    )
+    out, lse = (t.cpu() for t in res)
+    return (out, lse) if return_lse else out
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not HAS_GPU_KERNEL,
+                reason="needs a CUDA device and lopd_kernels._C built with the CUDA kernels",
+            ),
+        ),
+        pytest.param(
+            "emulated",
+            marks=pytest.mark.skipif(EMU_UNAVAILABLE is not None, reason=str(EMU_UNAVAILABLE)),
+        ),
+    ]
+)
+def target(request):
+    """Where the CUDA kernels run: ``"cuda"`` (a GPU) or ``"emulated"`` (SIMT emulator, CPU)."""
+    if request.param == "emulated":
+        simt_emu.load()
+        simt_emu.set_schedule_seed(0)
+    return request.param
+
+
+def op_for(where: str):
+    return cuda_op if where == "cuda" else simt_emu.varlen_cross_attention_emulated
+
+
+def raw_ops(where: str):
+    """(fwd, bwd) custom ops of the target, called without autograd."""
+    ns = torch.ops.lopd if where == "cuda" else torch.ops.lopd_simt_emu
+    return ns.varlen_cross_attention_cuda_fwd, ns.varlen_cross_attention_cuda_bwd
+
+
+def _reference_lse(q64, k64, cu, scale):
+    """float64 [B, Hq, Lq] log-sum-exp of the scaled scores (-inf for an empty item)."""
+    batch, lq, hq, _ = q64.shape
+    group = hq // k64.shape[1]
+    bounds = cu.tolist()
+    rows = []
+    for b in range(batch):
+        s, e = bounds[b], bounds[b + 1]
+        if e == s:
+            rows.append(torch.full((hq, lq), float("-inf"), dtype=torch.float64))
+            continue
+        kb = k64[s:e].repeat_interleave(group, 1)
+        rows.append(torch.logsumexp(torch.einsum("ihd,thd->hit", q64[b], kb) * scale, -1))
+    return torch.stack(rows)
+
+
+def assert_grad_close(actual, expected, dtype, msg):
+    """The per-dtype tolerance of tests/utils.py, with the fp32 atol taken relative to the
+    gradient's largest entry (when above 1).
+
+    The table's fp32 atol (2e-6) is absolute; these gradients reach ~30 at Lq = 32 and
+    ``ds = p (<do, v> - delta)`` subtracts two fp32 dot products of that size (exactly equal in
+    float64 for a 1-key item), so every fp32 implementation is off by ~1e-6 of the largest
+    entry. Measured at GQA 8/2, D = 128, Lq = 32: the CPU backend (ATen's GEMMs) misses the
+    absolute atol by 1.1x (dk) and 1.5x (dv), these kernels by 2.6x (dk). Half-precision bounds
+    are dominated by rounding the result, which rtol covers: unchanged.
+    """
+    if dtype != torch.float32:
+        assert_close(actual, expected, dtype, msg)
+        return
+    rtol, atol = TOLERANCES[dtype]
+    assert not torch.isnan(actual).any(), f"{msg}: NaN in result"
+    expected = expected.detach().double()
+    atol *= max(1.0, float(expected.abs().max()) if expected.numel() else 1.0)
+    torch.testing.assert_close(actual.detach().double(), expected, rtol=rtol, atol=atol, msg=msg)
+
+
+def check(where, lengths, n_q_heads, n_kv_heads, head_dim, seq_q, dtype, seed=0, scale=None):
+    """out, lse, dq, dk, dv of the target vs float64, with random do and random (finite) dlse."""
+    cu = _cu(lengths)
+    q, k, v, grad = _inputs(lengths, n_q_heads, n_kv_heads, head_dim, seq_q, dtype, "cpu", seed)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    w = torch.randn(len(lengths), n_q_heads, seq_q, generator=torch.Generator().manual_seed(seed))
+    eff_scale = head_dim**-0.5 if scale is None else scale
+
+    out, lse = op_for(where)(q, k, v, cu, scale=scale, return_lse=True)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (len(lengths), n_q_heads, seq_q)
+    # An empty item's lse is -inf: weight the finite entries only (the gradient of the masked
+    # entries is 0, which the backward must survive without NaN).
+    loss = (out.float() * grad.float()).sum() + (lse.masked_fill(torch.isinf(lse), 0) * w).sum()
+    dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = varlen_cross_attention_reference(q64, k64, v64, cu, scale=eff_scale)
+    ref_lse = _reference_lse(q64, k64, cu, eff_scale)
+    finite = torch.isfinite(ref_lse)
+    ref_loss = (ref * grad.double()).sum() + (ref_lse.masked_fill(~finite, 0) * w.double()).sum()
+    rdq, rdk, rdv = torch.autograd.grad(ref_loss, (q64, k64, v64))
+
+    assert_close(out, ref, dtype, f"{where} out")
+    assert torch.equal(torch.isneginf(lse), ~finite), f"{where} lse: -inf exactly at empty items"
+    assert_close(lse[finite], ref_lse[finite], torch.float32, f"{where} lse")
+    assert_grad_close(dq, rdq, dtype, f"{where} dq")
+    assert_grad_close(dk, rdk, dtype, f"{where} dk")
+    assert_grad_close(dv, rdv, dtype, f"{where} dv")
+    for b, n in enumerate(lengths):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b])), f"{where} out of empty item"
+            assert torch.equal(dq[b], torch.zeros_like(dq[b])), f"{where} dq of empty item"
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_matches_reference(target, heads, head_dim):
+    # Lq = 32: 128 (MHA) or 128 (GQA: 4 heads x 32) query rows per kv head -> 4 forward blocks of
+    # 32 rows, 4 dK/dV row chunks.
+    check(target, LENGTHS, *heads, head_dim, 32, torch.float32, seed=head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_half_precision(target, heads, dtype):
+    check(target, LENGTHS, *heads, 80, 32, dtype, seed=1)
+
+
+@pytest.mark.parametrize(
+    ("heads", "head_dim"), [((2, 2), 16), ((8, 2), 64), ((3, 1), 128)], ids=["mha", "gqa", "mqa"]
+)
+def test_single_query(target, heads, head_dim):
+    # Lq = 1: G rows per kv head (1 to 4): one partly filled warp per block.
+    check(target, [0, 1, 50, 3], *heads, head_dim, 1, torch.float32, seed=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_long_item(target, dtype):
+    # T ~ 2000: 63 key tiles streamed by the forward and dQ kernels, 63 dK/dV blocks; a short item
+    # next to it (its dK/dV blocks past its end exit at once).
+    check(target, [1999, 5], 2, 1, 128, 32, dtype, seed=3)
+
+
+def test_custom_scale_and_odd_head_dim(target):
+    # D = 20 (odd stride path not taken: stride 21) and D = 33 (odd: stride 33, 2 dims per lane).
+    check(target, [3, 70], 3, 1, 20, 4, torch.float32, seed=4, scale=0.3)
+    check(target, [40, 0, 2], 2, 2, 33, 3, torch.float32, seed=5, scale=0.7)
+
+
+def test_nonzero_lse_gradient_on_empty_items(target):
+    """The backward op with a random grad_lse on *every* row, empty items included: finite
+    results, dq = 0 for the empty item, and the other items as with the masked gradient."""
+    fwd, bwd = raw_ops(target)
+    dev = "cuda" if target == "cuda" else "cpu"
+    lengths = [5, 0, 40]
+    cu = _cu(lengths, dev)
+    q, k, v, grad = _inputs(lengths, 4, 2, 64, 6, torch.float32, dev, seed=6)
+    out, lse = fwd(q, k, v, cu, 0.125, 40)
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(7)).to(dev)
+    dq, dk, dv = bwd(grad, dlse, q, k, v, out, lse, cu, 0.125, 40)
+    masked = dlse.clone()
+    masked[1] = 0
+    dq2, dk2, dv2 = bwd(grad, masked, q, k, v, out, lse, cu, 0.125, 40)
+    for a, b_ in ((dq, dq2), (dk, dk2), (dv, dv2)):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b_, rtol=0, atol=0)
+    assert torch.equal(dq[1], torch.zeros_like(dq[1]))
+
+
+@pytest.mark.skipif(EMU_UNAVAILABLE is not None, reason=str(EMU_UNAVAILABLE))
+def test_emulated_random_schedule():
+    """The kernels give the reference's results whatever order the emulated threads resume in at
+    each barrier and warp collective (a seeded random schedule instead of round-robin)."""
+    simt_emu.load()
+    simt_emu.set_schedule_seed(12345)
+    try:
+        check("emulated", [1, 0, 45], 8, 2, 80, 5, torch.float32, seed=8)
+    finally:
+        simt_emu.set_schedule_seed(0)
+
+
+@pytest.mark.skipif(EMU_UNAVAILABLE is not None, reason=str(EMU_UNAVAILABLE))
+def test_emulated_opcheck():
+    """Schemas, fake implementations and autograd registration of the emulated ops (the same
+    registrations lopd_kernels makes for the CUDA ops)."""
+    simt_emu.load()
+    lengths = [3, 0, 20]
+    cu = _cu(lengths)
+    q, k, v, grad = _inputs(lengths, 4, 2, 16, 2, torch.float32, "cpu", seed=9)
+    fwd = torch.ops.lopd_simt_emu.varlen_cross_attention_cuda_fwd
+    bwd = torch.ops.lopd_simt_emu.varlen_cross_attention_cuda_bwd
+    torch.library.opcheck(fwd, (q.requires_grad_(), k, v, cu, 0.25, 20))
+    out, lse = fwd(q.detach(), k, v, cu, 0.25, 20)
+    args = (grad, torch.zeros_like(lse), q.detach(), k, v, out, lse, cu, 0.25, 20)
+    torch.library.opcheck(bwd, args)
+
+
+def _bad_input_cases():
+    lengths = [3, 0, 20]
+    cu = _cu(lengths)
+    q, k, v, _ = _inputs(lengths, 4, 2, 16, 2, torch.float32, "cpu", seed=10)
+    ok = {"q": q, "k": k, "v": v, "cu": cu, "scale": 0.25, "max_seqlen_k": 20}
+    big_d = torch.zeros(1, 1, 1, 264), torch.zeros(2, 1, 264)
+    return [
+        ({"q": q.double(), "k": k.double(), "v": v.double()}, "q must be float32"),
+        ({"k": k.half()}, "k and v must have q's dtype"),
+        ({"q": q[0]}, r"q must be \[B, Lq, Hq, D\]"),
+        ({"k": k[None]}, "k must be packed"),
+        ({"v": v[:, :1].contiguous()}, "v must have k's shape"),
+        ({"k": k[..., :8].contiguous(), "v": v[..., :8].contiguous()}, "k head dim 8"),
+        ({"q": q[:, :, :3].contiguous()}, "must be a positive multiple of k/v heads"),
+        ({"q": q.transpose(1, 2)}, "q must be contiguous"),
+        ({"cu": cu.long()}, "cu_seqlens_k must be int32"),
+        ({"cu": cu[:-1]}, r"cu_seqlens_k must be \[B\+1\]"),
+        ({"cu": cu.flip(0).contiguous()}, "cu_seqlens_k must start at 0"),
+        ({"cu": torch.tensor([0, 10, 3, 23], dtype=torch.int32)}, "non-decreasing"),
+        ({"max_seqlen_k": 5}, "max_seqlen_k=5 is below"),
+        ({"scale": float("nan")}, "scale must be a positive finite float"),
+        (
+            {"q": big_d[0], "k": big_d[1], "v": big_d[1], "cu": _cu([2])},
+            r"head dim D must be in \[1, 256\]",
+        ),
+    ], ok
+
+
+@pytest.mark.skipif(EMU_UNAVAILABLE is not None, reason=str(EMU_UNAVAILABLE))
+def test_emulated_rejects_bad_input_naming_the_argument():
+    simt_emu.load()
+    fwd = torch.ops.lopd_simt_emu.varlen_cross_attention_cuda_fwd
+    bwd = torch.ops.lopd_simt_emu.varlen_cross_attention_cuda_bwd
+    cases, ok = _bad_input_cases()
+    for change, match in cases:
+        a = {**ok, **change}
+        with pytest.raises(RuntimeError, match=match):
+            fwd(a["q"], a["k"], a["v"], a["cu"], a["scale"], a["max_seqlen_k"])
+    q, k, v, cu = ok["q"], ok["k"], ok["v"], ok["cu"]
+    out, lse = fwd(q, k, v, cu, 0.25, 20)
+    good = {"grad_out": out, "grad_lse": torch.zeros_like(lse), "out": out, "lse": lse}
+    for change, match in [
+        ({"grad_out": out.half()}, "grad_out must match q"),
+        ({"out": out[:, :1].contiguous()}, "out must match q"),
+        ({"lse": lse.double()}, r"lse must be float32 \[B, Hq, Lq\]"),
+        ({"grad_lse": lse[:, :1].contiguous()}, r"grad_lse must be float32 \[B, Hq, Lq\]"),
+    ]:
+        a = {**good, **change}
+        with pytest.raises(RuntimeError, match=match):
+            bwd(a["grad_out"], a["grad_lse"], q, k, v, a["out"], a["lse"], cu, 0.25, 20)
+
+
+def test_public_backend_cuda_needs_cuda_tensors():
+    cu = _cu([2, 3])
+    q, k, v, _ = _inputs([2, 3], 2, 1, 16, 2, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="backend='cuda' needs CUDA tensors"):
+        lk.varlen_cross_attention(q, k, v, cu, backend="cuda")
