@@ -8,9 +8,10 @@ Measured (CUDA events, median of ``--reps``), each recorded in ``<out>/qformer_g
 
 * module forward + backward: :class:`QFormerCompressor` (Triton attention, K/V once) vs the
   straightforward padded QFormer (K/V per layer, padding + mask, PyTorch SDPA);
-* attention alone, forward + backward: ``varlen_cross_attention(backend="triton")`` vs
-  flash-attn's ``flash_attn_varlen_func`` (queries packed as ``B`` items of ``K`` rows) when it is
-  importable, and vs padded PyTorch SDPA.
+* attention alone, forward + backward: ``varlen_cross_attention(backend="triton")`` vs the
+  hand-written CUDA kernels (``backend="cuda"``, CUDA-core fp32, when the extension was built with
+  them), vs flash-attn's ``flash_attn_varlen_func`` (queries packed as ``B`` items of ``K`` rows)
+  when it is importable, and vs padded PyTorch SDPA.
 
 Peak memory is ``torch.cuda.max_memory_allocated`` above the inputs.
 
@@ -63,6 +64,7 @@ def _flash_attn_varlen():
 def _bench_width(d: int, heads: int, kv_heads: int, cu: torch.Tensor, reps: int) -> dict:
     """All rows for one width: name -> (median seconds, peak bytes)."""
     from lopd_kernels import QFormerCompressor, varlen_cross_attention
+    from lopd_kernels._backend import has_cuda_kernel
     from lopd_kernels.qformer import straightforward_qformer
 
     device = cu.device
@@ -95,6 +97,15 @@ def _bench_width(d: int, heads: int, kv_heads: int, cu: torch.Tensor, reps: int)
         out.backward(grad)
 
     rows["attention/triton"] = _time_cuda(attn_triton, reps)
+    if has_cuda_kernel("varlen_cross_attention_cuda_fwd"):
+
+        def attn_cuda():
+            out = varlen_cross_attention(q, k, v, cu, max_seqlen_k=t_max, backend="cuda")
+            out.backward(grad)
+
+        rows["attention/cuda"] = _time_cuda(attn_cuda, reps)
+    else:
+        print("lopd_kernels._C has no CUDA varlen_cross_attention kernel: comparison skipped")
     flash_varlen = _flash_attn_varlen()
     if flash_varlen is not None:
         cu_q = torch.arange(0, (batch + 1) * NUM_QUERIES, NUM_QUERIES, device=device)
