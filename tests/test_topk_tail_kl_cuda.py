@@ -77,8 +77,9 @@ def check(where, s, t, target_ids, **kw):
 
 # (N, V, M). The kernel's tile is 2,048 entries per block step and its candidate buffer
 # compacts at ~4k keys, so V = 5003 and 32000 cover several tiles and several compactions;
-# M = 1000 is near the 1024 limit of the selection buffer.
+# M = 1000 and 1024 sit at the 1024 limit of the selection buffer.
 SHAPES = [(1, 1, 1), (3, 7, 1), (3, 97, 20), (17, 1000, 64), (5, 5003, 20), (4, 32000, 1000)]
+SHAPES += [(2, 9001, 1024)]  # M at the kernel's limit (kMaxTopM)
 LARGE_SHAPES = [(257, 1000, 20), (2, 151936, 20)]
 
 

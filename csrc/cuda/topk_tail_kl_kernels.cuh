@@ -45,8 +45,20 @@ constexpr int kThreads = 256;
 constexpr int kVec = 8;                       // entries per thread per step
 constexpr int kTile = kThreads * kVec;        // entries per block step
 constexpr int kMaxTopM = 1024;                // largest supported top_m (selection buffer bound)
-constexpr int kBufCap = 2 * kTile + kMaxTopM;  // candidate buffer capacity (keys)
-constexpr int kSortCap = 8192;                 // power of two >= kBufCap
+// Candidate buffer, in 64-bit keys: room for one tile of admissions on top of whatever is kept.
+// A compaction leaves M <= kMaxTopM keys and runs before a tile whenever more than
+// kBufCap - kTile are held, so kBufCap >= kTile + kMaxTopM guarantees progress. 4096 keys are
+// 32 KB of dynamic shared memory per block: with the 48 registers ptxas reports for the forward
+// (sm_90a), 5 blocks (1280 threads) fit on an SM, where a 64 KB buffer allowed only 3 (smem-
+// bound); the kernel streams memory, so those resident warps are what keeps loads in flight.
+constexpr int kBufCap = 4096;
+constexpr int kSortCap = 4096;  // power of two >= kBufCap: the bitonic sort's padded size
+static_assert(kBufCap - kTile >= kMaxTopM, "a compaction must leave room for a tile");
+static_assert((kSortCap & (kSortCap - 1)) == 0 && kSortCap >= kBufCap, "sort size");
+// The selection's 2 M scaled logits (floats) reuse the buffer above its first kBufCap / 2 keys,
+// clear of the M selected keys at its start.
+static_assert(kBufCap / 2 >= kMaxTopM, "s_top must not overlap the selected keys");
+static_assert((kBufCap / 2) * 8 + 2 * kMaxTopM * 4 <= kSortCap * 8, "s_top/t_top must fit");
 
 // ---- loading and storing 8 entries as fp32 -----------------------------------------------------
 
