@@ -16,7 +16,9 @@ and their gradients; the fused variants also report their ratios to the material
 as gradient storage (``grad_fp32``), not as working memory. Records go to
 ``DIR/fused_linear_topk_tail_kl.json`` through :func:`benchmarks.common.record`.
 
-Without a CUDA device it prints "no CUDA device: skipped" and exits 0.
+Without a CUDA device it prints "no CUDA device: skipped" and exits 0; ``--device cpu`` (with
+small ``--n/--d/--v``) runs the materialized and chunked variants on the CPU, which only checks
+that the script works (tests/test_gpu_scripts.py does, so that GPU time is never lost to it).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,27 +35,37 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _measure(fn, clear, reps: int) -> tuple[float, int]:
-    """Median seconds of ``fn`` over ``reps`` calls and its peak allocated bytes."""
+def _measure(fn, clear, reps: int, device: torch.device) -> tuple[float, int | None]:
+    """Median seconds of ``fn`` over ``reps`` calls and its peak allocated bytes (CUDA events
+    and the caching allocator's peak on a GPU; wall clock and no memory figure on the CPU)."""
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     clear()
     fn()  # warm-up: Triton compilation, cuBLAS handles
     clear()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(reps):
         clear()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            sync()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    if not cuda:
+        return statistics.median(times), None
     clear()
-    torch.cuda.synchronize()
+    sync()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fn()
-    torch.cuda.synchronize()
+    sync()
     peak = torch.cuda.max_memory_allocated() - base
     return statistics.median(times), peak
 
@@ -65,8 +78,13 @@ def main() -> int:
     parser.add_argument("--v", type=int, default=151_936)
     parser.add_argument("--m", type=int, default=20)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        help="cuda (default); 'cpu' only smoke-tests this script (chunked path, small shapes)",
+    )
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: skipped")
         return 0
     os.environ["LOPD_BENCH_RESULTS"] = args.out
@@ -74,7 +92,7 @@ def main() -> int:
     from benchmarks.common import record
 
     n, d, v, m = args.n, args.d, args.v, args.m
-    dev, dt = torch.device("cuda"), torch.bfloat16
+    dev, dt = torch.device(args.device), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     ws = torch.empty(v, d, device=dev, dtype=dt).normal_(generator=g).mul_(d**-0.5)
     wt = torch.empty(v, d, device=dev, dtype=dt).normal_(generator=g).mul_(0.1 * d**-0.5)
@@ -94,9 +112,11 @@ def main() -> int:
             lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=m, backend="triton")
         ).backward(),
         "chunked": lambda: loss(
-            lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=m, backend="cuda")
+            lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=m, backend=dev.type)
         ).backward(),
     }
+    if dev.type != "cuda":
+        del runs["triton"]  # the CPU smoke run checks this script, not the interpreter
 
     def clear():
         hs.grad = ht.grad = ws.grad = None
@@ -113,23 +133,28 @@ def main() -> int:
         base = None
         for name, fn in runs.items():
             try:
-                median, peak = _measure(fn, clear, args.reps)
+                median, peak = _measure(fn, clear, args.reps, dev)
             except Exception as err:  # report and go on with the other variants
                 print(f"{setting} {name}: FAILED {type(err).__name__}: {err}")
                 status = 1
                 torch.cuda.empty_cache()
                 continue
-            extra = max(0, peak - grad_bytes - (0 if name == "materialized" else fp32_acc))
+            extra = (
+                None
+                if peak is None
+                else max(0, peak - grad_bytes - (0 if name == "materialized" else fp32_acc))
+            )
             fields = {"peak_allocated_bytes": peak, "grad_fp32": head_grad}
             if name == "materialized":
                 base = (median, extra)
             elif base is not None:
                 fields["time_vs_materialized"] = median / base[0]
-                fields["memory_vs_materialized"] = extra / max(1, base[1])
-            record("fused_linear_topk_tail_kl", name, shapes, median, extra, "cuda", **fields)
+                if extra is not None:
+                    fields["memory_vs_materialized"] = extra / max(1, base[1])
+            record("fused_linear_topk_tail_kl", name, shapes, median, extra, dev.type, **fields)
             ratios = {k: round(x, 4) for k, x in fields.items() if k.endswith("materialized")}
-            print(f"{setting:13s} {name:12s} {median * 1e3:9.1f} ms  "
-                  f"extra {extra / 2**30:7.3f} GiB  {ratios}")  # fmt: skip
+            mem = "n/a" if extra is None else f"{extra / 2**30:7.3f} GiB"
+            print(f"{setting:13s} {name:12s} {median * 1e3:9.1f} ms  extra {mem}  {ratios}")
             torch.cuda.empty_cache()
     return status
 
