@@ -214,20 +214,19 @@ def test_emulated_random_schedule():
         simt_emu.set_schedule_seed(0)
 
 
-@pytest.mark.skipif(EMU_UNAVAILABLE is not None, reason=str(EMU_UNAVAILABLE))
-def test_emulated_opcheck():
-    """Schemas, fake implementations and autograd registration of the emulated ops (the same
-    registrations lopd_kernels makes for the CUDA ops)."""
-    simt_emu.load()
+def test_opcheck(target):
+    """Schemas, fake implementations and autograd registration of the ops (lopd_kernels registers
+    them for the CUDA ops, tests/simt_emu.py the same functions for the emulated ones)."""
+    fwd, bwd = raw_ops(target)
+    dev = "cuda" if target == "cuda" else "cpu"
     lengths = [3, 0, 20]
-    cu = _cu(lengths)
-    q, k, v, grad = _inputs(lengths, 4, 2, 16, 2, torch.float32, "cpu", seed=9)
-    fwd = torch.ops.lopd_simt_emu.varlen_cross_attention_cuda_fwd
-    bwd = torch.ops.lopd_simt_emu.varlen_cross_attention_cuda_bwd
+    cu = _cu(lengths, dev)
+    q, k, v, grad = _inputs(lengths, 4, 2, 16, 2, torch.float32, dev, seed=9)
     torch.library.opcheck(fwd, (q.requires_grad_(), k, v, cu, 0.25, 20))
     out, lse = fwd(q.detach(), k, v, cu, 0.25, 20)
-    args = (grad, torch.zeros_like(lse), q.detach(), k, v, out, lse, cu, 0.25, 20)
-    torch.library.opcheck(bwd, args)
+    torch.library.opcheck(
+        bwd, (grad, torch.zeros_like(lse), q.detach(), k, v, out, lse, cu, 0.25, 20)
+    )
 
 
 def _bad_input_cases():

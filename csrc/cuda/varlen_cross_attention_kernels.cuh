@@ -41,10 +41,12 @@
 // Empty items: the forward writes out = 0, lse = -inf and dQ writes dq = 0 without reading lse, so
 // no exp(-inf - -inf) NaN is ever formed; they own no keys, so dK/dV never sees them.
 //
-// Expected speed (never measured on a GPU): the op does 4 * rows * T * D flops per kv head
-// forward and 8 * rows * T * D backward on 4 * T * D bytes of bf16 k/v, i.e. ~rows flop/byte
-// (128 for the QFormer): far above the fp32 CUDA-core ridge point, so these kernels are bound by
-// FMA throughput, which tensor-core kernels (Triton, flash-attn) exceed by ~10x.
+// Expected speed (never measured on a GPU): per kv head the forward does 4 * rows * T * D flops
+// (scores, P @ V) on 4 * T * D bytes of bf16 k/v, i.e. `rows` flop/byte (G * Lq = 128 for the
+// QFormer); the backward 14 * rows * T * D (dQ recomputes s and dp: 6, dK/dV: 8). That is far
+// above the fp32 CUDA-core ridge point (~14 flop/byte on an H100/H200), so these kernels are
+// bound by arithmetic (and by the shared-memory loads feeding each FMA in phase 1), where
+// tensor-core kernels (Triton's tl.dot, flash-attn) have ~15x the peak.
 #pragma once
 
 #include <ATen/Dispatch.h>
