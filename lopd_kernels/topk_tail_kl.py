@@ -590,13 +590,30 @@ def topk_tail_kl(
             divergence=divergence,
             ignore_index=ignore_index,
         )
-    vocab = student_logits.shape[-1]
-    lead = student_logits.shape[:-1]
     op = (
         torch.ops.lopd.topk_tail_kl_triton_fwd
         if name == "triton"
         else torch.ops.lopd.topk_tail_kl_fwd
     )
+    return call_fwd_op(
+        op, student_logits, teacher_logits, target_ids, m, temperature, divergence, ignore_index
+    )
+
+
+def call_fwd_op(
+    op,
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    target_ids: Tensor,
+    m: int,
+    temperature: float,
+    divergence: str,
+    ignore_index: int,
+) -> TopKTailKLOutput:
+    """Runs a ``topk_tail_kl_fwd``-schema op (any backend's, autograd registered) on validated
+    ``[..., V]`` inputs with ``m`` top buckets and shapes its outputs as :func:`topk_tail_kl`."""
+    vocab = student_logits.shape[-1]
+    lead = student_logits.shape[:-1]
     flat_target = target_ids.reshape(-1).to(torch.int64).contiguous()
     kl, slp, tlp, ids, _lse, bucket = op(
         student_logits.reshape(-1, vocab).contiguous(),

@@ -27,7 +27,7 @@ from lopd_kernels.topk_tail_kl import (
     _check_inputs,
     _fwd_fake,
     _make_autograd,
-    teacher_topk_mass,
+    call_fwd_op,
 )
 from lopd_kernels.varlen_cross_attention import _bwd_fake as _xattn_bwd_fake
 from lopd_kernels.varlen_cross_attention import _fwd_fake as _xattn_fwd_fake
@@ -117,26 +117,10 @@ def topk_tail_kl_emulated(
     m = _check_inputs(
         student_logits, teacher_logits, target_ids, top_m, temperature, divergence, ignore_index
     )
-    vocab = student_logits.shape[-1]
-    lead = student_logits.shape[:-1]
-    flat_target = target_ids.reshape(-1).to(torch.int64).contiguous()
-    kl, slp, tlp, ids, _lse, bucket = torch.ops.lopd_simt_emu.topk_tail_kl_fwd(
-        student_logits.reshape(-1, vocab).contiguous(),
-        teacher_logits.reshape(-1, vocab).contiguous(),
-        flat_target,
-        m,
-        float(temperature),
-        divergence == "reverse",
-        int(ignore_index),
-    )
-    return TopKTailKLOutput(
-        kl=kl.reshape(lead),
-        privilege=(tlp - slp.detach()).reshape(lead),
-        student_logprob=slp.reshape(lead),
-        teacher_logprob=tlp.reshape(lead),
-        topk_ids=ids.reshape(*lead, m),
-        teacher_topk_mass=teacher_topk_mass(bucket, flat_target, ignore_index).reshape(lead),
-    )
+    return call_fwd_op(
+        torch.ops.lopd_simt_emu.topk_tail_kl_fwd,
+        student_logits, teacher_logits, target_ids, m, temperature, divergence, ignore_index,
+    )  # fmt: skip
 
 
 def varlen_cross_attention_emulated(

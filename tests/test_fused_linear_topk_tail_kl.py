@@ -123,6 +123,11 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_cpu_matches_reference_fp32(case):
+    check_case(case)
+
+
+def check_case(case):
+    """One CASES row through the chunked CPU path, fp32, against the reference."""
     n, d, vocab, top_m, temp, div, bias, chunk = case
     inputs, target = make_inputs(n, d, vocab, bias=bias)
     check(
@@ -178,12 +183,7 @@ def emulated_cuda_epilogue(monkeypatch):
     "case", [CASES[0], CASES[2], CASES[3], CASES[5]], ids=lambda c: "-".join(map(str, c))
 )
 def test_chunked_with_emulated_cuda_epilogue(case, emulated_cuda_epilogue):
-    n, d, vocab, top_m, temp, div, bias, chunk = case
-    inputs, target = make_inputs(n, d, vocab, bias=bias)
-    check(
-        inputs, target, "cpu", torch.float32,
-        top_m=top_m, temperature=temp, divergence=div, chunk_size=chunk,
-    )  # fmt: skip
+    check_case(case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
