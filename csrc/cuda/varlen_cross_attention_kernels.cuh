@@ -71,6 +71,11 @@ constexpr int kKeysPerWarp = kKeyTile / kBwdWarps;          // dK/dV phase 2: ke
 constexpr int kRowChunk = kBwdWarps * kRowsPerWarp;         // dK/dV: query rows per chunk
 constexpr int kMaxHeadDim = 256;                            // 8 dims per lane
 constexpr unsigned kFull = 0xffffffffu;
+// The forward, dQ and dK/dV kernels declare __launch_bounds__(256, 2): up to 128 registers per
+// thread and two 8-warp blocks per SM. Without the minimum, ptxas aimed at 64 registers and
+// spilled the D <= 128 instances (the compile check fails on spills); with a minimum of 1 it took
+// 130. These kernels are bound by FMAs and the shared-memory loads feeding them, so the 4-row
+// register blocking matters more than occupancy beyond 16 warps per SM.
 
 // ---- element conversion ------------------------------------------------------------------------
 
@@ -191,7 +196,7 @@ __device__ __forceinline__ void dot_rows(const float* qs, const float* dos, int 
 // Dynamic shared memory (floats): q [rpb * D] | k tile | v tile [kKeyTile * stride each] |
 // scores, p [rpb * kKeyTile each].
 template <typename T, int NPL>
-__global__ void __launch_bounds__(kMaxWarps * kWarp)
+__global__ void __launch_bounds__(kMaxWarps * kWarp, 2)
     fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                const int* __restrict__ cu, T* __restrict__ out, float* __restrict__ lse,
                Shape s) {
@@ -345,7 +350,7 @@ __global__ void __launch_bounds__(kBwdWarps * kWarp)
 // Grid and block as fwd_kernel. Dynamic shared memory (floats): q, do [rpb * D each] |
 // k tile | v tile | ds [rpb * kKeyTile].
 template <typename T, int NPL>
-__global__ void __launch_bounds__(kMaxWarps * kWarp)
+__global__ void __launch_bounds__(kMaxWarps * kWarp, 2)
     dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               const T* __restrict__ dout, const int* __restrict__ cu,
               const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq,
@@ -443,7 +448,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
 // (floats): k tile | v tile [kKeyTile * stride each] | q, do [kRowChunk * D each] |
 // p, ds [kRowChunk * kKeyTile each] | lse, delta [kRowChunk each].
 template <typename T, int NPL>
-__global__ void __launch_bounds__(kBwdWarps * kWarp)
+__global__ void __launch_bounds__(kBwdWarps * kWarp, 2)
     dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const int* __restrict__ cu,
                 const float* __restrict__ lse, const float* __restrict__ delta,
