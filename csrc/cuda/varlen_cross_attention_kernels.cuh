@@ -293,17 +293,20 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp, 2)
     }
     __syncwarp(kFull);
 
-    // Phase 2: lane = dims lane, lane + 32, ...
+    // Phase 2: lane = dims lane, lane + 32, ...; each v row is loaded once for the 4 rows.
+    for (int j = 0; j < n; ++j) {
+      float vj[NPL];
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      if (r >= n_rows) continue;
-      for (int j = 0; j < n; ++j) {
+      for (int c = 0; c < NPL; ++c) {
+        const int d = lane + c * kWarp;
+        vj[c] = d < D ? v_s[j * stride + d] : 0.0f;
+      }
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        if (r >= n_rows) continue;
         const float p = p_w[r * kKeyTile + j];
 #pragma unroll
-        for (int c = 0; c < NPL; ++c) {
-          const int d = lane + c * kWarp;
-          if (d < D) acc[r][c] += p * v_s[j * stride + d];
-        }
+        for (int c = 0; c < NPL; ++c) acc[r][c] += p * vj[c];
       }
     }
   }
@@ -415,17 +418,20 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp, 2)
     }
     __syncwarp(kFull);
 
-    // Phase 2: lane = dims: acc += ds_j k_j.
+    // Phase 2: lane = dims: acc += ds_j k_j; each k row is loaded once for the 4 rows.
+    for (int j = 0; j < n; ++j) {
+      float kj[NPL];
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      if (r >= n_rows) continue;
-      for (int j = 0; j < n; ++j) {
+      for (int c = 0; c < NPL; ++c) {
+        const int d = lane + c * kWarp;
+        kj[c] = d < D ? k_s[j * stride + d] : 0.0f;
+      }
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        if (r >= n_rows) continue;
         const float ds = ds_w[r * kKeyTile + j];
 #pragma unroll
-        for (int c = 0; c < NPL; ++c) {
-          const int d = lane + c * kWarp;
-          if (d < D) acc[r][c] += ds * k_s[j * stride + d];
-        }
+        for (int c = 0; c < NPL; ++c) acc[r][c] += ds * kj[c];
       }
     }
   }
