@@ -62,15 +62,22 @@ def test_block_size_is_checked(emulator):
         emulator.selftest_block_sum(torch.zeros(1, 10), 2048)
 
 
-def _asan_env() -> dict[str, str] | None:
-    lib = subprocess.run(
-        ["g++", "-print-file-name=libasan.so"], capture_output=True, text=True
+def _gcc_lib(name: str) -> str | None:
+    path = subprocess.run(
+        ["g++", f"-print-file-name={name}"], capture_output=True, text=True
     ).stdout.strip()
-    if not lib or not Path(lib).exists():
+    return path if path and Path(path).is_file() else None
+
+
+def _asan_env() -> dict[str, str] | None:
+    asan, stdcxx = _gcc_lib("libasan.so"), _gcc_lib("libstdc++.so")
+    if asan is None or stdcxx is None:
         return None
     env = dict(os.environ)
     env.update(
-        LD_PRELOAD=lib,
+        # libstdc++ right after libasan: loaded later (by torch), C++ exceptions thrown in the
+        # extension (TORCH_CHECK) would abort the process without a word.
+        LD_PRELOAD=f"{asan} {stdcxx}",
         # Python and torch keep allocations to exit; the emulator's fibers switch stacks, which
         # ASan supports with a warning (printed once).
         ASAN_OPTIONS="detect_leaks=0:detect_stack_use_after_return=0",
@@ -80,7 +87,7 @@ def _asan_env() -> dict[str, str] | None:
     return env
 
 
-@pytest.mark.skipif(_asan_env() is None, reason="g++ has no libasan.so to preload")
+@pytest.mark.skipif(_asan_env() is None, reason="g++ has no libasan.so / libstdc++.so to preload")
 def test_emulated_cuda_kernels_under_address_sanitizer():
     """First the sanitizer must catch a deliberate one-past-the-end read (so this test can fail),
     then every emulated CUDA kernel test must run clean under it."""
