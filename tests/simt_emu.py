@@ -142,3 +142,33 @@ def varlen_cross_attention_emulated(
         q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_k, scale, max_seqlen_k
     )
     return (out, lse) if return_lse else out
+
+
+def cuda_targets(op: str) -> list:
+    """``pytest`` params ``"cuda"`` (the real kernels of ``torch.ops.lopd.<op>`` on a GPU; skipped
+    without one) and ``"emulated"`` (the same kernels under this emulator), for a fixture that
+    runs a CUDA test on both."""
+    import pytest
+
+    from lopd_kernels import _backend
+
+    has_gpu_kernel = torch.cuda.is_available() and _backend.has_cuda_kernel(op)
+    reason = unavailable_reason()
+    return [
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not has_gpu_kernel,
+                reason=f"needs a CUDA device and lopd_kernels._C built with the CUDA {op} kernel",
+            ),
+        ),
+        pytest.param("emulated", marks=pytest.mark.skipif(reason is not None, reason=str(reason))),
+    ]
+
+
+def prepare_target(where: str) -> str:
+    """Loads the emulated ops (round-robin schedule) for ``"emulated"``; returns ``where``."""
+    if where == "emulated":
+        load()
+        set_schedule_seed(0)
+    return where

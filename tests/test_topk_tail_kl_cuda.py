@@ -19,13 +19,11 @@ import pytest
 import torch
 
 import lopd_kernels as lk
-from lopd_kernels import _backend
 from lopd_kernels.topk_tail_kl import TopKTailKLOutput, topk_tail_kl_reference
 from tests import simt_emu
 from tests.test_topk_tail_kl import assert_grad_close, make_inputs, random_upstream, run
 from tests.utils import assert_close
 
-HAS_GPU_KERNEL = torch.cuda.is_available() and _backend.has_cuda_kernel("topk_tail_kl_fwd")
 EMU_UNAVAILABLE = simt_emu.unavailable_reason()
 SMALL = os.environ.get("LOPD_TEST_SMALL") == "1"
 
@@ -36,27 +34,10 @@ def cuda_op(s, t, target, **kw):
     return TopKTailKLOutput(*(o.cpu() for o in out))
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(
-                not HAS_GPU_KERNEL,
-                reason="needs a CUDA device and lopd_kernels._C built with the CUDA kernels",
-            ),
-        ),
-        pytest.param(
-            "emulated",
-            marks=pytest.mark.skipif(EMU_UNAVAILABLE is not None, reason=str(EMU_UNAVAILABLE)),
-        ),
-    ]
-)
+@pytest.fixture(params=simt_emu.cuda_targets("topk_tail_kl_fwd"))
 def target(request):
     """Where the CUDA kernels run: ``"cuda"`` (a GPU) or ``"emulated"`` (SIMT emulator, CPU)."""
-    if request.param == "emulated":
-        simt_emu.load()
-        simt_emu.set_schedule_seed(0)
-    return request.param
+    return simt_emu.prepare_target(request.param)
 
 
 def op_for(where: str):

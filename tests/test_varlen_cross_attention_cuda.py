@@ -19,15 +19,11 @@ import pytest
 import torch
 
 import lopd_kernels as lk
-from lopd_kernels import _backend
 from lopd_kernels.varlen_cross_attention import varlen_cross_attention_reference
 from tests import simt_emu
 from tests.test_varlen_cross_attention import _cu, _inputs
 from tests.utils import TOLERANCES, assert_close
 
-HAS_GPU_KERNEL = torch.cuda.is_available() and _backend.has_cuda_kernel(
-    "varlen_cross_attention_cuda_fwd"
-)
 EMU_UNAVAILABLE = simt_emu.unavailable_reason()
 # Odd lengths: a 1-key item, an empty item in the middle, partial and multiple key tiles.
 LENGTHS = [1, 7, 0, 97, 33]
@@ -42,27 +38,10 @@ def cuda_op(q, k, v, cu, *, scale=None, return_lse=False):
     return (out, lse) if return_lse else out
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(
-                not HAS_GPU_KERNEL,
-                reason="needs a CUDA device and lopd_kernels._C built with the CUDA kernels",
-            ),
-        ),
-        pytest.param(
-            "emulated",
-            marks=pytest.mark.skipif(EMU_UNAVAILABLE is not None, reason=str(EMU_UNAVAILABLE)),
-        ),
-    ]
-)
+@pytest.fixture(params=simt_emu.cuda_targets("varlen_cross_attention_cuda_fwd"))
 def target(request):
     """Where the CUDA kernels run: ``"cuda"`` (a GPU) or ``"emulated"`` (SIMT emulator, CPU)."""
-    if request.param == "emulated":
-        simt_emu.load()
-        simt_emu.set_schedule_seed(0)
-    return request.param
+    return simt_emu.prepare_target(request.param)
 
 
 def op_for(where: str):

@@ -62,24 +62,8 @@ static_assert((kBufCap / 2) * 8 + 2 * kMaxTopM * 4 <= kSortCap * 8, "s_top/t_top
 
 // ---- loading and storing 8 entries as fp32 -----------------------------------------------------
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
+using ::lopd::simt::from_float;
+using ::lopd::simt::to_float;
 
 // Loads p[0..8) (vectorized when `aligned`), or entries up to `valid` (tail of the row; the rest
 // are -inf, which every consumer treats as "no mass").

@@ -77,26 +77,8 @@ constexpr unsigned kFull = 0xffffffffu;
 // 130. These kernels are bound by FMAs and the shared-memory loads feeding them, so the 4-row
 // register blocking matters more than occupancy beyond 16 warps per SM.
 
-// ---- element conversion ------------------------------------------------------------------------
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
+using ::lopd::simt::from_float;
+using ::lopd::simt::to_float;
 
 // Shared-memory row stride (floats) of a k/v tile: odd, so that lane j reading element d of row j
 // hits bank (j * stride + d) % 32, distinct for the 32 lanes.
