@@ -23,10 +23,16 @@ from pathlib import Path
 import torch.utils.cpp_extension as cpp
 
 ROOT = Path(__file__).resolve().parents[1]
-# (threads per block, dynamic shared memory bytes) of each kernel's launch, from its launcher.
+# (threads per block, dynamic shared memory bytes) of each kernel's launch, from its launcher,
+# at a representative shape: topk_tail_kl with M = 20; varlen_cross_attention at the QFormer's
+# D = 128, Lq = 32, G = Hq / Hkv = 4 (its shared memory grows with D and G * Lq).
 LAUNCH = {
-    "topk_tail_kl_fwd_kernel": (256, 4096 * 8),
-    "topk_tail_kl_bwd_kernel": (256, 2 * 21 * 4),  # 2 (M + 1) floats, M = 20
+    ("topk_tail_kl.cu", "topk_tail_kl_fwd_kernel"): (256, 4096 * 8),
+    ("topk_tail_kl.cu", "topk_tail_kl_bwd_kernel"): (256, 2 * 21 * 4),
+    ("varlen_cross_attention.cu", "fwd_kernel"): (256, 57_600),
+    ("varlen_cross_attention.cu", "dq_kernel"): (256, 69_888),
+    ("varlen_cross_attention.cu", "dkdv_kernel"): (256, 74_240),
+    ("varlen_cross_attention.cu", "delta_kernel"): (256, 0),
 }
 # Per-SM limits (sm_80: A100, sm_90a: H100/H200).
 SM = {
@@ -35,8 +41,10 @@ SM = {
 }
 
 
-def blocks_per_sm(arch: str, regs: int, static_smem: int, kernel: str) -> tuple[int, str] | None:
-    launch = next((v for k, v in LAUNCH.items() if k in kernel), None)
+def blocks_per_sm(
+    arch: str, regs: int, static_smem: int, file: str, kernel: str
+) -> tuple[int, str] | None:
+    launch = LAUNCH.get((file, kernel))
     if launch is None:
         return None
     threads, dyn = launch
@@ -95,7 +103,7 @@ def main() -> int:
                     seen[kernel].add((regs, smem, spill))
             for kernel, variants in sorted(seen.items()):
                 for regs, smem, spill in sorted(variants):
-                    occ = blocks_per_sm(arch, regs, smem, kernel)
+                    occ = blocks_per_sm(arch, regs, smem, src.name, kernel)
                     rows.append(
                         {
                             "file": src.name,
