@@ -458,8 +458,8 @@ class SDPOMethod(Method):
     optimizer step. Loss: reverse KL over the teacher's top-M (``lopd.top_m``) plus a tail
     bucket, token mean per trajectory, mean over all the step's trajectories.
 
-    The EMA shadow is not part of the trainer's checkpoints: a resumed run restarts it from the
-    restored student.
+    The EMA shadow is saved in the trainer's checkpoints (:meth:`state_dict`), so a resumed run
+    continues with the same teacher.
 
     Attributes:
         group_size: G.
@@ -480,6 +480,13 @@ class SDPOMethod(Method):
             self.teacher.requires_grad_(False)
             self.teacher.eval()
         return self.teacher
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.teacher is None else {"ema_teacher": self.teacher.state_dict()}
+
+    def load_state_dict(self, trainer: Trainer, state: dict[str, Any]) -> None:
+        if "ema_teacher" in state:
+            self.ensure_teacher(trainer).load_state_dict(state["ema_teacher"])
 
     def rollouts(self, trainer: Trainer, step: int) -> list[Trajectory]:
         trajs = group_rollouts(trainer, step, self.group_size)

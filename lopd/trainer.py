@@ -194,6 +194,14 @@ class Method:
         metrics to log."""
         return {}
 
+    def state_dict(self) -> dict[str, Any]:
+        """State of the objective itself that a resumed run needs (e.g. SDPO's EMA teacher);
+        saved in every checkpoint next to the student's."""
+        return {}
+
+    def load_state_dict(self, trainer: Trainer, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` after the trainer restored the student."""
+
     def rollouts(self, trainer: Trainer, step: int) -> list[Trajectory]:
         """This rank's training rollouts of step ``step``: by default one student rollout of
         each of ``trainer.step_tasks(step)``; group methods (GRPO, SDPO) override it."""
@@ -918,6 +926,7 @@ class Trainer:
             "opt_student": self.opt_student.state_dict(),
             "opt_composer": self.opt_composer.state_dict() if self.opt_composer else None,
             "beta": self.beta,
+            "method": self.method.state_dict(),
             "rollouts": rollouts,  # global count; restored on rank 0
             "wall_seconds": self.wall_before + (time.perf_counter() - self._t_session),
             "rng": {
@@ -946,6 +955,7 @@ class Trainer:
         if self.opt_composer is not None and state["opt_composer"] is not None:
             self.opt_composer.load_state_dict(state["opt_composer"])
         self.beta = float(state["beta"])
+        self.method.load_state_dict(self, state.get("method") or {})
         self.rollouts = int(state["rollouts"]) if self.is_main else 0
         self.wall_before = float(state["wall_seconds"])
         rng = state["rng"]

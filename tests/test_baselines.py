@@ -7,6 +7,7 @@ import copy
 import itertools
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -328,3 +329,28 @@ def test_answers_compute_the_rollout_fraction_and_ablation_verdict():
     assert "36 rollouts (bank included) = 75% of GRPO's" in text
     assert "LOPD − grpo = 0.100 ± 0.000" in text
     assert "lopd-m0 − lopd-frozen = -0.090 ± 0.010" in text and "→ yes" in text
+
+
+def test_sdpo_ema_teacher_survives_a_checkpoint(trainer):
+    """A resumed SDPO run continues with the saved EMA teacher, not a copy of the student."""
+    saved_method = trainer.method
+    try:
+        trainer._make_optimizers()
+        trainer._t_session = time.perf_counter()  # set by Trainer.run(), which this skips
+        method = SDPOMethod()
+        trainer.method = method
+        with torch.no_grad():
+            for p in method.ensure_teacher(trainer).parameters():
+                p.add_(0.25)  # an EMA teacher that has drifted from the student
+        expected = copy.deepcopy(method.teacher.state_dict())
+        trainer.save_checkpoint(step=7)
+        trainer.method = fresh = SDPOMethod()
+        assert trainer.load_checkpoint() == 7
+        assert fresh.teacher is not None and not fresh.teacher.training
+        for name, value in fresh.teacher.state_dict().items():
+            torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+        assert not any(p.requires_grad for p in fresh.teacher.parameters())
+    finally:
+        trainer.method = saved_method
+        for f in trainer.ckpt_dir.glob("step_*.pt"):
+            f.unlink()
