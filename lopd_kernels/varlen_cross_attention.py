@@ -46,9 +46,15 @@ Backends:
 * ``"cuda"``: ``torch.ops.lopd.varlen_cross_attention_cuda_fwd/_bwd``, hand-written CUDA kernels
   (``csrc/cuda/varlen_cross_attention_kernels.cuh``): a forward with an online softmax over key
   tiles staged in shared memory, a dQ kernel and a dK/dV kernel (one block per key tile, looping
-  over the ``G * Lq`` query rows of its kv head: no atomics), all CUDA-core fp32 FMA (no tensor
-  cores). Available when ``lopd_kernels._C`` was built with CUDA. Tested on CPU under the SIMT
-  emulator (``tests/test_varlen_cross_attention_cuda.py``); it has never run on a GPU.
+  over the ``G * Lq`` query rows of its kv head: no atomics). Two paths, picked by the launcher:
+  bf16 / fp16 inputs with ``D % 16 == 0`` and ``D <= 128`` run on tensor cores through
+  ``nvcuda::wmma`` (m16n16k16, i.e. ``mma.sync`` on sm_80 / sm_90; not Hopper's ``wgmma``), in
+  the flash-attention manner: fp32 scores, softmax and accumulators, ``P`` and ``dS`` rounded to
+  the input dtype only as tensor-core operands (dK/dV also multiplies their rounding errors, as
+  a second operand, for accuracy); fp32 inputs and other head dims run CUDA-core fp32 FMA
+  kernels. Available when ``lopd_kernels._C`` was built with CUDA. Tested on CPU under the SIMT
+  emulator (``tests/test_varlen_cross_attention_cuda.py``, which emulates WMMA too); neither path
+  has ever run on a GPU, so neither speed is measured.
 * ``"auto"``: Triton for CUDA tensors when Triton is importable, else the ``"cpu"`` op. Not the
   CUDA kernel: at the QFormer shape the op does ~``G * Lq`` flops per byte of ``k``/``v``, so it
   is bound by arithmetic, where Triton's tensor-core ``tl.dot`` outruns fp32 FMA by an order of

@@ -62,6 +62,31 @@ def test_block_size_is_checked(emulator):
         emulator.selftest_block_sum(torch.zeros(1, 10), 2048)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "warps"), [(16, 16, 16, 1), (32, 32, 32, 4), (48, 32, 64, 3)]
+)
+def test_wmma_gemm_matches_torch_matmul(emulator, dtype, m, n, k, warps):
+    """nvcuda::wmma m16n16k16 (row-major A, col-major B, fp32 accumulator loaded from memory or
+    zero-filled, an element-wise op through num_elements / x[]) against torch.matmul on the same
+    half-precision inputs: the products are exact in fp32; only the fp32 sums' rounding differs."""
+    gen = torch.Generator().manual_seed(m + n + k)
+    a = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(k, n, generator=gen).to(dtype)
+    c = torch.randn(m, n, generator=gen)
+    expected = torch.matmul(a.double(), b.double())
+    out = emulator.selftest_wmma_gemm(a, b, c, 1.0, False, warps)
+    torch.testing.assert_close(out, expected.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, torch.matmul(a.float(), b.float()), rtol=1e-5, atol=1e-5)
+    out = emulator.selftest_wmma_gemm(a, b, c, 0.5, True, warps)
+    torch.testing.assert_close(out, (0.5 * (expected + c.double())).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_wmma_reached_by_part_of_a_warp_is_reported(emulator):
+    with pytest.raises(RuntimeError, match=r"deadlock.*16 thread\(s\) wait in wmma::mma_sync"):
+        emulator.selftest_wmma_partial_warp()
+
+
 def _gcc_lib(name: str) -> str | None:
     path = subprocess.run(
         ["g++", f"-print-file-name={name}"], capture_output=True, text=True

@@ -11,6 +11,16 @@ lse gradient, on two targets (as tests/test_topk_tail_kl_cuda.py):
 Shapes cover the kernels' edges: D in {16, 64, 80, 128} (1, 2, 3, 4 dims per lane; 80 leaves
 lanes idle in the last slot), key tiles of 32 (items of 0, 1, 7, 33, 97 and ~2000 keys), query
 rows per kv head (G * Lq) that fill 1 to 8 warps and several dK/dV row chunks of 32.
+
+Which kernels a shape runs (the host launcher picks; nothing in Python changes): bf16 / fp16
+inputs with D % 16 == 0 and D <= 128 take the tensor-core (WMMA) kernels, everything else the
+CUDA-core fp32 kernels. So the fp32 tests (test_matches_reference, test_single_query,
+test_long_item[fp32], ...) run the CUDA-core kernels; test_half_precision (D = 80),
+test_long_item[bf16] (D = 128), test_wmma_* and the half-precision cases of
+test_nonzero_lse_gradient_on_empty_items run the WMMA kernels (tiles of 64 query rows / 64 or 32
+keys, 16 per warp); test_half_precision_cuda_core_fallback (D = 40, D = 144) and the misaligned
+run of test_misaligned_half_precision_inputs_fall_back run the CUDA-core kernels on
+half-precision inputs.
 """
 
 from __future__ import annotations
@@ -140,6 +150,56 @@ def test_half_precision(target, heads, dtype):
     check(target, LENGTHS, *heads, 80, 32, dtype, seed=1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    ("heads", "head_dim"), [((8, 2), 16), ((6, 2), 64), ((8, 2), 80), ((6, 2), 128)]
+)
+def test_wmma_gqa(target, heads, head_dim, dtype):
+    # The WMMA kernels at D = 1, 4, 5, 8 tiles of 16, Lq = 32: 128 query rows per kv head (two full
+    # row tiles of 64, four dK/dV chunks of 32) or 96 (G = 3: the second row tile half padding);
+    # a 1-key item, an empty one, and items ending inside a 16-key sub-tile of the 64 / 32 tiles.
+    check(target, LENGTHS, *heads, head_dim, 32, dtype, seed=20 + head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    ("heads", "head_dim"), [((2, 2), 16), ((8, 2), 64), ((3, 1), 128)], ids=["mha", "gqa", "mqa"]
+)
+def test_wmma_single_query(target, heads, head_dim, dtype):
+    # Lq = 1: 1 to 4 query rows in a 64-row tile (the other rows are zero padding).
+    check(target, [0, 1, 50, 3], *heads, head_dim, 1, dtype, seed=21)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"), [(torch.bfloat16, 40), (torch.float16, 144)], ids=["bf16-40", "fp16-144"]
+)
+def test_half_precision_cuda_core_fallback(target, dtype, head_dim):
+    # D % 16 != 0 or D > 128: the CUDA-core kernels, on half-precision inputs.
+    check(target, [3, 0, 40], 4, 2, head_dim, 5, dtype, seed=22)
+
+
+def test_misaligned_half_precision_inputs_fall_back(target):
+    """The WMMA kernels stage rows in 16-byte vectors: a contiguous view 2 bytes off 16-byte
+    alignment takes the CUDA-core kernels instead, with results within the bf16 tolerance of the
+    aligned (WMMA) run."""
+    fwd, bwd = raw_ops(target)
+    dev = "cuda" if target == "cuda" else "cpu"
+    lengths = [5, 0, 40]
+    cu = _cu(lengths, dev)
+    q, k, v, grad = _inputs(lengths, 4, 2, 64, 6, torch.bfloat16, dev, seed=23)
+    q_off = torch.empty(q.numel() + 1, dtype=q.dtype, device=dev)[1:].view(q.shape).copy_(q)
+    assert q_off.is_contiguous() and q_off.data_ptr() % 16 != 0
+    out, lse = fwd(q, k, v, cu, 0.125, 40)
+    out2, lse2 = fwd(q_off, k, v, cu, 0.125, 40)
+    assert_close(out2, out, torch.bfloat16, "misaligned out")
+    assert_close(lse2, lse, torch.float32, "misaligned lse")
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(24)).to(dev)
+    grads = bwd(grad, dlse, q, k, v, out, lse, cu, 0.125, 40)
+    grads2 = bwd(grad, dlse, q_off, k, v, out, lse, cu, 0.125, 40)
+    for name, a, b_ in zip(("dq", "dk", "dv"), grads2, grads, strict=True):
+        assert_close(a, b_.double(), torch.bfloat16, f"misaligned {name}")
+
+
 @pytest.mark.parametrize(
     ("heads", "head_dim"), [((2, 2), 16), ((8, 2), 64), ((3, 1), 128)], ids=["mha", "gqa", "mqa"]
 )
@@ -161,14 +221,18 @@ def test_custom_scale_and_odd_head_dim(target):
     check(target, [40, 0, 2], 2, 2, 33, 3, torch.float32, seed=5, scale=0.7)
 
 
-def test_nonzero_lse_gradient_on_empty_items(target):
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
+def test_nonzero_lse_gradient_on_empty_items(target, dtype):
     """The backward op with a random grad_lse on *every* row, empty items included: finite
-    results, dq = 0 for the empty item, and the other items as with the masked gradient."""
+    results, dq = 0 for the empty item, and the other items as with the masked gradient (D = 64:
+    CUDA-core kernels for fp32, WMMA for bf16 / fp16)."""
     fwd, bwd = raw_ops(target)
     dev = "cuda" if target == "cuda" else "cpu"
     lengths = [5, 0, 40]
     cu = _cu(lengths, dev)
-    q, k, v, grad = _inputs(lengths, 4, 2, 64, 6, torch.float32, dev, seed=6)
+    q, k, v, grad = _inputs(lengths, 4, 2, 64, 6, dtype, dev, seed=6)
     out, lse = fwd(q, k, v, cu, 0.125, 40)
     dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(7)).to(dev)
     dq, dk, dv = bwd(grad, dlse, q, k, v, out, lse, cu, 0.125, 40)
@@ -182,13 +246,14 @@ def test_nonzero_lse_gradient_on_empty_items(target):
 
 
 @pytest.mark.skipif(EMU_UNAVAILABLE is not None, reason=str(EMU_UNAVAILABLE))
-def test_emulated_random_schedule():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-wmma"])
+def test_emulated_random_schedule(dtype):
     """The kernels give the reference's results whatever order the emulated threads resume in at
     each barrier and warp collective (a seeded random schedule instead of round-robin)."""
     simt_emu.load()
     simt_emu.set_schedule_seed(12345)
     try:
-        check("emulated", [1, 0, 45], 8, 2, 80, 5, torch.float32, seed=8)
+        check("emulated", [1, 0, 45], 8, 2, 80, 5, dtype, seed=8)
     finally:
         simt_emu.set_schedule_seed(0)
 

@@ -33,6 +33,11 @@ LAUNCH = {
     ("varlen_cross_attention.cu", "dq_kernel"): (256, 69_888),
     ("varlen_cross_attention.cu", "dkdv_kernel"): (256, 74_240),
     ("varlen_cross_attention.cu", "delta_kernel"): (256, 0),
+    # The tensor-core (WMMA) kernels of bf16 / fp16 inputs: fwd_wmma_smem / dq_wmma_smem /
+    # dkdv_wmma_smem at D = 128 (independent of G * Lq).
+    ("varlen_cross_attention.cu", "fwd_wmma_kernel"): (128, 112_640),
+    ("varlen_cross_attention.cu", "dq_wmma_kernel"): (128, 109_568),
+    ("varlen_cross_attention.cu", "dkdv_wmma_kernel"): (128, 158_976),
 }
 # Per-SM limits (sm_80: A100, sm_90a: H100/H200).
 SM = {

@@ -22,6 +22,12 @@
 #define LOPD_SIMT_DEVICE_TYPE c10::DeviceType::CPU
 #define LOPD_SIMT_BACKEND "CUDA-emulated"
 
+namespace lopd::simt {
+// The most dynamic shared memory one block may opt in to on the current device; the emulated
+// build has no device and answers an H100's / H200's 227 KB.
+inline size_t max_dynamic_smem_bytes() { return 227 * 1024; }
+}  // namespace lopd::simt
+
 #else
 
 #include <c10/cuda/CUDAException.h>
@@ -29,6 +35,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <mma.h>  // nvcuda::wmma (the emulated build: simt_emulator.h)
 
 #define LOPD_EXTERN_SHARED(T, name) extern __shared__ T name[]
 // Raises the dynamic shared memory limit to what this launch asks for (above 48 KB needs an
@@ -43,6 +50,18 @@
 #define LOPD_DEVICE_GUARD(device) const c10::cuda::CUDAGuard lopd_device_guard_(device)
 #define LOPD_SIMT_DEVICE_TYPE c10::DeviceType::CUDA
 #define LOPD_SIMT_BACKEND "CUDA"
+
+namespace lopd::simt {
+// The most dynamic shared memory one block may opt in to on the current device (e.g. 227 KB on
+// sm_90, 163 KB on sm_80, 99 KB on sm_86 / sm_89).
+inline size_t max_dynamic_smem_bytes() {
+  int device = 0, bytes = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return size_t(bytes);
+}
+}  // namespace lopd::simt
 
 #endif
 

@@ -55,6 +55,85 @@ __global__ void oob_read_kernel(const float* x, int64_t n, float* out) {
   if (threadIdx.x == 0) out[0] = x[n];
 }
 
+// c = alpha * a @ b (+ c_in if accumulate) for a [M, K] row-major and b given as bt = b^T [N, K]
+// row-major (a col_major B fragment), M, N, K multiples of 16: one warp per 16x16 tile of c,
+// WMMA m16n16k16 with fp32 accumulators; alpha applied element-wise through num_elements / x[].
+template <typename T>
+__global__ void wmma_gemm_kernel(const T* a, const T* bt, float* c, int M, int N, int K,
+                                 float alpha, bool accumulate) {
+  using namespace nvcuda;
+  const int warp = threadIdx.x / 32;
+  const int tiles_n = N / 16;
+  for (int t = warp; t < (M / 16) * tiles_n; t += blockDim.x / 32) {
+    const int i0 = (t / tiles_n) * 16, j0 = (t % tiles_n) * 16;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    if (accumulate) {
+      wmma::load_matrix_sync(acc, c + i0 * N + j0, N, wmma::mem_row_major);
+    } else {
+      wmma::fill_fragment(acc, 0.0f);
+    }
+    for (int k0 = 0; k0 < K; k0 += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+      wmma::load_matrix_sync(fa, a + i0 * K + k0, K);
+      wmma::load_matrix_sync(fb, bt + j0 * K + k0, K);
+      wmma::mma_sync(acc, fa, fb, acc);
+    }
+    for (int e = 0; e < acc.num_elements; ++e) acc.x[e] *= alpha;
+    wmma::store_matrix_sync(c + i0 * N + j0, acc, N, wmma::mem_row_major);
+  }
+}
+
+// Only the lower half of each warp reaches mma_sync: a divergent warp collective.
+__global__ void wmma_partial_warp_kernel(const __half* a, float* c) {
+  using namespace nvcuda;
+  if (threadIdx.x % 32 >= 16) return;
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fa;
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> fb;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::fill_fragment(acc, 0.0f);
+  wmma::fill_fragment(fa, 1.0f);
+  wmma::fill_fragment(fb, 1.0f);
+  wmma::mma_sync(acc, fa, fb, acc);
+  wmma::store_matrix_sync(c, acc, 16, wmma::mem_row_major);
+}
+
+// a [M, K], b [K, N] (fp16 or bf16), c_in [M, N] fp32 (used when accumulate): returns
+// alpha * (a @ b + c_in) computed by wmma_gemm_kernel.
+at::Tensor wmma_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c_in,
+                     double alpha, bool accumulate, int64_t warps) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "a [M, K], b [K, N]");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "a and b: one dtype");
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  TORCH_CHECK(M % 16 == 0 && N % 16 == 0 && K % 16 == 0, "M, N, K: multiples of 16");
+  at::Tensor a_c = a.contiguous();
+  at::Tensor bt = b.t().contiguous();
+  at::Tensor c = accumulate ? c_in.to(at::kFloat).contiguous().clone()
+                            : at::empty({M, N}, a.options().dtype(at::kFloat));
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    LOPD_LAUNCH(wmma_gemm_kernel<T>, 1u, unsigned(32 * warps), 0,
+                reinterpret_cast<const T*>(a_c.data_ptr()),
+                reinterpret_cast<const T*>(bt.data_ptr()), c.data_ptr<float>(), int(M), int(N),
+                int(K), float(alpha), accumulate);
+  };
+  if (a.scalar_type() == at::kHalf) {
+    run(__half{});
+  } else {
+    TORCH_CHECK(a.scalar_type() == at::kBFloat16, "a, b: float16 or bfloat16");
+    run(__nv_bfloat16{});
+  }
+  return c;
+}
+
+at::Tensor wmma_partial_warp() {
+  at::Tensor a = at::zeros({16, 16}, at::kHalf);
+  at::Tensor c = at::zeros({16, 16});
+  LOPD_LAUNCH(wmma_partial_warp_kernel, 1u, 32u, 0,
+              reinterpret_cast<const __half*>(a.data_ptr()), c.data_ptr<float>());
+  return c;
+}
+
 at::Tensor block_sum(const at::Tensor& x, int64_t threads) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: [B, n] f32");
   at::Tensor out = at::empty({x.size(0)}, x.options());
@@ -89,14 +168,20 @@ TORCH_LIBRARY_FRAGMENT(lopd_simt_emu, m) {
   m.def("selftest_divergent_barrier(int threads) -> Tensor");
   m.def("selftest_early_exit(int threads) -> Tensor");
   m.def("selftest_oob_read(Tensor x) -> Tensor");
+  m.def(
+      "selftest_wmma_gemm(Tensor a, Tensor b, Tensor c, float alpha, bool accumulate, int warps) "
+      "-> Tensor");
+  m.def("selftest_wmma_partial_warp() -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lopd_simt_emu, CPU, m) {
   m.impl("selftest_block_sum", &block_sum);
   m.impl("selftest_oob_read", &oob_read);
+  m.impl("selftest_wmma_gemm", &wmma_gemm);
 }
 
 TORCH_LIBRARY_IMPL(lopd_simt_emu, CatchAll, m) {
   m.impl("selftest_divergent_barrier", &divergent_barrier);
   m.impl("selftest_early_exit", &early_exit);
+  m.impl("selftest_wmma_partial_warp", &wmma_partial_warp);
 }
