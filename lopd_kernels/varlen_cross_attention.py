@@ -56,9 +56,10 @@ Backends:
   emulator (``tests/test_varlen_cross_attention_cuda.py``, which emulates WMMA too); neither path
   has ever run on a GPU, so neither speed is measured.
 * ``"auto"``: Triton for CUDA tensors when Triton is importable, else the ``"cpu"`` op. Not the
-  CUDA kernel: at the QFormer shape the op does ~``G * Lq`` flops per byte of ``k``/``v``, so it
-  is bound by arithmetic, where Triton's tensor-core ``tl.dot`` outruns fp32 FMA by an order of
-  magnitude on paper.
+  CUDA kernels: nothing has measured them on a GPU yet. At the QFormer shape the op does
+  ~``G * Lq`` flops per byte of ``k``/``v``, near the tensor cores' ridge point, so it is decided
+  by tensor-core efficiency: Triton's Hopper ``tl.dot`` against WMMA (``mma.sync``) tiles whose
+  accumulators pass through shared memory. ``benchmarks/gpu_qformer.py`` measures both.
 
 The Triton kernels read each key/value tile once per kv head (the GQA group's query rows share
 it); ``benchmarks/gpu_qformer.py`` times them against the CUDA kernel and flash-attn's
