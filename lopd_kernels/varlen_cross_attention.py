@@ -55,11 +55,13 @@ Backends:
   kernels. Available when ``lopd_kernels._C`` was built with CUDA. Tested on CPU under the SIMT
   emulator (``tests/test_varlen_cross_attention_cuda.py``, which emulates WMMA too); neither path
   has ever run on a GPU, so neither speed is measured.
-* ``"auto"``: Triton for CUDA tensors when Triton is importable, else the ``"cpu"`` op. Not the
-  CUDA kernels: nothing has measured them on a GPU yet. At the QFormer shape the op does
-  ~``G * Lq`` flops per byte of ``k``/``v``, near the tensor cores' ridge point, so it is decided
-  by tensor-core efficiency: Triton's Hopper ``tl.dot`` against WMMA (``mma.sync``) tiles whose
-  accumulators pass through shared memory. ``benchmarks/gpu_qformer.py`` measures both.
+* ``"auto"``: Triton for CUDA tensors when Triton is importable; without Triton the CUDA kernels
+  (if built, else the ``"cpu"`` op's GEMM path); the ``"cpu"`` op for CPU tensors. Not the CUDA
+  kernels while Triton is there: nothing has measured them on a GPU yet. At the QFormer shape
+  the op does ~``G * Lq`` flops per byte of ``k``/``v``, near the tensor cores' ridge point, so
+  it is decided by tensor-core efficiency: Triton's Hopper ``tl.dot`` against WMMA
+  (``mma.sync``) tiles whose accumulators pass through shared memory.
+  ``benchmarks/gpu_qformer.py`` measures both.
 
 The Triton kernels read each key/value tile once per kv head (the GQA group's query rows share
 it); ``benchmarks/gpu_qformer.py`` times them against the CUDA kernel and flash-attn's
@@ -447,7 +449,13 @@ if _HAS_CPP:
 def _resolve_backend(backend: str, device: torch.device) -> str:
     check_backend(backend)
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "cpu"
+        if device.type != "cuda":
+            return "cpu"
+        if triton_available():
+            return "triton"
+        # No Triton at run time (a deployment without a JIT): the compiled CUDA kernels when
+        # built, else the unfused GEMM path of the "cpu" op (which also takes CUDA tensors).
+        return "cuda" if _HAS_CUDA_KERNEL else "cpu"
     if backend == "cuda":
         if device.type != "cuda":
             raise ValueError(f"backend='cuda' needs CUDA tensors, got tensors on {device}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -179,6 +181,20 @@ def test_auto_backend_and_dtype_support():
         varlen_cross_attention(q.double(), k.double(), v.double(), cu, backend="cpu")
     with pytest.raises(ValueError, match="return_lse"):
         varlen_cross_attention(q, k, v, cu, backend="torch", return_lse=True)
+
+
+@pytest.mark.parametrize(
+    ("triton", "cuda_kernel", "expected"),
+    [(True, True, "triton"), (True, False, "triton"), (False, True, "cuda"), (False, False, "cpu")],
+)
+def test_auto_backend_on_cuda_tensors(monkeypatch, triton, cuda_kernel, expected):
+    """On a GPU "auto" is Triton; a deployment without Triton gets the compiled CUDA kernels."""
+    # The module (lopd_kernels exports a function of the same name).
+    xattn = importlib.import_module("lopd_kernels.varlen_cross_attention")
+    monkeypatch.setattr(xattn, "triton_available", lambda: triton)
+    monkeypatch.setattr(xattn, "_HAS_CUDA_KERNEL", cuda_kernel)
+    assert xattn._resolve_backend("auto", torch.device("cuda")) == expected
+    assert xattn._resolve_backend("auto", torch.device("cpu")) == "cpu"
 
 
 @pytest.mark.parametrize(
