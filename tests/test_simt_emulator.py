@@ -87,6 +87,17 @@ def test_wmma_reached_by_part_of_a_warp_is_reported(emulator):
         emulator.selftest_wmma_partial_warp()
 
 
+def test_wmma_layout_requirements_are_enforced(emulator):
+    """The GPU needs 256-bit aligned WMMA pointers and 16-byte multiples as leading dimension;
+    the emulator refuses the rest instead of quietly working."""
+    assert emulator.selftest_wmma_layout(16, 16).item() == 1.0
+    assert emulator.selftest_wmma_layout(0, 24).item() == 1.0  # 48 bytes: allowed
+    with pytest.raises(RuntimeError, match="not 256-bit"):
+        emulator.selftest_wmma_layout(8, 16)  # 16 bytes off
+    with pytest.raises(RuntimeError, match="not a multiple of 16 bytes"):
+        emulator.selftest_wmma_layout(0, 20)  # 40 bytes
+
+
 def _gcc_lib(name: str) -> str | None:
     path = subprocess.run(
         ["g++", f"-print-file-name={name}"], capture_output=True, text=True

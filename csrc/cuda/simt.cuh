@@ -37,7 +37,8 @@ inline size_t max_dynamic_smem_bytes() { return 227 * 1024; }
 #include <cuda_fp16.h>
 #include <mma.h>  // nvcuda::wmma (the emulated build: simt_emulator.h)
 
-#define LOPD_EXTERN_SHARED(T, name) extern __shared__ T name[]
+// 128-byte aligned: WMMA tiles need 32-byte aligned pointers, and the emulator allocates the same.
+#define LOPD_EXTERN_SHARED(T, name) extern __shared__ __align__(128) T name[]
 // Raises the dynamic shared memory limit to what this launch asks for (above 48 KB needs an
 // explicit opt-in), launches on the current stream and checks the launch.
 #define LOPD_LAUNCH(kernel, grid, block, smem_bytes, ...)                                     \

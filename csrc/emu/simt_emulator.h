@@ -31,8 +31,10 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <source_location>
@@ -88,7 +90,8 @@ struct BlockState {
   Barrier block_barrier;
   std::vector<Barrier> warp_barriers;
   std::vector<uint64_t> exchange;  // one 64-bit slot per thread for warp shuffles
-  std::vector<unsigned char> dynamic_smem;
+  // Dynamic shared memory, 128-byte aligned like the kernels' LOPD_EXTERN_SHARED declaration.
+  std::unique_ptr<unsigned char, void (*)(void*)> dynamic_smem{nullptr, &std::free};
   ucontext_t scheduler{};
   Fiber* current = nullptr;
   std::function<void()> body;
@@ -351,7 +354,11 @@ void launch(Kernel kernel, Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, Arg
   b.block_dim = block;
   b.grid_dim = grid;
   b.fibers.resize(n_threads);
-  b.dynamic_smem.assign(dynamic_smem_bytes, 0xff);
+  if (dynamic_smem_bytes > 0) {
+    const size_t bytes = (dynamic_smem_bytes + 127) / 128 * 128;
+    b.dynamic_smem.reset(static_cast<unsigned char*>(std::aligned_alloc(128, bytes)));
+    std::memset(b.dynamic_smem.get(), 0xff, dynamic_smem_bytes);
+  }
   b.body = [&]() { kernel(args...); };
   b.seed = g_schedule_seed;
   b.rng.seed(g_schedule_seed);
@@ -375,7 +382,7 @@ void launch(Kernel kernel, Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, Arg
 
 template <typename T>
 T* dynamic_shared() {
-  return reinterpret_cast<T*>(g_block->dynamic_smem.data());
+  return reinterpret_cast<T*>(g_block->dynamic_smem.get());
 }
 
 // ---- CUDA vector types and intrinsics used by the kernels -------------------------------------
@@ -455,9 +462,27 @@ inline void fill_fragment(fragment<Use, M, N, K, T, Layout>& f, const V& value) 
 }
 
 namespace detail {
+// The hardware's requirements on every WMMA load / store (CUDA C++ Programming Guide, "Warp
+// Matrix Functions"): a 256-bit aligned pointer and a leading dimension that is a multiple of
+// 16 bytes. Violations are undefined behaviour on a GPU (misaligned-address faults or wrong
+// data), so the emulator reports them instead of quietly working.
+template <typename E>
+void check_layout(const E* ptr, unsigned ldm, const ::lopd::simt_emu::SyncSite& site) {
+  if (reinterpret_cast<uintptr_t>(ptr) % 32 != 0) {
+    ::lopd::simt_emu::fail(::lopd::simt_emu::where(site) + ": WMMA pointer " +
+                           std::to_string(reinterpret_cast<uintptr_t>(ptr)) +
+                           " is not 256-bit (32-byte) aligned");
+  }
+  if ((size_t(ldm) * sizeof(E)) % 16 != 0) {
+    ::lopd::simt_emu::fail(::lopd::simt_emu::where(site) + ": WMMA leading dimension " +
+                           std::to_string(ldm) + " is not a multiple of 16 bytes");
+  }
+}
+
 template <typename F, typename E>
 void load(F& f, const E* ptr, unsigned ldm, bool col_major,
           const ::lopd::simt_emu::SyncSite& site) {
+  check_layout(ptr, ldm, site);
   ::lopd::simt_emu::warp_collective(site);
   for (int i = 0; i < F::rows; ++i) {
     for (int j = 0; j < F::cols; ++j) {
@@ -487,6 +512,7 @@ inline void store_matrix_sync_impl(float* ptr, const fragment<accumulator, M, N,
                                    unsigned ldm, layout_t layout,
                                    const ::lopd::simt_emu::SyncSite& site) {
   using F = fragment<accumulator, M, N, K, float>;
+  detail::check_layout(ptr, ldm, site);
   ::lopd::simt_emu::warp_collective(site);
   for (int i = 0; i < F::rows; ++i) {
     for (int j = 0; j < F::cols; ++j) {
@@ -519,9 +545,6 @@ inline void mma_sync_impl(fragment<accumulator, M, N, K, float>& d,
 }
 
 }  // namespace nvcuda::wmma
-
-namespace lopd::simt_emu {
-}  // namespace lopd::simt_emu
 
 // CUDA's dim3 (grid / block sizes built by the host launchers).
 using dim3 = ::lopd::simt_emu::Dim3;

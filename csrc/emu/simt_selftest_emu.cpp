@@ -126,6 +126,23 @@ at::Tensor wmma_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
   return c;
 }
 
+// One matrix_a load from buf + offset with leading dimension ldm (elements): the emulator must
+// refuse what the hardware does not allow (pointer not 32-byte aligned, ldm not 16 bytes).
+__global__ void wmma_layout_kernel(const __half* buf, int offset, int ldm, float* out) {
+  using namespace nvcuda;
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fa;
+  wmma::load_matrix_sync(fa, buf + offset, unsigned(ldm));
+  if (threadIdx.x == 0) out[0] = static_cast<float>(fa.x[0]);
+}
+
+at::Tensor wmma_layout(int64_t offset, int64_t ldm) {
+  at::Tensor buf = at::ones({16 * 64 + 64}, at::kHalf);  // 64-byte aligned (torch's CPU allocator)
+  at::Tensor out = at::zeros({1});
+  LOPD_LAUNCH(wmma_layout_kernel, 1u, 32u, 0, reinterpret_cast<const __half*>(buf.data_ptr()),
+              int(offset), int(ldm), out.data_ptr<float>());
+  return out;
+}
+
 at::Tensor wmma_partial_warp() {
   at::Tensor a = at::zeros({16, 16}, at::kHalf);
   at::Tensor c = at::zeros({16, 16});
@@ -172,6 +189,7 @@ TORCH_LIBRARY_FRAGMENT(lopd_simt_emu, m) {
       "selftest_wmma_gemm(Tensor a, Tensor b, Tensor c, float alpha, bool accumulate, int warps) "
       "-> Tensor");
   m.def("selftest_wmma_partial_warp() -> Tensor");
+  m.def("selftest_wmma_layout(int offset, int ldm) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lopd_simt_emu, CPU, m) {
@@ -184,4 +202,5 @@ TORCH_LIBRARY_IMPL(lopd_simt_emu, CatchAll, m) {
   m.impl("selftest_divergent_barrier", &divergent_barrier);
   m.impl("selftest_early_exit", &early_exit);
   m.impl("selftest_wmma_partial_warp", &wmma_partial_warp);
+  m.impl("selftest_wmma_layout", &wmma_layout);
 }
