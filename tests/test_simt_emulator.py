@@ -87,6 +87,14 @@ def test_wmma_reached_by_part_of_a_warp_is_reported(emulator):
         emulator.selftest_wmma_partial_warp()
 
 
+def test_launch_limits_are_those_of_the_gpu(emulator):
+    assert emulator.selftest_launch_limits(3, 2, 227 * 1024).item() == 1.0
+    with pytest.raises(RuntimeError, match="dynamic shared memory"):
+        emulator.selftest_launch_limits(1, 1, 227 * 1024 + 1)
+    with pytest.raises(RuntimeError, match="outside CUDA's limits"):
+        emulator.selftest_launch_limits(1, 65536, 0)
+
+
 def test_wmma_layout_requirements_are_enforced(emulator):
     """The GPU needs 256-bit aligned WMMA pointers and 16-byte multiples as leading dimension;
     the emulator refuses the rest instead of quietly working."""

@@ -25,7 +25,7 @@
 namespace lopd::simt {
 // The most dynamic shared memory one block may opt in to on the current device; the emulated
 // build has no device and answers an H100's / H200's 227 KB.
-inline size_t max_dynamic_smem_bytes() { return 227 * 1024; }
+inline size_t max_dynamic_smem_bytes() { return ::lopd::simt_emu::kMaxDynamicSmemBytes; }
 }  // namespace lopd::simt
 
 #else

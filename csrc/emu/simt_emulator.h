@@ -54,6 +54,8 @@ struct Dim3 {
 };
 
 constexpr unsigned kWarpSize = 32;
+// Dynamic shared memory per block on sm_90 (H100/H200) after cudaFuncSetAttribute opt-in.
+constexpr size_t kMaxDynamicSmemBytes = 227 * 1024;
 // Per-thread stack: the kernels keep a few arrays of 8 floats and call small functions.
 constexpr size_t kFiberStackBytes = 64 * 1024;
 
@@ -347,6 +349,19 @@ void launch(Kernel kernel, Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, Arg
   if (n_threads == 0 || n_threads > 1024) {
     throw std::runtime_error("SIMT emulator: block size must be in [1, 1024], got " +
                              std::to_string(n_threads));
+  }
+  // The launch limits of the GPUs these kernels target (sm_80 / sm_90): a launch past them
+  // fails there with "invalid argument", so it fails here too.
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 2147483647u || grid.y > 65535u ||
+      grid.z > 65535u) {
+    throw std::runtime_error("SIMT emulator: grid (" + std::to_string(grid.x) + ", " +
+                             std::to_string(grid.y) + ", " + std::to_string(grid.z) +
+                             ") is outside CUDA's limits (x < 2^31, y and z <= 65535, none 0)");
+  }
+  if (dynamic_smem_bytes > kMaxDynamicSmemBytes) {
+    throw std::runtime_error("SIMT emulator: " + std::to_string(dynamic_smem_bytes) +
+                             " bytes of dynamic shared memory per block; an sm_90 GPU allows " +
+                             std::to_string(kMaxDynamicSmemBytes));
   }
   std::lock_guard<std::mutex> lock(g_launch_mutex);
   BlockState b;

@@ -143,6 +143,18 @@ at::Tensor wmma_layout(int64_t offset, int64_t ldm) {
   return out;
 }
 
+// A trivial launch with the given grid and dynamic shared memory (launch-limit checks).
+__global__ void noop_kernel(float* out) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) out[0] = 1.0f;
+}
+
+at::Tensor launch_limits(int64_t grid_x, int64_t grid_y, int64_t smem_bytes) {
+  at::Tensor out = at::zeros({1});
+  LOPD_LAUNCH(noop_kernel, dim3(unsigned(grid_x), unsigned(grid_y)), 32u, size_t(smem_bytes),
+              out.data_ptr<float>());
+  return out;
+}
+
 at::Tensor wmma_partial_warp() {
   at::Tensor a = at::zeros({16, 16}, at::kHalf);
   at::Tensor c = at::zeros({16, 16});
@@ -190,6 +202,7 @@ TORCH_LIBRARY_FRAGMENT(lopd_simt_emu, m) {
       "-> Tensor");
   m.def("selftest_wmma_partial_warp() -> Tensor");
   m.def("selftest_wmma_layout(int offset, int ldm) -> Tensor");
+  m.def("selftest_launch_limits(int grid_x, int grid_y, int smem_bytes) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lopd_simt_emu, CPU, m) {
@@ -203,4 +216,5 @@ TORCH_LIBRARY_IMPL(lopd_simt_emu, CatchAll, m) {
   m.impl("selftest_early_exit", &early_exit);
   m.impl("selftest_wmma_partial_warp", &wmma_partial_warp);
   m.impl("selftest_wmma_layout", &wmma_layout);
+  m.impl("selftest_launch_limits", &launch_limits);
 }
