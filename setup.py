@@ -37,7 +37,10 @@ class CMakeBuild(build_ext):
         build_temp = Path(self.build_temp).resolve() / "cmake"
         build_temp.mkdir(parents=True, exist_ok=True)
         want_cuda = os.environ.get("LOPD_CUDA")
-        has_nvcc = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
+        nvcc = shutil.which("nvcc") or (
+            "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None
+        )
+        has_nvcc = nvcc is not None
         with_cuda = (
             want_cuda == "1"
             if want_cuda is not None
@@ -55,6 +58,9 @@ class CMakeBuild(build_ext):
             f"-DLOPD_WITH_CUDA={'ON' if with_cuda else 'OFF'}",
             f"-DLOPD_CUDA_ARCHS={os.environ.get('LOPD_CUDA_ARCHS', '80;90a')}",
         ]
+        if with_cuda and nvcc and not os.environ.get("CUDACXX"):
+            # CMake looks for nvcc on PATH only; name the one found (e.g. /usr/local/cuda/bin).
+            args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
         if shutil.which("ninja"):
             args.append("-GNinja")
         subprocess.run(["cmake", *args], check=True)
