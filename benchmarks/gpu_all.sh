@@ -48,6 +48,14 @@ if [ "$has_cuda" != "1" ]; then
   log "no CUDA device: GPU tests and benchmarks skipped (build and import checked)"
   exit 0
 fi
+# A build without the CUDA kernels would make every CUDA test skip and look green.
+if ! $PY -c 'import lopd_kernels._backend as b, sys; sys.exit(not (
+    b.has_cuda_kernel("topk_tail_kl_fwd") and b.has_cuda_kernel("varlen_cross_attention_cuda_fwd")))'
+then
+  grep -iE "cuda|nvcc" "$OUT/build.log" | tail -20
+  log "the extension was built WITHOUT the CUDA kernels (see $OUT/build.log); Triton parts only"
+  status=1
+fi
 
 log "GPU tests (real CUDA and Triton kernels; the SIMT-emulated runs are CI's)"
 # shellcheck disable=SC2086
