@@ -55,6 +55,7 @@ from lopd.trainer import (
     Trainer,
     _lm_head,
     _mix_seed,
+    distill_metric_sums,
     distill_rows,
     register_method,
     student_action_hidden,
@@ -423,24 +424,13 @@ def _distill_loss(
     """Token-mean KL per trajectory (kernel of :func:`~lopd.trainer.distill_rows`), weighted,
     summed and divided by ``num_total``; metric sums as the trainer expects."""
     h_s = student_action_hidden(trainer.student, trajectories, where, trainer.pad_id)
-    out, mass = distill_rows(h_s, _lm_head(trainer.student), h_t, head_t, where.targets, cfg)
+    out = distill_rows(h_s, _lm_head(trainer.student), h_t, head_t, where.targets, cfg)
     b = len(trajectories)
     kl = segment_mean(out.kl, where.batch, b)
     if weights is not None:
         kl = kl * weights
-    with torch.no_grad():
-        sums = {
-            "kl": float(kl.sum()),
-            "teacher_top_m_mass": float(segment_mean(mass, where.batch, b).sum()),
-            "privilege": float(segment_mean(out.privilege.detach(), where.batch, b).sum()),
-            "student_logprob": float(
-                segment_mean(out.student_logprob.detach(), where.batch, b).sum()
-            ),
-            "teacher_logprob": float(
-                segment_mean(out.teacher_logprob.detach(), where.batch, b).sum()
-            ),
-            "action_tokens": float(where.rows.numel()),
-        }
+    sums = {"kl": float(kl.detach().sum())}
+    sums.update(distill_metric_sums(out, where, b))
     return kl.sum() / num_total, sums
 
 

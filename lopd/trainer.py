@@ -250,7 +250,7 @@ class LOPDMethod(Method):
         )
         h_s = student_action_hidden(trainer.student, trajectories, where, trainer.pad_id)
         head_s, head_t = _lm_head(trainer.student), _lm_head(trainer.composer.backbone)
-        out, mass = distill_rows(h_s, head_s, h_t, head_t, where.targets, cfg)
+        out = distill_rows(h_s, head_s, h_t, head_t, where.targets, cfg)
         rewards = torch.tensor([t.reward for t in trajectories], device=device)
         terms = lopd_loss(
             out.kl,
@@ -266,20 +266,11 @@ class LOPDMethod(Method):
         )
         with torch.no_grad():
             b = len(trajectories)
-            sums = {
-                "kl": float(terms.distill.sum()),
-                "delta": float(terms.delta.sum()),
-                "anchor": float(terms.anchor.sum()),
-                "teacher_top_m_mass": float(segment_mean(mass, where.batch, b).sum()),
-                "privilege": float(segment_mean(out.privilege.detach(), where.batch, b).sum()),
-                "student_logprob": float(
-                    segment_mean(out.student_logprob.detach(), where.batch, b).sum()
-                ),
-                "teacher_logprob": float(
-                    segment_mean(out.teacher_logprob.detach(), where.batch, b).sum()
-                ),
-                "action_tokens": float(where.rows.numel()),
-            }
+            kl, delta, anchor = torch.stack(
+                [terms.distill.sum(), terms.delta.sum(), terms.anchor.sum()]
+            ).tolist()
+            sums = {"kl": kl, "delta": delta, "anchor": anchor}
+            sums.update(distill_metric_sums(out, where, b))
         return terms.loss, sums
 
     def latents(self, trainer: Trainer, tasks: Sequence[Task]) -> torch.Tensor:
@@ -300,8 +291,8 @@ def distill_rows(
     head_t: nn.Module,
     targets: torch.Tensor,
     cfg: Any,
-) -> tuple[Any, torch.Tensor]:
-    """Top-M + tail KL of the action rows and the teacher's top-M probability mass.
+) -> Any:
+    """Top-M + tail KL of the action rows (fused with the LM heads when ``cfg.fused_linear``).
 
     Args:
         h_s, h_t: ``[N, d]`` final hidden states of student / teacher at the action rows.
@@ -310,8 +301,8 @@ def distill_rows(
         cfg: :class:`~lopd.config.LOPDConfig` (top_m, temperature, divergence, fused_linear).
 
     Returns:
-        ``(out, mass)``: the kernel's output (``kl, privilege, student_logprob, teacher_logprob,
-        topk_ids``) and ``[N]`` teacher mass on its top-M (no gradient).
+        The kernel's :class:`~lopd_kernels.topk_tail_kl.TopKTailKLOutput` (``kl, privilege,
+        student_logprob, teacher_logprob, topk_ids, teacher_topk_mass``).
     """
     # Imported from their op modules (the public ``lopd_kernels.<op>`` functions).
     from lopd_kernels.fused_linear_topk_tail_kl import fused_linear_topk_tail_kl
@@ -336,9 +327,29 @@ def distill_rows(
         out = topk_tail_kl(
             s, t, targets, top_m=cfg.top_m, temperature=tau, divergence=cfg.divergence
         )
-    # The kernels return the teacher's top-M mass from their bucket log-masses: no second pass
-    # over the teacher logits (for the fused path, no second LM-head GEMM) just for logging.
-    return out, out.teacher_topk_mass
+    return out
+
+
+def distill_metric_sums(out: Any, where: ActionRows, num_traj: int) -> dict[str, float]:
+    """Per-trajectory token means of the distillation outputs, summed over the ``num_traj``
+    trajectories (the trainer averages these sums globally), and the action-token count.
+
+    All of them leave the device in one transfer. ``teacher_top_m_mass`` comes from the kernel's
+    own bucket masses (``out.teacher_topk_mass``): no second pass over the teacher logits.
+    """
+    names = ("privilege", "student_logprob", "teacher_logprob", "teacher_topk_mass")
+    with torch.no_grad():
+        means = torch.stack(
+            [segment_mean(getattr(out, n).detach().float(), where.batch, num_traj) for n in names]
+        )
+        privilege, student_lp, teacher_lp, mass = means.sum(1).tolist()
+    return {
+        "teacher_top_m_mass": mass,
+        "privilege": privilege,
+        "student_logprob": student_lp,
+        "teacher_logprob": teacher_lp,
+        "action_tokens": float(where.rows.numel()),
+    }
 
 
 # ------------------------------------------------------------------------------ serialization
