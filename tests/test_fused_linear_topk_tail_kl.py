@@ -22,6 +22,7 @@ from lopd_kernels.fused_linear_topk_tail_kl import (
     fused_linear_topk_tail_kl_reference,
     lm_head_topk_tail_kl,
 )
+from tests.triton_compile import assert_script_compiles
 from tests.utils import assert_close, triton_interpret
 
 NAMES = ("student_hidden", "student_weight", "teacher_hidden", "teacher_weight")
@@ -538,9 +539,9 @@ def test_torch_twins_match_reference(top_m, divergence):
 # Runs in a subprocess: with TRITON_INTERPRET=1 (set for this process by conftest.py) triton.jit
 # yields interpreter functions, which cannot be compiled.
 _COMPILE_SCRIPT = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import functools
+
+from tests.triton_compile import compile_kernel
 import lopd_kernels.triton.fused_linear_topk_tail_kl as k
 
 INTS = ("N", "V", "DS", "DT", "split_len")
@@ -556,17 +557,12 @@ def arg_type(name):
         return "i32"
     return "fp32" if name == "inv_temp" else "*fp32"
 
-def compile_for(fn, **constexprs):
-    sig = {n: "constexpr" if n in constexprs else arg_type(n) for n in fn.arg_names}
-    # 16-divisible pointers and strides, as Triton specializes aligned tensors at run time.
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, n in enumerate(fn.arg_names)
-        if n not in constexprs and (arg_type(n).startswith("*") or n.startswith("stride"))
-    }
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
-    assert out.asm["cubin"], fn.__name__
+compile_for = functools.partial(
+    compile_kernel,
+    arch=90,
+    arg_type=arg_type,
+    aligned=lambda n: arg_type(n).startswith("*") or n.startswith("stride"),
+)
 
 tiles = dict(BLOCK_N=64, BLOCK_V=128, BLOCK_D=128, PRECISION="tf32", UPCAST=False)
 compile_for(k._fwd_kernel, M=20, M_PAD=32, FULL=False, REVERSE=True, HAS_BS=True, HAS_BT=False,
@@ -584,18 +580,4 @@ def test_triton_kernels_compile_for_sm90():
     The interpreter accepts code the compiler rejects (non-constexpr globals, type changes across
     loop iterations): this is the check that the GPU path builds.
     """
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia", reason="needs Triton's NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-4000:]
+    assert_script_compiles(_COMPILE_SCRIPT)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.triton_compile import assert_script_compiles
 from tests.utils import assert_close, requires_cuda, triton_interpret
 
 triton = pytest.importorskip("triton", reason="the triton backend needs the triton package")
@@ -428,10 +429,7 @@ def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch):
 # Runs in a subprocess: with TRITON_INTERPRET=1 (set for this process by conftest.py) triton.jit
 # yields interpreter functions, which cannot be compiled.
 _COMPILE_SCRIPT = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from tests.triton_compile import compile_kernel
 import lopd_kernels.triton.topk_tail_kl as k
 
 def arg_type(name):
@@ -444,16 +442,10 @@ def arg_type(name):
     return {"V": "i32", "scale2": "fp32", "inv_t": "fp32"}.get(name, "i64")
 
 def compile_for(fn, arch, **constexprs):
-    sig = {n: "constexpr" if n in constexprs else arg_type(n) for n in fn.arg_names}
-    # 16-divisible pointers, strides and V, as Triton specializes aligned tensors at run time.
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, n in enumerate(fn.arg_names)
-        if n not in constexprs and (n.endswith("_ptr") or n == "V" or n.startswith("stride"))
-    }
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    out = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
-    assert out.asm["cubin"], (fn.__name__, arch)
+    compile_kernel(
+        fn, arch, arg_type, lambda n: n.endswith("_ptr") or n == "V" or n.startswith("stride"),
+        **constexprs,
+    )
 
 for arch in (80, 90):
     compile_for(k._fwd_topm_kernel, arch, M=20, MP=32, BLOCK_V=2048, REVERSE=True, BULK=False,
@@ -475,21 +467,7 @@ def test_kernels_compile_for_sm80_sm90():
     The interpreter accepts code the compiler rejects (non-constexpr globals, unsupported ops on
     int64, type mismatches across loop iterations): this is the check that the GPU path builds.
     """
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia", reason="needs Triton's NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-4000:]
+    assert_script_compiles(_COMPILE_SCRIPT)
 
 
 # ------------------------------------------------------------------------------------------

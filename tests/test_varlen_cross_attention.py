@@ -12,6 +12,7 @@ from lopd_kernels.varlen_cross_attention import (
     varlen_cross_attention,
     varlen_cross_attention_reference,
 )
+from tests.triton_compile import assert_script_compiles
 from tests.utils import assert_close
 
 # The four lengths of the spec plus an empty item in the middle of the pack.
@@ -229,9 +230,7 @@ def test_validation_names_the_argument(mutate, error, match):
 # Runs in a subprocess: under TRITON_INTERPRET=1 (conftest.py) triton.jit yields interpreter
 # functions, which cannot be compiled.
 _COMPILE_SCRIPT = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from tests.triton_compile import compile_kernel
 import lopd_kernels.triton.varlen_cross_attention as k
 
 def arg_type(name):
@@ -244,16 +243,10 @@ def arg_type(name):
     return "fp32" if name in ("sm_scale", "qk_scale_log2") else "i32"
 
 def compile_for(fn, arch, **constexprs):
-    sig = {n: "constexpr" if n in constexprs else arg_type(n) for n in fn.arg_names}
-    # 16-divisible pointers and strides, as Triton specializes aligned tensors at run time.
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, n in enumerate(fn.arg_names)
-        if n not in constexprs and (n.isupper() or n.startswith("stride"))
-    }
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    out = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
-    assert out.asm["cubin"], (fn.__name__, arch)
+    compile_kernel(
+        fn, arch, arg_type, lambda n: n.isupper() or n.startswith("stride"), num_warps=4,
+        **constexprs,
+    )
 
 for arch in (80, 90):
     c = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, PRECISION="tf32", UPCAST=False)
@@ -270,18 +263,4 @@ def test_triton_kernels_compile_for_sm80_sm90():
     The interpreter accepts code the compiler rejects (early returns, int64 loop bounds, dtype
     changes across loop iterations): this checks that the GPU path builds.
     """
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia", reason="needs Triton's NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-4000:]
+    assert_script_compiles(_COMPILE_SCRIPT)
