@@ -145,35 +145,68 @@ __device__ __forceinline__ void load_rows(const T* __restrict__ src, float* dst,
   }
 }
 
-// Phase 1 of the backward kernels, for one key (kj, vj: its k and v rows in shared memory) and
-// kRowsPerWarp query rows (row m at qs + m * row_step, dos + m * row_step):
-// sc[m] = <q_m, k_j>, dp[m] = <do_m, v_j>. Even and odd dims go to separate accumulators: shorter
-// dependency chains (ILP) and a smaller rounding error than one running sum over D.
-__device__ __forceinline__ void dot_rows(const float* qs, const float* dos, int row_step,
-                                         const float* kj, const float* vj,
-                                         float (&sc)[kRowsPerWarp], float (&dp)[kRowsPerWarp],
-                                         int D) {
-  float s_even[kRowsPerWarp] = {}, s_odd[kRowsPerWarp] = {};
-  float p_even[kRowsPerWarp] = {}, p_odd[kRowsPerWarp] = {};
+// out[m] = <xs + m * row_step, y> over D for the kRowsPerWarp rows m (phase 1: one key y, the
+// warp's query rows). Even and odd dims go to separate accumulators: shorter dependency chains
+// (ILP) and a smaller rounding error than one running sum over D.
+__device__ __forceinline__ void row_dots(const float* xs, int row_step, const float* y,
+                                         float (&out)[kRowsPerWarp], int D) {
+  float even[kRowsPerWarp] = {}, odd[kRowsPerWarp] = {};
   int d = 0;
   for (; d + 1 < D; d += 2) {
-    const float k0 = kj[d], k1 = kj[d + 1], v0 = vj[d], v1 = vj[d + 1];
+    const float y0 = y[d], y1 = y[d + 1];
 #pragma unroll
     for (int m = 0; m < kRowsPerWarp; ++m) {
-      s_even[m] += qs[m * row_step + d] * k0;
-      s_odd[m] += qs[m * row_step + d + 1] * k1;
-      p_even[m] += dos[m * row_step + d] * v0;
-      p_odd[m] += dos[m * row_step + d + 1] * v1;
+      even[m] += xs[m * row_step + d] * y0;
+      odd[m] += xs[m * row_step + d + 1] * y1;
     }
   }
 #pragma unroll
   for (int m = 0; m < kRowsPerWarp; ++m) {
-    if (d < D) {
-      s_even[m] += qs[m * row_step + d] * kj[d];
-      p_even[m] += dos[m * row_step + d] * vj[d];
+    if (d < D) even[m] += xs[m * row_step + d] * y[d];
+    out[m] = even[m] + odd[m];
+  }
+}
+
+// Phase 2 (lane = dims lane, lane + 32, ...): acc[r] += w[r * kKeyTile + j] * x_j over the tile's
+// n keys j (x_j at x + j * stride) for the warp's first n_rows rows; each x row is loaded once
+// for all of them.
+template <int NPL>
+__device__ __forceinline__ void accumulate_rows(float (&acc)[kRowsPerWarp][NPL], const float* w,
+                                                const float* x, int n, int n_rows, int stride,
+                                                int D, int lane) {
+  for (int j = 0; j < n; ++j) {
+    float xj[NPL];
+#pragma unroll
+    for (int c = 0; c < NPL; ++c) {
+      const int d = lane + c * kWarp;
+      xj[c] = d < D ? x[j * stride + d] : 0.0f;
     }
-    sc[m] = s_even[m] + s_odd[m];
-    dp[m] = p_even[m] + p_odd[m];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      if (r >= n_rows) continue;
+      const float wr = w[r * kKeyTile + j];
+#pragma unroll
+      for (int c = 0; c < NPL; ++c) acc[r][c] += wr * xj[c];
+    }
+  }
+}
+
+// Query rows of this warp that exist: rows past s.rows are skipped by the whole warp (their
+// validity is warp-uniform).
+__device__ __forceinline__ int warp_rows(const Shape& s, int64_t row0, int warp) {
+  const int64_t left = s.rows - (row0 + int64_t(warp) * kRowsPerWarp);
+  return left < 0 ? 0 : (left > kRowsPerWarp ? kRowsPerWarp : int(left));
+}
+
+// Zeros query-layout rows [row0, row0 + n_rows) of (b, g) (an empty item's output / dq).
+// Called by the whole block.
+template <typename T>
+__device__ __forceinline__ void zero_rows(T* dst, const Shape& s, int64_t b, int64_t g,
+                                          int64_t row0, int n_rows) {
+  const int D = int(s.d);
+  for (int e = threadIdx.x; e < n_rows * D; e += blockDim.x) {
+    const int64_t r = row0 + e / D;
+    if (r < s.rows) dst[q_offset(s, b, g, r) + e % D] = from_float<T>(0.0f);
   }
 }
 
@@ -199,10 +232,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp, 2)
 
   if (n_keys == 0) {
     // Empty item (block-uniform): out = 0, lse = -inf, no key is read.
-    for (int e = threadIdx.x; e < rpb * D; e += blockDim.x) {
-      const int64_t r = row0 + e / D;
-      if (r < s.rows) out[q_offset(s, b, g, r) + e % D] = from_float<T>(0.0f);
-    }
+    zero_rows(out, s, b, g, row0, rpb);
     for (int rr = threadIdx.x; rr < rpb; rr += blockDim.x) {
       if (row0 + rr < s.rows) lse[lse_offset(s, b, g, row0 + rr)] = -INFINITY;
     }
@@ -219,9 +249,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp, 2)
 
   load_rows(q, q_s, s, b, g, row0, rpb, s.scale);  // pre-scaled: scores are dot products
   const float* q_w = q_s + warp * kRowsPerWarp * D;
-  // Rows past the end are skipped by the whole warp (their validity is warp-uniform).
-  int n_rows = int(s.rows - (row0 + warp * kRowsPerWarp));
-  n_rows = n_rows < 0 ? 0 : (n_rows > kRowsPerWarp ? kRowsPerWarp : n_rows);
+  const int n_rows = warp_rows(s, row0, warp);
 
   float m[kRowsPerWarp], l[kRowsPerWarp], acc[kRowsPerWarp][NPL];
 #pragma unroll
@@ -241,26 +269,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp, 2)
 
     // Phase 1: lane = key. Every tile has at least one valid key, so the tile maximum is finite.
     float sc[kRowsPerWarp];
-    {
-      // Even and odd dims in separate accumulators: shorter dependency chains (ILP) and a
-      // smaller rounding error than one running sum over D.
-      float even[kRowsPerWarp] = {}, odd[kRowsPerWarp] = {};
-      const float* kj = k_s + lane * stride;
-      int d = 0;
-      for (; d + 1 < D; d += 2) {
-        const float k0 = kj[d], k1 = kj[d + 1];
-#pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r) {
-          even[r] += q_w[r * D + d] * k0;
-          odd[r] += q_w[r * D + d + 1] * k1;
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        if (d < D) even[r] += q_w[r * D + d] * kj[d];
-        sc[r] = even[r] + odd[r];
-      }
-    }
+    row_dots(q_w, D, k_s + lane * stride, sc, D);
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) s_w[r * kKeyTile + lane] = lane < n ? sc[r] : -INFINITY;
     __syncwarp(kFull);
@@ -280,22 +289,8 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp, 2)
     }
     __syncwarp(kFull);
 
-    // Phase 2: lane = dims lane, lane + 32, ...; each v row is loaded once for the 4 rows.
-    for (int j = 0; j < n; ++j) {
-      float vj[NPL];
-#pragma unroll
-      for (int c = 0; c < NPL; ++c) {
-        const int d = lane + c * kWarp;
-        vj[c] = d < D ? v_s[j * stride + d] : 0.0f;
-      }
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        if (r >= n_rows) continue;
-        const float p = p_w[r * kKeyTile + j];
-#pragma unroll
-        for (int c = 0; c < NPL; ++c) acc[r][c] += p * vj[c];
-      }
-    }
+    // Phase 2: lane = dims: acc += p_j v_j.
+    accumulate_rows(acc, p_w, v_s, n, n_rows, stride, D, lane);
   }
 
   // Reductions only: no barrier below, so warps may leave in any order.
@@ -357,10 +352,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp, 2)
 
   if (n_keys == 0) {
     // Empty item: dq = 0; its lse (-inf) is never read.
-    for (int e = threadIdx.x; e < rpb * D; e += blockDim.x) {
-      const int64_t r = row0 + e / D;
-      if (r < s.rows) dq[q_offset(s, b, g, r) + e % D] = from_float<T>(0.0f);
-    }
+    zero_rows(dq, s, b, g, row0, rpb);
     return;
   }
 
@@ -374,8 +366,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp, 2)
   load_rows(dout, do_s, s, b, g, row0, rpb, 1.0f);
   const float* q_w = q_s + warp * kRowsPerWarp * D;
   const float* do_w = do_s + warp * kRowsPerWarp * D;
-  int n_rows = int(s.rows - (row0 + warp * kRowsPerWarp));
-  n_rows = n_rows < 0 ? 0 : (n_rows > kRowsPerWarp ? kRowsPerWarp : n_rows);
+  const int n_rows = warp_rows(s, row0, warp);
 
   float row_lse[kRowsPerWarp], row_delta[kRowsPerWarp], acc[kRowsPerWarp][NPL];
 #pragma unroll
@@ -396,7 +387,8 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp, 2)
 
     // Phase 1: lane = key: s = <scale q, k>, dp = <do, v>, ds = p (dp - delta).
     float sc[kRowsPerWarp], dp[kRowsPerWarp];
-    dot_rows(q_w, do_w, D, k_s + lane * stride, v_s + lane * stride, sc, dp, D);
+    row_dots(q_w, D, k_s + lane * stride, sc, D);
+    row_dots(do_w, D, v_s + lane * stride, dp, D);
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
       const bool live = lane < n && r < n_rows;
@@ -405,22 +397,8 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp, 2)
     }
     __syncwarp(kFull);
 
-    // Phase 2: lane = dims: acc += ds_j k_j; each k row is loaded once for the 4 rows.
-    for (int j = 0; j < n; ++j) {
-      float kj[NPL];
-#pragma unroll
-      for (int c = 0; c < NPL; ++c) {
-        const int d = lane + c * kWarp;
-        kj[c] = d < D ? k_s[j * stride + d] : 0.0f;
-      }
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        if (r >= n_rows) continue;
-        const float ds = ds_w[r * kKeyTile + j];
-#pragma unroll
-        for (int c = 0; c < NPL; ++c) acc[r][c] += ds * kj[c];
-      }
-    }
+    // Phase 2: lane = dims: acc += ds_j k_j.
+    accumulate_rows(acc, ds_w, k_s, n, n_rows, stride, D, lane);
   }
 
 #pragma unroll
@@ -490,8 +468,8 @@ __global__ void __launch_bounds__(kBwdWarps * kWarp, 2)
 
     // Phase 1: lane = key j, warp w takes rows w, w + kBwdWarps, ... of the chunk.
     float sc[kRowsPerWarp], dp[kRowsPerWarp];
-    dot_rows(q_s + warp * D, do_s + warp * D, kBwdWarps * D, k_s + lane * stride,
-             v_s + lane * stride, sc, dp, D);
+    row_dots(q_s + warp * D, kBwdWarps * D, k_s + lane * stride, sc, D);
+    row_dots(do_s + warp * D, kBwdWarps * D, v_s + lane * stride, dp, D);
 #pragma unroll
     for (int m = 0; m < kRowsPerWarp; ++m) {
       const int rr = warp + m * kBwdWarps;
