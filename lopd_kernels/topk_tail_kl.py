@@ -458,11 +458,21 @@ torch.library.register_fake("lopd::topk_tail_kl_triton_fwd")(_fwd_fake)
 torch.library.register_fake("lopd::topk_tail_kl_triton_bwd")(_bwd_fake)
 _setup, _backward = _make_autograd(torch.ops.lopd.topk_tail_kl_triton_bwd)
 torch.library.register_autograd("lopd::topk_tail_kl_triton_fwd", _backward, setup_context=_setup)
+
+
+def register_compiled_op_impls(namespace: str) -> None:
+    """Fake impls and autograd for ``<namespace>::topk_tail_kl_fwd/_bwd``, ops declared in C++
+    with the schemas of csrc/common/schemas.h (``lopd`` here; the SIMT-emulated test build of
+    the CUDA kernels registers its own namespace the same way)."""
+    ops = getattr(torch.ops, namespace)
+    torch.library.register_fake(f"{namespace}::topk_tail_kl_fwd")(_fwd_fake)
+    torch.library.register_fake(f"{namespace}::topk_tail_kl_bwd")(_bwd_fake)
+    setup, backward = _make_autograd(ops.topk_tail_kl_bwd)
+    torch.library.register_autograd(f"{namespace}::topk_tail_kl_fwd", backward, setup_context=setup)
+
+
 if _HAS_CPP:
-    torch.library.register_fake("lopd::topk_tail_kl_fwd")(_fwd_fake)
-    torch.library.register_fake("lopd::topk_tail_kl_bwd")(_bwd_fake)
-    _setup, _backward = _make_autograd(torch.ops.lopd.topk_tail_kl_bwd)
-    torch.library.register_autograd("lopd::topk_tail_kl_fwd", _backward, setup_context=_setup)
+    register_compiled_op_impls("lopd")
 
 
 # ------------------------------------------------------------------------------------ public API

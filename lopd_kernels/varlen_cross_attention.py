@@ -431,14 +431,23 @@ torch.library.register_autograd(
 # declared by every build of lopd_kernels._C, implemented only by a CUDA build.
 _HAS_CPP = has_cpp_op("varlen_cross_attention_cuda_fwd")
 _HAS_CUDA_KERNEL = _HAS_CPP and has_cuda_kernel("varlen_cross_attention_cuda_fwd")
-if _HAS_CPP:
-    torch.library.register_fake("lopd::varlen_cross_attention_cuda_fwd")(_fwd_fake)
-    torch.library.register_fake("lopd::varlen_cross_attention_cuda_bwd")(_bwd_fake)
+
+
+def register_compiled_op_impls(namespace: str) -> None:
+    """Fake impls and autograd for ``<namespace>::varlen_cross_attention_cuda_fwd/_bwd``, ops
+    declared in C++ (``lopd`` here; the SIMT-emulated test build registers its namespace too)."""
+    ops = getattr(torch.ops, namespace)
+    torch.library.register_fake(f"{namespace}::varlen_cross_attention_cuda_fwd")(_fwd_fake)
+    torch.library.register_fake(f"{namespace}::varlen_cross_attention_cuda_bwd")(_bwd_fake)
     torch.library.register_autograd(
-        "lopd::varlen_cross_attention_cuda_fwd",
-        _make_backward(torch.ops.lopd.varlen_cross_attention_cuda_bwd),
+        f"{namespace}::varlen_cross_attention_cuda_fwd",
+        _make_backward(ops.varlen_cross_attention_cuda_bwd),
         setup_context=_setup_context,
     )
+
+
+if _HAS_CPP:
+    register_compiled_op_impls("lopd")
 
 
 # --------------------------------------------------------------------------------------------

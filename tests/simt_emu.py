@@ -15,24 +15,18 @@ not show: speed, the memory model, or anything about the real toolchain's code g
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import shutil
 from pathlib import Path
 
 import torch
 
-from lopd_kernels.topk_tail_kl import (
-    TopKTailKLOutput,
-    _bwd_fake,
-    _check_inputs,
-    _fwd_fake,
-    _make_autograd,
-    call_fwd_op,
-)
-from lopd_kernels.varlen_cross_attention import _bwd_fake as _xattn_bwd_fake
-from lopd_kernels.varlen_cross_attention import _fwd_fake as _xattn_fwd_fake
-from lopd_kernels.varlen_cross_attention import _make_backward as _xattn_make_backward
-from lopd_kernels.varlen_cross_attention import _setup_context as _xattn_setup_context
+from lopd_kernels.topk_tail_kl import TopKTailKLOutput, _check_inputs, call_fwd_op
+
+# The op modules (lopd_kernels exports functions of the same names).
+topk_tail_kl = importlib.import_module("lopd_kernels.topk_tail_kl")
+varlen_cross_attention = importlib.import_module("lopd_kernels.varlen_cross_attention")
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted((ROOT / "csrc" / "emu").glob("*.cpp"))
@@ -79,20 +73,8 @@ def load() -> None:
         is_python_module=False,
         verbose=False,
     )
-    torch.library.register_fake("lopd_simt_emu::topk_tail_kl_fwd")(_fwd_fake)
-    torch.library.register_fake("lopd_simt_emu::topk_tail_kl_bwd")(_bwd_fake)
-    setup, backward = _make_autograd(torch.ops.lopd_simt_emu.topk_tail_kl_bwd)
-    torch.library.register_autograd(
-        "lopd_simt_emu::topk_tail_kl_fwd", backward, setup_context=setup
-    )
-    # varlen_cross_attention: the fakes and autograd wiring of lopd_kernels' CUDA ops.
-    torch.library.register_fake("lopd_simt_emu::varlen_cross_attention_cuda_fwd")(_xattn_fwd_fake)
-    torch.library.register_fake("lopd_simt_emu::varlen_cross_attention_cuda_bwd")(_xattn_bwd_fake)
-    torch.library.register_autograd(
-        "lopd_simt_emu::varlen_cross_attention_cuda_fwd",
-        _xattn_make_backward(torch.ops.lopd_simt_emu.varlen_cross_attention_cuda_bwd),
-        setup_context=_xattn_setup_context,
-    )
+    topk_tail_kl.register_compiled_op_impls("lopd_simt_emu")
+    varlen_cross_attention.register_compiled_op_impls("lopd_simt_emu")
 
 
 def set_schedule_seed(seed: int) -> None:
