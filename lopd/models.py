@@ -562,6 +562,7 @@ def load_model(
     path: str | Path | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
+    attn_implementation: str | None = None,
 ) -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer, ready for :func:`lopd.rollout.rollout`.
 
@@ -572,6 +573,10 @@ def load_model(
         device: where to put the model.
         dtype: parameter dtype (``torch.bfloat16`` or ``"bfloat16"`` for GPU runs); ``None``
             keeps the checkpoint's (float32 for the tiny model).
+        attn_implementation: the transformers attention backend (``"eager"``, ``"sdpa"``,
+            ``"flash_attention_2"``); ``None`` keeps the checkpoint's (``"sdpa"`` for the tiny
+            model). Tests that compare two paths through the model (padding, masks, batch
+            invariance) pin ``"eager"``: SDPA may pick different kernels for the two paths.
 
     Returns:
         ``(model, tokenizer)``; the model is in eval mode and the tokenizer has a pad token.
@@ -599,6 +604,8 @@ def load_model(
     kwargs: dict[str, Any] = {"local_files_only": True}
     if dtype is not None:
         kwargs["dtype"] = dtype
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.to(device)
     model.eval()

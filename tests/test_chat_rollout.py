@@ -56,8 +56,10 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def tiny():
+    # Eager attention: the batch-invariance test compares padded batches with lone rows token
+    # for token; under SDPA the two calls may run different library kernels.
     torch.manual_seed(0)
-    return load_model()
+    return load_model(attn_implementation="eager")
 
 
 @pytest.fixture(scope="module")

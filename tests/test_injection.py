@@ -16,15 +16,17 @@ from lopd.injection import (
     pad_batch,
 )
 from lopd.models import demonstration, load_model
-from tests.utils import assert_close
+from tests.utils import assert_close, assert_close_reordered
 
 N_LATENTS = 6
 
 
 @pytest.fixture(scope="module")
 def tiny():
+    # Eager attention: these tests reason about one attention implementation's masking; under
+    # SDPA the masked and unmasked calls may also run different library kernels.
     torch.manual_seed(0)
-    model, tok = load_model()
+    model, tok = load_model(attn_implementation="eager")
     return model, tok
 
 
@@ -103,7 +105,10 @@ def test_right_padded_batch_keeps_logits_of_real_positions(tiny, conversation):
     with torch.no_grad():
         batched = model(input_ids=ids, attention_mask=mask).logits[1, : len(short)]
         alone = model(input_ids=torch.tensor([short])).logits[0]
-    assert_close(batched, alone, torch.float32, "right padding")
+    # Padded and lone rows sum over different key lengths: the tolerance is that of a
+    # reordered fp32 sum, not the kernel table's (see assert_close_reordered).
+    assert_close_reordered(batched, alone, model, "right padding")
+    assert torch.equal(batched.argmax(-1), alone.argmax(-1))
 
 
 def test_gradient_reaches_latents_through_the_concatenation(tiny):

@@ -37,6 +37,27 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     )
 
 
+def assert_close_reordered(
+    actual: torch.Tensor, expected: torch.Tensor, model: torch.nn.Module, msg: str = ""
+) -> None:
+    """Compare two fp32 forward passes of ``model`` that differ only in summation order.
+
+    Not a kernel-vs-reference check (that is :func:`assert_close`): two paths through a library
+    model (a padded batch vs a lone row, masked vs unmasked calls) reduce over different key
+    lengths, so BLAS blocks the same sums differently, whatever the attention backend (seen:
+    5.7e-6 on logits of magnitude ~20 for the tiny model, eager and SDPA alike). The bound is a
+    few fp32 roundings per layer at the scale of the logits: ``4 * eps * (layers + 1) * max|x|``.
+    A real padding or masking bug moves logits by orders of magnitude more.
+    """
+    assert not torch.isnan(actual).any(), f"{msg}: NaN in result"
+    layers = int(getattr(model.config, "num_hidden_layers", 1))
+    scale = float(expected.detach().abs().max())
+    atol = 4 * torch.finfo(torch.float32).eps * (layers + 1) * max(scale, 1.0)
+    torch.testing.assert_close(
+        actual.detach().double(), expected.detach().double(), rtol=0.0, atol=atol, msg=msg
+    )
+
+
 def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
