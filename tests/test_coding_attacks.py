@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from lopd.envs import coding as coding_mod
-from lopd.envs import make_env, run_tests
+from lopd.envs import make_env, run_tests, sandbox
 from lopd.envs.coding import MAX_OUTPUT_BYTES
 from lopd.types import Task
 
@@ -151,6 +151,12 @@ EVERY_PROCESS_FORGE = (
 )
 
 
+def _plain_mode() -> bool:
+    """Not root and no user namespaces: the program shares our uid and could kill this test."""
+    return os.geteuid() != 0 and not sandbox._namespaces_work("user", True)
+
+
+@pytest.mark.skipif(_plain_mode(), reason="plain sandbox mode: the program can signal the caller")
 def test_program_attacking_every_visible_process_earns_nothing():
     assert play(secret_stdio(), EVERY_PROCESS_FORGE)[0] == 0.0
     assert play(secret_call(), EVERY_PROCESS_FORGE + "def f(x):\n    return 0\n")[0] == 0.0

@@ -309,6 +309,7 @@ def _run_stdio(
 
     def judge(i: int, r: SandboxResult) -> bool:
         verdicts.append(_stdio_verdict(i, r, tests[i]["output"]))
+        r.stdout = r.stderr = ""  # up to 16 MiB each: not kept for the remaining tests
         return verdicts[-1] is None
 
     runs = [(["solution.py"], t["input"]) for t in tests]
