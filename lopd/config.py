@@ -287,6 +287,20 @@ class Config:
         Raises:
             ConfigError: naming the field (or the tasks-file line) at fault.
         """
+
+        # Every number finite first: NaN passes every "< 0" / "<= 0" check below and would train
+        # on a NaN loss (or crash seconds later with a traceback).
+        def numbers(obj: Any, prefix: str) -> typing.Iterator[tuple[str, float]]:
+            for f in dataclasses.fields(obj):
+                value = getattr(obj, f.name)
+                if dataclasses.is_dataclass(value):
+                    yield from numbers(value, f"{prefix}{f.name}.")
+                elif isinstance(value, float):
+                    yield f"{prefix}{f.name}", value
+
+        for name, value in numbers(self, ""):
+            if not float("-inf") < value < float("inf"):
+                raise ConfigError(f"{name} must be a finite number, got {value}")
         positive = {
             "composer.num_latents": self.composer.num_latents,
             "composer.num_retrieved": self.composer.num_retrieved,
@@ -397,8 +411,15 @@ def check_tasks_file(path: str | Path) -> None:
     if not path.is_file():
         raise ConfigError(f"data.tasks_path {str(path)!r} does not exist")
     n = 0
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ConfigError(
+                    f"data.tasks_path {str(path)!r} line {lineno}: not valid UTF-8 ({err.reason} "
+                    f"at byte {err.start})"
+                ) from None
             if not line.strip():
                 continue
             try:

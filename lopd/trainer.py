@@ -1067,14 +1067,40 @@ def _find_run(ids: Sequence[int], value: int, n: int) -> int:
 
 def _truncate_metrics(path: Path, steps_done: int) -> None:
     """Keep the metrics of finished (checkpointed) steps only: a killed run may have logged
-    steps after its last checkpoint, which the resumed run recomputes."""
+    steps after its last checkpoint, which the resumed run recomputes.
+
+    A run killed mid-write leaves a torn last line (always of a step after the last
+    checkpoint): it is dropped with a warning, as the experience bank does. An unreadable line
+    before the last one is not a crash artifact and stops the resume.
+
+    Raises:
+        RuntimeError: an unreadable line followed by further lines.
+    """
+    import warnings
+
     if not path.exists():
         return
-    kept = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["step"] < steps_done
-    ]
+    lines = [ln for ln in path.read_bytes().decode(errors="replace").splitlines() if ln.strip()]
+    kept = []
+    for i, line in enumerate(lines):
+        try:
+            step = json.loads(line)["step"]
+            if not isinstance(step, int):
+                raise TypeError("step is not an integer")
+        except (ValueError, KeyError, TypeError, IndexError):
+            if i + 1 < len(lines):
+                raise RuntimeError(
+                    f"{path}: unreadable line {i + 1} followed by further lines; only the last "
+                    "line can be torn by a crash"
+                ) from None
+            warnings.warn(
+                f"{path}: dropping a torn last line ({len(line)} characters)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            break
+        if step < steps_done:
+            kept.append(line)
     _atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
