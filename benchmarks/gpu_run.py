@@ -43,6 +43,7 @@ import glob
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -264,12 +265,16 @@ class Run:
     # ------------------------------------------------------------------ built-in steps
 
     def install_wheels(self, step: Step, cap: float) -> int | None:
+        """``pip install --no-deps --target`` of every carried wheel; if pip rejects one, each
+        alone, so that a bad wheel costs only the steps that need it."""
         wheels = sorted(glob.glob(str(ROOT / ".whl" / "*.whl")))
         step.note = ", ".join(Path(w).name for w in wheels)
-        cmd = [self.py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-               "--no-cache-dir", "--upgrade", "--target", str(self.work / "site"),
-               *wheels]  # fmt: skip
-        return self.run_cmd(step, cmd, cap, self.env)
+        site = shlex.quote(str(self.work / "site"))
+        pip = f"{shlex.quote(self.py)} -m pip install -q --no-index --no-deps --no-compile"
+        pip += f" --no-cache-dir --upgrade --target {site}"
+        each = f'for w in "$@"; do {pip} "$w" || {{ echo "not installed: $w"; bad=1; }}; done'
+        script = f'{pip} "$@" && exit 0; bad=0; {each}; exit $bad'
+        return self.run_cmd(step, ["bash", "-c", script, "wheels", *wheels], cap, self.env)
 
     def probe(self, step: Step, cap: float) -> int | None:
         """Waits for the background build (within the build's own cap), installs what it built,
@@ -392,7 +397,9 @@ class Run:
 
     # ------------------------------------------------------------------ summary
 
-    def write_summary(self) -> None:
+    def write_summary(self) -> tuple[str, str]:
+        """Rewrites ``summary.json`` and ``summary.md``; returns the markdown's two parts (the
+        step table, the figures)."""
         records = (
             gpu_results.derive(gpu_results.load(self.records)) if self.records.exists() else []
         )
@@ -408,18 +415,20 @@ class Run:
                  f"wall {self.elapsed():.0f} s of a {self.budget:.0f} s budget; "
                  f"build: {self.build_status}; {len(records)} records", "",
                  "| step | cap s | took s | status | note |", "|---|---|---|---|---|"]  # fmt: skip
+        failed = []
         for s in self.steps:
             note = s.note
             if s.tests and s.details:
-                d = s.details
-                note = (f"{d.get('collected')} selected" if self.dry else
-                        f"{d.get('passed')} passed, {d.get('failures')} failed, "
-                        f"{d.get('errors')} errors, {d.get('skipped')} skipped") + \
-                    (f"; {note}" if note else "")  # fmt: skip
+                note = _tests_note(s.details, self.dry) + (f"; {note}" if note else "")
+                failed += [f"- {s.name}: {i}" for i in s.details.get("failed", [])[:15]]
             lines.append(f"| {s.name} | {_cell(s.cap_s)} | {_cell(s.elapsed_s)} | {s.status} | "
                          f"{note.replace('|', '/')[:300]} |")  # fmt: skip
-        lines += ["", "```", gpu_results.table(records), "```", ""]
-        _atomic_write(self.out / "summary.md", "\n".join(lines))
+        if failed:
+            lines += ["", "Failed tests (first 15 per step; all in logs.tar.gz):", *failed]
+        steps_md = "\n".join(lines)
+        figures_md = "\n".join(["```", gpu_results.table(records), "```", ""])
+        _atomic_write(self.out / "summary.md", steps_md + "\n\n" + figures_md)
+        return steps_md, figures_md
 
     def bundle_logs(self) -> None:
         tmp = self.work / "logs.tar.gz"
@@ -443,16 +452,17 @@ def _forkable(cmd: list[str], py: str) -> bool:
     )
 
 
-def preload() -> None:
-    """Dry run only: import what every step imports, once, so that each forked step starts in a
+def preload(models: bool) -> None:
+    """Dry run only: import what the steps import, once, so that each forked step starts in a
     fraction of a second (a fresh CPU process spends 5-10 s importing torch, lopd_kernels and
-    transformers; the dry run has 25 steps). Never on a GPU: CUDA does not survive a fork, and
-    there every step is a fresh process of its own."""
+    transformers; the dry run has 25 steps). ``models``: transformers too (the train steps).
+    Never on a GPU: CUDA does not survive a fork, and there every step is a fresh process."""
     import torch  # noqa: F401
-    import transformers  # noqa: F401
-    from transformers import Qwen3ForCausalLM  # noqa: F401
 
     import lopd_kernels  # noqa: F401
+
+    if models:
+        from transformers import Qwen3ForCausalLM  # noqa: F401
 
 
 class _Forked:
@@ -526,6 +536,15 @@ def _run_in_child(cmd: list[str]) -> int:
     return 0
 
 
+def _tests_note(d: dict[str, Any], dry: bool) -> str:
+    if dry:
+        return f"{d.get('collected')} selected"
+    if "junit" in d:
+        return f"junit XML {d['junit']}"
+    return (f"{d['passed']} passed, {d['failures']} failed, {d['errors']} errors, "
+            f"{d['skipped']} skipped")  # fmt: skip
+
+
 def _cell(v: Any) -> str:
     return "" if v is None else f"{v:g}"
 
@@ -597,7 +616,7 @@ def plan(run: Run) -> list[Step]:
     files = sorted({f for pattern in KERNEL_TESTS for f in glob.glob(pattern, root_dir=ROOT)})
     sanitizer = _sanitizer()
     steps = [
-        Step("wheels", 10),
+        Step("wheels", 20),
         Step("env", 15, bench("gpu_env.py", "--env-json", str(run.env_json))),
         Step("topk_triton", 30, bench("gpu_topk_tail_kl.py", "--variant", "triton")),
         Step("topk_torch_topk", 12, bench("gpu_topk_tail_kl.py", "--variant", "torch_topk")),
@@ -659,9 +678,6 @@ def main(argv: list[str] | None = None) -> int:
     default_budget = 600 if args.dry_run_cpu else 540
     budget = float(os.environ.get("LOPD_GPU_BUDGET_S", default_budget))
     run = Run(out, args.dry_run_cpu, budget, os.environ.get("PYTHON", sys.executable))
-    if run.dry and run.py == sys.executable:
-        os.environ.update(TRITON_INTERPRET="1")  # before triton is imported
-        preload()
     run.steps = plan(run)
     if args.list:
         # If every step ran to its cap, each would get exactly this share: its guaranteed time.
@@ -670,6 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in run.steps:
             floor = (budget - FINISH_RESERVE_S) * s.weight / total
             print(f"{s.name:24s} {s.weight:6.0f} {floor:9.0f}  {' '.join(s.cmd or [s.name])}")
+        shutil.rmtree(run.work, ignore_errors=True)
         return 0
     only = {x for x in args.only.split(",") if x}
     unknown = only - {s.name for s in run.steps}
@@ -678,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
     for s in run.steps:
         if only and s.name not in only and s.status == "pending":
             s.status, s.note = "skipped", "not in --only"
+    if run.dry and run.py == sys.executable:
+        os.environ.update(TRITON_INTERPRET="1")  # before triton is imported
+        preload(models=any(s.name.startswith("train_") for s in run.steps if s.status == "pending"))
 
     def on_signal(signum, _frame) -> None:
         run.say(f"signal {signum}: stopping; the summary keeps what finished")
@@ -713,12 +733,13 @@ def main(argv: list[str] | None = None) -> int:
     if run.build_status == "running":
         run.wait_build(0)
     run.stop_children()
-    run.write_summary()
+    steps_md, figures_md = run.write_summary()
     run.bundle_logs()
     shutil.rmtree(run.work, ignore_errors=True)  # the logs are in logs.tar.gz now
     files = sorted(p.name for p in out.rglob("*") if p.is_file())
     bad = [s for s in run.steps if s.status in ("FAILED", "TIMEOUT")]
-    print((out / "summary.md").read_text())
+    print(figures_md)  # the step table last: the device call returns the output's tail
+    print(steps_md)
     print(f"files in {out} ({len(files)}, the device returns at most 8): {', '.join(files)}")
     if len(files) > 8:
         print("WARNING: more than 8 files: the device tool would drop some")

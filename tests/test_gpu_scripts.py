@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -182,8 +183,11 @@ def _stand_in_run(tmp_path, monkeypatch, steps, budget=60.0):
     monkeypatch.setattr(gpu_run, "FINISH_RESERVE_S", 0.0)
     run = gpu_run.Run(tmp_path, dry=True, budget=budget, py=sys.executable)
     run.steps = steps
-    for step in steps:
-        run.run_step(step)
+    try:
+        for step in steps:
+            run.run_step(step)
+    finally:
+        shutil.rmtree(run.work, ignore_errors=True)
     return run
 
 
