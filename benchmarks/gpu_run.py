@@ -43,6 +43,7 @@ import glob
 import importlib.util
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -361,6 +362,7 @@ class Run:
                "--durations=10", f"--junitxml={junit}", *files, "-k", expr]  # fmt: skip
         if self.dry:
             return [*cmd, "--collect-only"]
+        cmd[cmd.index("-q")] = "-v"  # each test's outcome in the log, even if the step is killed
         if name != "memcheck":  # under memcheck a test runs 10-100x slower, in one process
             if _importable("xdist", self.env):
                 cmd += ["-n", "8"]
@@ -380,8 +382,15 @@ class Run:
         path = self.logs / f"{step.name}.xml"
         try:
             root = ET.parse(path).getroot()
-        except (OSError, ET.ParseError):
-            return {"junit": "missing (killed before pytest wrote it?)"}
+        except (OSError, ET.ParseError):  # killed before pytest wrote it: read the -v lines
+            text = (self.logs / f"{step.name}.log").read_text(errors="replace")
+            seen: dict[str, list[str]] = {k: [] for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+            outcome = "PASSED|FAILED|ERROR|SKIPPED"
+            for m in re.finditer(rf"\b({outcome}) (tests/\S+)|(tests/\S+) ({outcome})\b", text):
+                seen[m.group(1) or m.group(4)].append(m.group(2) or m.group(3))
+            return {"junit": "missing (step killed); counts from the log",
+                    "counts": {k.lower(): len(v) for k, v in seen.items() if v},
+                    "failed": (seen["FAILED"] + seen["ERROR"])[:50]}  # fmt: skip
         counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
         failed = []
         for suite in root.iter("testsuite"):
@@ -540,7 +549,8 @@ def _tests_note(d: dict[str, Any], dry: bool) -> str:
     if dry:
         return f"{d.get('collected')} selected"
     if "junit" in d:
-        return f"junit XML {d['junit']}"
+        counts = ", ".join(f"{n} {k}" for k, n in d.get("counts", {}).items())
+        return f"{counts or 'no test finished'} ({d['junit']})"
     return (f"{d['passed']} passed, {d['failures']} failed, {d['errors']} errors, "
             f"{d['skipped']} skipped")  # fmt: skip
 

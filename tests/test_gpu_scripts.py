@@ -213,6 +213,24 @@ def test_a_crash_or_a_hang_loses_nothing_else(tmp_path, monkeypatch):
     assert [s["status"] for s in summary["steps"]] == ["FAILED", "TIMEOUT", "ok"]
 
 
+def test_a_killed_test_step_is_counted_from_its_log(tmp_path, monkeypatch):
+    """No junit XML when a pytest step is killed at its cap: the -v lines give the outcomes."""
+    lines = ["[gw0] [ 50%] PASSED tests/test_a.py::test_x[1]", "tests/test_b.py::test_y FAILED"]
+    cmd = ["bash", "-c", 'printf "%s\\n" "$0" "$1"; sleep 600', *lines]
+    step = gpu_run.Step("tests_stand_in", 1, cmd, tests=True)
+    run = gpu_run.Run(tmp_path, dry=False, budget=3.0, py=sys.executable)
+    monkeypatch.setattr(gpu_run, "MIN_CAP_S", 1.0)
+    monkeypatch.setattr(gpu_run, "FINISH_RESERVE_S", 0.0)
+    run.steps = [step]
+    try:
+        run.run_step(step)
+    finally:
+        shutil.rmtree(run.work, ignore_errors=True)
+    assert step.status == "TIMEOUT"
+    assert step.details["counts"] == {"passed": 1, "failed": 1}
+    assert step.details["failed"] == ["tests/test_b.py::test_y"]
+
+
 def test_time_a_step_leaves_unused_goes_to_the_next(tmp_path, monkeypatch):
     steps = [gpu_run.Step(f"s{i}", w, ["true"]) for i, w in enumerate((10, 10, 20))]
     _stand_in_run(tmp_path, monkeypatch, steps, budget=40.0)
