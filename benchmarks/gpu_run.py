@@ -59,53 +59,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_fork  # noqa: E402
 import gpu_results  # noqa: E402
+from gpu_steps import MEMCHECK_K, MEMCHECK_K_TRITON_ONLY, Step, plan  # noqa: E402
 
 MIN_CAP_S = 10.0  # below this a step is skipped: a python + torch process needs ~5 s to start
 FINISH_RESERVE_S = 10.0  # kept back for the summary and the log bundle
 BUILD_CAP_S = 300.0
-KERNEL_TESTS = (
-    "tests/test_topk_tail_kl*.py", "tests/test_fused_linear*.py",
-    "tests/test_varlen_cross_attention*.py", "tests/test_qformer*.py",
-)  # fmt: skip
-# Real-GPU selections: the SIMT-emulated runs and the CPU-side compile checks are CI's.
-TRITON_TESTS_K = "(triton or gpu) and not cuda and not emulated and not compile"
-CUDA_TESTS_K = "cuda and not emulated and not compile"
-MEMCHECK_TESTS = (
-    "tests/test_topk_tail_kl_cuda.py", "tests/test_varlen_cross_attention_cuda.py",
-    "tests/test_topk_tail_kl_triton.py",
-)  # fmt: skip
-MEMCHECK_K = "(cuda or out_of_bounds) and not emulated and not compile"
-MEMCHECK_K_TRITON_ONLY = "out_of_bounds and not emulated and not compile"
-
-
-@dataclasses.dataclass
-class Step:
-    """One subprocess of the run.
-
-    Attributes:
-        name: unique id (``--only`` takes these).
-        weight: nominal seconds; the cap is this share of the time left.
-        cmd: argv (``None`` for the built-in steps: wheels, probe).
-        needs: probe keys (``"<op>/<backend>"``) that must have run, else the step is skipped.
-        requires: importable modules (carried peers), else the step is skipped.
-        env: extra environment.
-        tests: a pytest step (its junit XML and counts go into the summary).
-    """
-
-    name: str
-    weight: float
-    cmd: list[str] | None = None
-    needs: tuple[str, ...] = ()
-    requires: tuple[str, ...] = ()
-    env: dict[str, str] = dataclasses.field(default_factory=dict)
-    tests: bool = False
-    status: str = "pending"
-    note: str = ""
-    cap_s: float | None = None
-    elapsed_s: float | None = None
-    rc: int | None = None
-    details: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class Run:
@@ -166,8 +126,8 @@ class Run:
         combined log and the step's log; kills the group at ``cap``. Returns the exit code,
         None on a timeout."""
         step_log = open(self.logs / f"{step.name}.log", "w", encoding="utf-8")  # noqa: SIM115
-        if self.dry and _forkable(cmd, self.py):
-            proc: Any = _Forked(cmd, env)
+        if self.dry and gpu_fork.forkable(cmd, self.py):
+            proc: Any = gpu_fork.Forked(cmd, env)
         else:
             proc = subprocess.Popen(
                 cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -452,99 +412,6 @@ class Run:
                 _kill_group(proc)
 
 
-def _forkable(cmd: list[str], py: str) -> bool:
-    """A Python step of this repo (a script or ``-m pytest``) run by this interpreter."""
-    return (
-        cmd[0] == py == sys.executable
-        and "torch" in sys.modules  # preloaded
-        and (cmd[1].endswith(".py") or cmd[1:3] == ["-m", "pytest"])
-    )
-
-
-def preload(models: bool) -> None:
-    """Dry run only: import what the steps import, once, so that each forked step starts in a
-    fraction of a second (a fresh CPU process spends 5-10 s importing torch, lopd_kernels and
-    transformers; the dry run has 25 steps). ``models``: transformers too (the train steps).
-    Never on a GPU: CUDA does not survive a fork, and there every step is a fresh process."""
-    import torch  # noqa: F401
-
-    import lopd_kernels  # noqa: F401
-
-    if models:
-        from transformers import Qwen3ForCausalLM  # noqa: F401
-
-
-class _Forked:
-    """A step run in a forked child of this (preloaded) process, with the ``Popen`` surface
-    ``Run.run_cmd`` uses: ``pid`` (a process group of its own), ``stdout``, ``wait``, ``poll``.
-    The child runs the same script with the same arguments and environment as an exec would."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
-        read, write = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self.pid = os.fork()
-        if self.pid == 0:  # the child
-            code = 1
-            try:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                os.setsid()
-                os.dup2(write, 1)
-                os.dup2(write, 2)
-                os.close(read)
-                sys.stdout.reconfigure(line_buffering=True)
-                os.chdir(ROOT)
-                os.environ.clear()
-                os.environ.update(env)
-                sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-                code = _run_in_child(cmd)
-            except SystemExit as exit_:
-                code = (
-                    exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-                )
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        os.close(write)
-        self.stdout = os.fdopen(read, "r", errors="replace")
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
-            time.sleep(0.05)
-        assert self.returncode is not None
-        return self.returncode
-
-
-def _run_in_child(cmd: list[str]) -> int:
-    import runpy
-
-    if cmd[1:3] == ["-m", "pytest"]:
-        sys.argv = ["pytest", *cmd[3:]]
-        runpy.run_module("pytest", run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = cmd[1:]
-        sys.path.insert(0, str((ROOT / cmd[1]).parent))
-        runpy.run_path(str(ROOT / cmd[1]), run_name="__main__")
-    return 0
-
-
 def _tests_note(d: dict[str, Any], dry: bool) -> str:
     if dry:
         return f"{d.get('collected')} selected"
@@ -608,74 +475,6 @@ def _commit() -> str:
         return "unknown"
 
 
-def _sanitizer() -> str | None:
-    found = shutil.which("compute-sanitizer")
-    if found:
-        return found
-    default = Path("/usr/local/cuda/bin/compute-sanitizer")
-    return str(default) if default.exists() else None
-
-
-def plan(run: Run) -> list[Step]:
-    """Every step in run order (most valuable first)."""
-    py, dev = run.py, run.device_args()
-
-    def bench(script: str, *args: str) -> list[str]:
-        return [py, f"benchmarks/{script}", *args, *dev]
-
-    files = sorted({f for pattern in KERNEL_TESTS for f in glob.glob(pattern, root_dir=ROOT)})
-    sanitizer = _sanitizer()
-    steps = [
-        Step("wheels", 20),
-        Step("env", 15, bench("gpu_env.py", "--env-json", str(run.env_json))),
-        Step("topk_triton", 30, bench("gpu_topk_tail_kl.py", "--variant", "triton")),
-        Step("topk_torch_topk", 12, bench("gpu_topk_tail_kl.py", "--variant", "torch_topk")),
-        Step("topk_torch_reference", 18,
-             bench("gpu_topk_tail_kl.py", "--variant", "torch_reference")),
-        Step("topk_trl_eager", 18, bench("gpu_topk_tail_kl.py", "--variant", "trl_eager"),
-             requires=("trl", "datasets")),
-        Step("topk_sweep", 40, bench("gpu_topk_sweep.py")),
-        Step("tests_triton", 100, run.pytest_cmd("tests_triton", files, TRITON_TESTS_K),
-             tests=True),
-        Step("probe", 15),
-        Step("tests_cuda", 45, run.pytest_cmd("tests_cuda", files, CUDA_TESTS_K), tests=True,
-             needs=("topk_tail_kl/cuda",)),
-        Step("topk_cuda", 20, bench("gpu_topk_tail_kl.py", "--variant", "cuda"),
-             needs=("topk_tail_kl/cuda",)),
-        Step("fused_materialized", 20, bench("gpu_fused_linear.py", "--variant", "materialized")),
-        Step("fused_chunked", 20, bench("gpu_fused_linear.py", "--variant", "chunked"),
-             needs=("fused_linear_topk_tail_kl/cuda",)),
-        Step("fused_triton", 40, bench("gpu_fused_linear.py", "--variant", "triton")),
-        Step("fused_trl", 20, bench("gpu_fused_linear.py", "--variant", "trl_chunked_divergence"),
-             requires=("trl", "datasets")),
-        Step("fused_liger", 20, bench("gpu_fused_linear.py", "--variant",
-                                      "liger_fused_linear_jsd"), requires=("liger_kernel",)),
-        Step("varlen_triton", 20, bench("gpu_qformer.py", "--variant", "triton")),
-        Step("varlen_cuda", 15, bench("gpu_qformer.py", "--variant", "cuda"),
-             needs=("varlen/cuda",)),
-        Step("varlen_sdpa_padded", 12, bench("gpu_qformer.py", "--variant", "sdpa_padded")),
-        Step("varlen_flash_attn", 12, bench("gpu_qformer.py", "--variant", "flash_attn_varlen"),
-             requires=("flash_attn",)),
-        Step("qformer_module_fused", 20, bench("gpu_qformer.py", "--variant", "module_fused")),
-        Step("qformer_module_padded", 12, bench("gpu_qformer.py", "--variant", "module_padded")),
-        Step("train_fused_linear", 35, bench("gpu_train_step.py", "--variant", "fused_linear")),
-        Step("train_materialized", 35, bench("gpu_train_step.py", "--variant", "materialized")),
-    ]  # fmt: skip
-    memcheck = run.pytest_cmd("memcheck", list(MEMCHECK_TESTS), MEMCHECK_K)
-    if sanitizer and not run.dry:
-        memcheck = [sanitizer, "--tool", "memcheck", "--error-exitcode", "9", "--print-limit",
-                    "30", *memcheck]  # fmt: skip
-    no_cache = {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1", "LOPD_TEST_SMALL": "1"}
-    steps.append(Step("memcheck", 60, memcheck, tests=True, env=no_cache))
-    if not sanitizer and not run.dry:
-        steps[-1].status, steps[-1].note = "skipped", "compute-sanitizer not found"
-    if not glob.glob(str(ROOT / ".whl" / "*.whl")):
-        steps[0].status, steps[0].note = "skipped", "no .whl/*.whl carried (gpu_wheels.sh)"
-    elif run.dry:  # gpu_wheels.sh fetches them for the GPU machine's python 3.12
-        steps[0].status, steps[0].note = "skipped", "dry run: .whl/ holds python 3.12 wheels"
-    return steps
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="results folder ($OUT on the device machine)")
@@ -707,7 +506,9 @@ def main(argv: list[str] | None = None) -> int:
             s.status, s.note = "skipped", "not in --only"
     if run.dry and run.py == sys.executable:
         os.environ.update(TRITON_INTERPRET="1")  # before triton is imported
-        preload(models=any(s.name.startswith("train_") for s in run.steps if s.status == "pending"))
+        gpu_fork.preload(
+            any(s.name.startswith("train_") for s in run.steps if s.status == "pending")
+        )
 
     def on_signal(signum, _frame) -> None:
         run.say(f"signal {signum}: stopping; the summary keeps what finished")
