@@ -24,10 +24,15 @@ python -m pip install -q --upgrade pip setuptools wheel
 python -m pip install -q torch==2.13.0
 python -m pip install -q --upgrade cmake ninja
 cd "$work/src"
+# Keep the torch installed above: an eager upgrade would otherwise replace it (with a CUDA build
+# of several GB). Drift of torch itself is a separate, deliberate step.
+python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$work/torch.txt"
 if [ "$floors" = 1 ]; then
-  python -m pip install -q --no-build-isolation -e ".[test]" -c "$root/tools/floors.txt"
+  python -m pip install -q --no-build-isolation -e ".[test]" -c "$root/tools/floors.txt" \
+    -c "$work/torch.txt"
 else
-  python -m pip install -q --upgrade --upgrade-strategy eager --no-build-isolation -e ".[test]"
+  python -m pip install -q --upgrade --upgrade-strategy eager --no-build-isolation -e ".[test]" \
+    -c "$work/torch.txt"
 fi
 python -m pip freeze --exclude-editable | grep -v -E '^(lopd|torch)==' | sort > "$work/newest.txt"
 echo "== versions that differ from constraints.txt (pinned -> this venv):"
