@@ -39,6 +39,10 @@ class ModelConfig:
             whole and gradients are averaged (data parallel). ``fsdp2``: student, teacher and
             encoder backbone are sharded across ranks with FSDP2 (:mod:`lopd.fsdp`). Without
             ``torchrun`` both are a single process.
+        attn_implementation: the transformers attention backend of every model: ``eager``,
+            ``sdpa``, ``flash_attention_2`` (CUDA, 16-bit ``dtype``, ``pip install
+            'lopd[gpu]'``) or ``auto``: ``flash_attention_2`` on CUDA with a 16-bit dtype when
+            flash-attn is installed, else ``sdpa``.
     """
 
     path: str | None = None
@@ -46,6 +50,7 @@ class ModelConfig:
     device: str = "auto"
     gradient_checkpointing: bool = False
     parallel: str = "ddp"
+    attn_implementation: str = "auto"
 
 
 @dataclass
@@ -56,8 +61,9 @@ class DataConfig:
         domain: ``tool_use`` or ``coding`` (built-in task generators of ``lopd.envs``).
         tasks_path: a JSONL file of tasks (one ``Task`` dict per line, with ``split`` ``train``
             or ``test``); ``None`` uses the built-in generator.
-        n_train: number of training tasks (built-in generator; a cap for a JSONL file).
-        n_test: number of held-out evaluation tasks.
+        n_train: number of training tasks: the first ``n_train`` of the source; a source with
+            fewer is a start-up error naming both numbers.
+        n_test: number of held-out evaluation tasks (the same rule).
     """
 
     domain: str = "tool_use"
@@ -68,12 +74,23 @@ class DataConfig:
 
 @dataclass
 class GenConfig:
-    """Multi-turn sampling of the student (paper Table 4).
+    """Multi-turn sampling of the student (paper Table 4) and its token budgets.
+
+    The budgets are checked against the model's context length and every task's prompt at
+    start-up (:mod:`lopd.budget`).
 
     Attributes:
         max_new_tokens: token budget of one assistant turn.
         max_steps: environment steps (assistant turns) per episode.
         temperature, top_p, top_k: sampling for training rollouts and the bank.
+        max_total_tokens: token budget of a whole trajectory (prompt, turns, observations);
+            the episode ends when the next turn or observation would not fit.
+        max_prompt_tokens: token budget of a rendered prompt (system message, tool schemas,
+            first user message); ``null`` = ``max_total_tokens - max_new_tokens``.
+        prompt_overflow: a task whose prompt exceeds its budget: ``error`` (stop at start-up,
+            naming the count and the longest) or ``drop`` (skip it, counted in the log and
+            ``summary.json``).
+        rollout_batch_size: episodes generated together (rows of one forward).
     """
 
     max_new_tokens: int = 48
@@ -81,6 +98,10 @@ class GenConfig:
     temperature: float = 0.7
     top_p: float = 0.95
     top_k: int = 20
+    max_total_tokens: int = 2048
+    max_prompt_tokens: int | None = None
+    prompt_overflow: str = "error"
+    rollout_batch_size: int = 32
 
 
 @dataclass
@@ -90,10 +111,15 @@ class BankConfig:
     Attributes:
         rollouts_per_task: base-model rollouts sampled per training task to fill the bank.
         min_reward: a rollout enters the bank when its reward is at least this.
+        embed_batch_size: texts per forward of the retrieval embedder (the frozen backbone's
+            mean-pooled hidden states, :class:`lopd.memory.HiddenStateEmbedder`).
+        embed_max_length: the embedder truncates documents and queries to this many tokens.
     """
 
     rollouts_per_task: int = 2
     min_reward: float = 1.0
+    embed_batch_size: int = 16
+    embed_max_length: int = 512
 
 
 @dataclass

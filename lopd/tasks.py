@@ -27,26 +27,37 @@ def load_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
     """The ``(train, held-out)`` tasks of ``cfg.data``.
 
     Raises:
-        ConfigError: the tasks file has no task of one of the splits.
+        ConfigError: the tasks file has no task of one of the splits, or the source has fewer
+            tasks than ``data.n_train`` / ``data.n_test`` request (naming both numbers).
     """
     d = cfg.data
     if d.tasks_path is not None:
         from lopd.envs import load_tasks_jsonl
 
         tasks = load_tasks_jsonl(d.tasks_path)
-        train = [t for t in tasks if t.split == "train"][: d.n_train]
-        test = [t for t in tasks if t.split == "test"][: d.n_test]
+        train = [t for t in tasks if t.split == "train"]
+        test = [t for t in tasks if t.split == "test"]
         if not train:
             raise ConfigError(f"data.tasks_path {d.tasks_path!r} holds no split='train' task")
         if not test:
             raise ConfigError(f"data.tasks_path {d.tasks_path!r} holds no split='test' task")
-        return train, test
-    from lopd.envs import builtin_tasks
+        source = f"data.tasks_path {d.tasks_path!r}"
+    else:
+        from lopd.envs import builtin_tasks
 
-    return (
-        builtin_tasks(d.domain, "train", n=d.n_train, seed=cfg.seed),
-        builtin_tasks(d.domain, "test", n=d.n_test, seed=cfg.seed),
-    )
+        train = builtin_tasks(d.domain, "train", seed=cfg.seed)
+        test = builtin_tasks(d.domain, "test", seed=cfg.seed)
+        source = f"the built-in {d.domain} generator"
+    for name, want, have, split in (
+        ("data.n_train", d.n_train, len(train), "train"),
+        ("data.n_test", d.n_test, len(test), "test"),
+    ):
+        if want > have:
+            raise ConfigError(
+                f"{name}={want} but {source} has only {have} {split} tasks: set {name}={have} "
+                "or less (or pass more tasks with --tasks)"
+            )
+    return train[: d.n_train], test[: d.n_test]
 
 
 class TaskSampler:

@@ -20,6 +20,7 @@ from lopd.fsdp import full_weight
 from lopd.injection import action_rows, pad_batch
 from lopd.loss import segment_mean
 from lopd.methods.base import DistillSpec, Models
+from lopd.precision import autocast_cast
 from lopd.types import Trajectory
 
 __all__ = [
@@ -130,11 +131,14 @@ def distill_rows(
     from lopd_kernels.topk_tail_kl import topk_tail_kl
 
     if spec.fused_linear:
+        # Under mixed precision the fused kernel reads 16-bit operands, as an autocast lm_head
+        # would (the student's are float32 master weights and hidden states).
+        h_s, w_s, h_t, w_t = autocast_cast(h_s, full_weight(head_s), h_t, full_weight(head_t))
         return fused_linear_topk_tail_kl(
             h_s,
-            full_weight(head_s),
+            w_s,
             h_t,
-            full_weight(head_t),
+            w_t,
             targets,
             student_bias=getattr(head_s, "bias", None),
             teacher_bias=getattr(head_t, "bias", None),
