@@ -161,7 +161,12 @@ def test_importance_weighted_reverse_kl_values_and_gradients():
 
 
 def test_importance_weighted_reverse_kl_is_the_exact_reverse_kl_gradient_in_expectation():
-    """Over tokens drawn from pi_old, the mean gradient equals grad KL(pi_theta || pi_T)."""
+    """Over tokens drawn from pi_old, the mean gradient equals grad KL(pi_theta || pi_T).
+
+    (The stop-gradient on the log-ratio leaves this expectation unchanged, the extra term
+    ``rho grad log pi_theta`` has mean 0, but it is what gives each sampled token the gradient
+    ``rho (log pi_theta - log pi_T) grad log pi_theta``: the previous test.)
+    """
     torch.manual_seed(0)
     z = torch.randn(7, dtype=torch.float64, requires_grad=True)  # student logits
     z_old = z.detach() + 0.3 * torch.randn(7, dtype=torch.float64)  # the sampling policy
