@@ -175,11 +175,11 @@ class SkillSDMethod(MethodBase):
             for t in group:
                 t.info["skill_id"] = None if skill is None else skill.skill_id
                 t.info["skill_text"] = None if skill is None else skill.text.render()
-        fallbacks = getattr(self.summarizer, "fallbacks", 0)
+        fallbacks = self.summarizer.fallbacks
         self.pending_skills = [
             (g[0].task, *self.summarizer.summarize(g, self.success_reward)) for g in members
         ]
-        self.step_fallbacks = getattr(self.summarizer, "fallbacks", 0) - fallbacks
+        self.step_fallbacks = self.summarizer.fallbacks - fallbacks
         return trajs
 
     def teacher_sequence(self, traj: Trajectory) -> TextTeacherSequence:

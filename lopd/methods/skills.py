@@ -308,6 +308,7 @@ class RuleSkillSummarizer:
     max_items = 3  # mistakes listed
 
     author = "rule"
+    fallbacks = 0  # it never falls back (the attribute the model summarizer counts in)
 
     def summarize(
         self, trajectories: Sequence[Trajectory], success: float
