@@ -32,6 +32,7 @@ from lopd.types import Task, Trajectory
 __all__ = [
     "LatentConditionedLM",
     "LatentPromptEnv",
+    "main",
     "summarize",
 ]
 
@@ -163,3 +164,20 @@ class LatentConditionedLM(nn.Module):
             past_key_values=past_key_values,
             **kwargs,
         )
+
+
+# --------------------------------------------------------------------------------------- CLI
+# ``python -m lopd.evaluate --model PATH --bench bfcl-multi-turn | humaneval | builtin``: the
+# benchmark driver is lopd.bench_eval; this entry point stays a thin wrapper so the evaluation
+# helpers above can be reorganized freely.
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Benchmark evaluation CLI (see :mod:`lopd.bench_eval`)."""
+    from lopd.bench_eval import main as bench_main
+
+    return bench_main(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
