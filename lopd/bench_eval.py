@@ -297,11 +297,23 @@ def main(argv: Sequence[str] | None = None, *, log: Callable[[str], None] | None
 
     import torch
 
+    threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        return _evaluate(args, cats, say)
+    finally:
+        torch.set_num_threads(threads)  # a library caller's thread count is left as it was
+
+
+def _evaluate(
+    args: argparse.Namespace, cats: dict[str, list[Any]], say: Callable[[str], None]
+) -> int:
+    import torch
+
     from lopd.models import load_model
     from lopd.rollout import GenerationConfig
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     try:
         model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     except (FileNotFoundError, ValueError) as err:
@@ -333,7 +345,7 @@ def main(argv: Sequence[str] | None = None, *, log: Callable[[str], None] | None
         "settings": {
             "bench": args.bench,
             "model": args.model or "tiny (lopd/assets/tiny-qwen3)",
-            "split": args.split,
+            "split": "test" if args.bench == "builtin" and args.split == "all" else args.split,
             "n_per_category": args.n,
             "seed": args.seed,
             "temperature": gen.temperature,
