@@ -401,3 +401,36 @@ def test_bfcl_tasks_argument_errors():
         bfcl_tasks(["multi_turn_base"])
     with pytest.raises(ValueError, match="n must be"):
         bfcl_tasks(n=-1)
+
+
+def test_fuzzed_model_text_never_breaks_an_episode(tasks):
+    """Random model text (the fragments of tests/test_env_fuzz.py, plus calls of every tool of
+    the entry with random arguments) against entries covering all eight backend classes."""
+    from transformers import AutoTokenizer
+
+    from lopd.models import TINY_ASSET_DIR
+    from tests.test_env_fuzz import _turn
+
+    tok = AutoTokenizer.from_pretrained(TINY_ASSET_DIR)
+    rng = random.Random("bfcl-fuzz")
+    picked = rng.sample(tasks, 24)
+    assert {c for t in picked for c in t.spec["involved_classes"]} == set(BACKEND_CLASSES)
+    slowest = 0.0
+    for task in picked:
+        env = make_env(task, max_steps=rng.randint(2, 12))
+        env.reset(task)
+        tools, oracle = env.tools(), oracle_actions(task)
+        done = False
+        while not done:
+            text = _turn(rng, tools, oracle)
+            t0 = time.perf_counter()
+            obs, done = env.step(text)
+            slowest = max(slowest, time.perf_counter() - t0)
+            obs.encode("utf-8")
+            if not done:
+                assert render_observation_text(tok, obs, role=env.observation_role)
+        assert 0.0 <= env.reward() <= 1.0 and isinstance(env.success, bool)
+        for s in env.trace:
+            s.action.encode("utf-8")
+            s.result.encode("utf-8")
+    assert slowest < 2.0
