@@ -15,6 +15,7 @@ roles. phi = (LoRA parameters, QFormer parameters); nothing else is trainable he
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -80,16 +81,24 @@ class LatentComposer(nn.Module):
         if num_retrieved < 1:
             raise ValueError(f"num_retrieved must be >= 1, got {num_retrieved}")
         backbone.requires_grad_(False)
-        self.encoder = get_peft_model(
-            backbone,
-            LoraConfig(
-                r=lora_r,
-                lora_alpha=lora_alpha,
-                lora_dropout=lora_dropout,
-                target_modules=list(LORA_TARGETS),
-                bias="none",
-            ),
-        )
+        with warnings.catch_warnings():
+            # peft 0.21 reads transformers' deprecated ``is_gradient_checkpointing`` alias in
+            # PeftModel.__init__; the deprecated call is peft's, not one lopd can change.
+            warnings.filterwarnings(
+                "ignore",
+                message=r"`is_gradient_checkpointing` is deprecated",
+                category=FutureWarning,
+            )
+            self.encoder = get_peft_model(
+                backbone,
+                LoraConfig(
+                    r=lora_r,
+                    lora_alpha=lora_alpha,
+                    lora_dropout=lora_dropout,
+                    target_modules=list(LORA_TARGETS),
+                    bias="none",
+                ),
+            )
         cfg = backbone.config
         param = next(backbone.parameters())
         self.compressor = QFormerCompressor(

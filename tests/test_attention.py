@@ -1,7 +1,9 @@
-"""``model.attn_implementation``: the attention backends agree, and the choice is validated.
+"""``model.attn_implementation`` and activation checkpointing: the attention backends agree,
+the choice is validated, checkpointing uses the current transformers API.
 
-On CPU the comparable backends are ``eager`` and ``sdpa`` (flash-attn needs CUDA; the GPU check
-runs it). Both are float32 here and differ only in summation order, so the tolerance is
+On CPU the comparable backends are ``eager`` and ``sdpa``; ``flash_attention_2`` needs CUDA and
+flash-attn (the ``[gpu]`` extra), so its test is skipped elsewhere and has not run on this project's
+CPU CI. Both are float32 here and differ only in summation order, so the tolerance is
 ``tests.utils.assert_close_reordered``'s: a few float32 roundings per layer at the logits' scale.
 """
 
@@ -14,7 +16,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from lopd.config import ConfigError, load_config
 from lopd.injection import pad_batch
 from lopd.models import load_model, resolve_attn_implementation
-from tests.utils import assert_close_reordered
+from tests.utils import assert_close_reordered, requires_cuda
 
 
 def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,3 +83,49 @@ def test_flash_attention_needs_16_bit_and_cuda_at_startup():
     cfg.model.dtype, cfg.model.device = "bfloat16", "cpu"
     with pytest.raises(ConfigError, match=r"needs a CUDA device"):
         cfg.validate(check_paths=False)
+
+
+def test_activation_checkpointing_uses_the_current_api_and_keeps_gradients():
+    """``enable_activation_checkpointing`` makes no deprecated transformers call, and the
+    recomputed backward gives the gradients of the plain one."""
+    import warnings
+
+    from lopd.models import enable_activation_checkpointing
+
+    plain, tok = load_model(attn_implementation="eager")
+    ckpt, _ = load_model(attn_implementation="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        enable_activation_checkpointing(ckpt)
+        assert ckpt.is_activation_checkpointing
+    assert not [w for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    ids, mask = _batch(len(tok))
+    grads = []
+    for model in (plain, ckpt):
+        model.train()
+        model(input_ids=ids, attention_mask=mask).logits[mask.bool()].logsumexp(-1).sum().backward()
+        grads.append(model.model.layers[0].self_attn.q_proj.weight.grad)
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_flash_attention_2_agrees_with_sdpa_in_bf16_on_cuda():
+    """The Qwen3-0.6B attention shape in bf16: flash-attn vs SDPA on a padded batch (both bf16,
+    so the bound is a few bf16 roundings of the logits, not fp32's)."""
+    pytest.importorskip("flash_attn")
+    out = {}
+    for impl in ("sdpa", "flash_attention_2"):
+        cfg = Qwen3Config(
+            vocab_size=1000, hidden_size=1024, intermediate_size=256, num_hidden_layers=1,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+            attn_implementation=impl,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+        ids, mask = _batch(1000)
+        out[impl] = _logits(model, ids.cuda(), mask.cuda()).float()
+    scale = float(out["sdpa"].abs().max())
+    assert scale > 0.1
+    torch.testing.assert_close(out["flash_attention_2"], out["sdpa"], rtol=0.0, atol=0.03 * scale)
