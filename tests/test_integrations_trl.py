@@ -14,14 +14,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from datasets import Dataset
-from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from trl import DistillationConfig, DistillationTrainer
-from trl.experimental.gkd import GKDTrainer
+from packaging.version import Version
 
-import lopd_kernels as lk
-from lopd.integrations.trl import (
+trl = pytest.importorskip("trl", reason="TRL not installed (pip install 'lopd[trl]')")
+if Version(trl.__version__) < Version("1.16"):
+    pytest.skip(f"lopd.integrations.trl needs trl>=1.16, found {trl.__version__}",
+                allow_module_level=True)  # fmt: skip
+
+from datasets import Dataset  # noqa: E402
+from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from trl import DistillationConfig, DistillationTrainer  # noqa: E402
+from trl.experimental.gkd import GKDTrainer  # noqa: E402
+
+import lopd_kernels as lk  # noqa: E402
+from lopd.integrations.trl import (  # noqa: E402
     LopdDistillationConfig,
     LopdDistillationTrainer,
     LopdGKDConfig,

@@ -1,7 +1,8 @@
 """TRL trainers whose distillation loss is lopd's top-M + tail KL (paper eq. 9-11).
 
-TRL (>= 1.8; written against 1.16) has no loss hook, so these are subclasses overriding the loss
-methods only; generation, batching, logging, DDP/FSDP/DeepSpeed wrapping stay TRL's:
+TRL (>= 1.16, ``pip install "lopd[trl]"``) has no loss hook, so these are subclasses that
+override the loss methods only; generation, batching, logging and DDP/FSDP/DeepSpeed wrapping
+stay TRL's:
 
 - :class:`LopdDistillationTrainer` (``trl.DistillationTrainer``): overrides ``compute_loss`` /
   ``_compute_loss``. The student and teacher backbones run as in TRL (the student inside
@@ -37,11 +38,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import trl
+from packaging.version import Version
 from torch import Tensor
-from trl import DistillationConfig, DistillationTrainer
-from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-import lopd_kernels as lk
+# The override points (DistillationTrainer._compute_loss / _get_last_hidden_state /
+# _forward_redirection, GKDTrainer.generalized_jsd_loss) were read from TRL 1.16; in 1.8 the
+# DistillationTrainer is still experimental and shaped differently.
+MIN_TRL = "1.16"
+if Version(trl.__version__) < Version(MIN_TRL):
+    raise ImportError(f"lopd.integrations.trl needs trl>={MIN_TRL}, found {trl.__version__}")
+
+from trl import DistillationConfig, DistillationTrainer  # noqa: E402
+from trl.experimental.gkd import GKDConfig, GKDTrainer  # noqa: E402
+
+import lopd_kernels as lk  # noqa: E402
 
 __all__ = [
     "LopdDistillationConfig",
