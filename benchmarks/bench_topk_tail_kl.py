@@ -101,7 +101,7 @@ _cpu_medians: dict[str, float] = {}
 def _has_cpp() -> bool:
     from lopd_kernels import _backend
 
-    return _backend.has_cpp_op("topk_tail_kl_fwd")
+    return _backend.has_kernel("topk_tail_kl_cpu_fwd", "CPU")
 
 
 @pytest.fixture(scope="module")

@@ -113,7 +113,7 @@ def main() -> int:
 
     variants = {}
     if device.type == "cuda":
-        if _backend.has_cuda_kernel("topk_tail_kl_fwd"):
+        if _backend.has_cuda_kernel("topk_tail_kl_cuda_fwd"):
             variants["cuda"] = lopd("cuda")
         if _backend.triton_available():
             variants["triton"] = lopd("triton")

@@ -17,11 +17,10 @@ import torch
 import lopd_kernels as lk
 from lopd_kernels.fused_linear_topk_tail_kl import (
     auto_chunk_rows,
-    causal_lm_topk_tail_kl,
     fused_linear_topk_tail_kl,
     fused_linear_topk_tail_kl_reference,
-    lm_head_topk_tail_kl,
 )
+from lopd_kernels.hf import causal_lm_topk_tail_kl, lm_head_topk_tail_kl
 from tests.triton_compile import assert_script_compiles
 from tests.utils import assert_close, triton_interpret
 
@@ -167,8 +166,7 @@ def test_frozen_heads_tail_projection(dtype, divergence):
 def emulated_cuda_epilogue(monkeypatch):
     from tests import simt_emu
 
-    # The module, not the function of the same name that lopd_kernels exports.
-    fl = importlib.import_module("lopd_kernels.fused_linear_topk_tail_kl")
+    chunked = importlib.import_module("lopd_kernels.fused_linear_chunked")
 
     reason = simt_emu.unavailable_reason()
     if reason:
@@ -176,7 +174,9 @@ def emulated_cuda_epilogue(monkeypatch):
     simt_emu.load()
     ops = torch.ops.lopd_simt_emu
     monkeypatch.setattr(
-        fl, "_kernels_for", lambda device: (ops.topk_tail_kl_fwd, ops.topk_tail_kl_bwd)
+        chunked,
+        "epilogue_kernels",
+        lambda device: (ops.topk_tail_kl_cuda_fwd, ops.topk_tail_kl_cuda_bwd),
     )
 
 
@@ -352,9 +352,7 @@ def test_validation(mutate, kw, match):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("impl", "tail_proj"), [("chunked", False), ("chunked", True), ("triton", False)]
-)
+@pytest.mark.parametrize(("impl", "tail_proj"), [("cpu", False), ("cpu", True), ("triton", False)])
 def test_opcheck(impl, tail_proj):
     if impl == "triton" and not lk._backend.triton_available():
         pytest.skip("Triton cannot run here (no CUDA device and TRITON_INTERPRET unset)")
@@ -363,20 +361,20 @@ def test_opcheck(impl, tail_proj):
     args = (
         leaves["student_hidden"], leaves["student_weight"], leaves["student_bias"],
         leaves["teacher_hidden"], leaves["teacher_weight"], leaves["teacher_bias"],
-        target, 4, 0.9, True, -100, 2, impl, [tail_proj, tail_proj],
+        target, 4, 0.9, True, -100, 2, [tail_proj, tail_proj],
     )  # fmt: skip
     tests = ("test_schema", "test_autograd_registration", "test_faketensor")
-    fwd_op = torch.ops.lopd.fused_linear_topk_tail_kl_fwd.default
+    fwd_op = getattr(torch.ops.lopd, f"fused_linear_topk_tail_kl_{impl}_fwd").default
     torch.library.opcheck(fwd_op, args, test_utils=tests)
     kl, _, _, ids, lse, bucket, proj_s, proj_t = fwd_op(*args)
     assert proj_s.shape == ((6, 16) if tail_proj else (0,))
     grads = [torch.randn(6) for _ in range(3)]
     bwd_args = (
         *grads, *(x.detach() for x in args[:7]), ids, kl.detach(), lse, bucket, proj_s, proj_t,
-        0.9, True, -100, 2, impl, [True, True, False, True, False, True], False,
+        0.9, True, -100, 2, [True, True, False, True, False, True], False,
     )  # fmt: skip
     torch.library.opcheck(
-        torch.ops.lopd.fused_linear_topk_tail_kl_bwd.default,
+        getattr(torch.ops.lopd, f"fused_linear_topk_tail_kl_{impl}_bwd").default,
         bwd_args,
         test_utils=("test_schema", "test_faketensor"),
     )
@@ -505,7 +503,8 @@ def test_lm_head_helper_teacher_with_prefix():
 @pytest.mark.parametrize("top_m", [5, 0])
 @pytest.mark.parametrize("divergence", ["reverse", "forward"])
 def test_torch_twins_match_reference(top_m, divergence):
-    from lopd_kernels.fused_linear_topk_tail_kl import _rows_bwd_torch, _rows_fwd_torch
+    from lopd_kernels.bucket_math import rows_bwd_torch as _rows_bwd_torch
+    from lopd_kernels.bucket_math import rows_fwd_torch as _rows_fwd_torch
     from lopd_kernels.topk_tail_kl import topk_tail_kl_reference
 
     g = torch.Generator().manual_seed(15)

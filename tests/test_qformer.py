@@ -177,7 +177,6 @@ def test_dtype_cast_and_gqa_default():
         ({"num_kv_heads": 3}, "multiple of num_kv_heads"),
         ({"num_layers": 0}, "num_layers"),
         ({"activation": "relu"}, "activation"),
-        ({"perceiver": True, "backend": "torch"}, "perceiver"),
     ],
 )
 def test_constructor_validation(kwargs, match):

@@ -16,6 +16,9 @@ namespace {
 constexpr size_t kHuge = size_t{2} << 20;
 constexpr size_t kMaxBlocks = 2;
 constexpr size_t kMaxBytes = size_t{4} << 30;
+// Smaller buffers come from at::empty: glibc serves them from memory it keeps mapped (its mmap
+// threshold adapts up to 32 MiB), so there are no fresh pages to avoid.
+constexpr size_t kMinBytes = size_t{4} << 20;
 
 bool env_flag(const char* name) {
   const char* v = std::getenv(name);
@@ -35,7 +38,10 @@ class BufferCache {
     return *cache;
   }
 
+  // A block of at least `bytes` (rounded up to whole huge pages), from the cache when one of at
+  // most twice that size is free.
   Block take(size_t bytes) {
+    bytes = (bytes + kHuge - 1) / kHuge * kHuge;
     if (enabled_) {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto it = free_.begin(); it != free_.end(); ++it) {
@@ -86,17 +92,17 @@ class BufferCache {
   BufferCache()
       : enabled_(env_flag("LOPD_CPU_BUFFER_CACHE")), huge_pages_(env_flag("LOPD_CPU_HUGEPAGES")) {}
 
+  // `bytes` (a multiple of 2 MiB), 2 MiB aligned, so that transparent huge pages can back all of
+  // it: first-touch faults then cost one per 2 MiB instead of one per 4 KiB. Advice only:
+  // failures are ignored.
   Block map_new(size_t bytes) const {
-    // 2 MiB aligned and rounded so that transparent huge pages can back all of it: first-touch
-    // faults then cost one per 2 MiB instead of one per 4 KiB. Advice only: failures are ignored.
-    const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
     void* ptr = nullptr;
-    TORCH_CHECK(posix_memalign(&ptr, kHuge, rounded) == 0 && ptr != nullptr,
-                "lopd_kernels: out of CPU memory allocating ", rounded, " bytes");
+    TORCH_CHECK(posix_memalign(&ptr, kHuge, bytes) == 0 && ptr != nullptr,
+                "lopd_kernels: out of CPU memory allocating ", bytes, " bytes");
 #ifdef MADV_HUGEPAGE
-    if (huge_pages_) madvise(ptr, rounded, MADV_HUGEPAGE);
+    if (huge_pages_) madvise(ptr, bytes, MADV_HUGEPAGE);
 #endif
-    return Block{ptr, rounded};
+    return Block{ptr, bytes};
   }
 
   std::mutex mu_;
@@ -115,6 +121,7 @@ at::Tensor empty_recycled(at::IntArrayRef sizes, const at::TensorOptions& option
   for (const int64_t s : sizes) numel *= s;
   const size_t bytes = static_cast<size_t>(std::max<int64_t>(numel, 1)) *
                        options.dtype().itemsize();
+  if (bytes < kMinBytes) return at::empty(sizes, options.device(at::kCPU));
   Block* block = new Block(BufferCache::get().take(bytes));
   return at::from_blob(
       block->ptr, sizes,

@@ -8,10 +8,10 @@
 // In training those gradients are intermediates (freed by the LM-head backward within the same
 // step), so the next step's backward reuses the memory, already mapped. The cache holds at most
 // kMaxBlocks freed blocks and kMaxBytes in all; a request takes a cached block of at least its
-// size and at most twice it. LOPD_CPU_BUFFER_CACHE=0 turns it off (read once);
-// release_cpu_buffer_cache() returns the cached blocks to the OS (lopd_kernels._C exposes both
-// it and cpu_buffer_cache_stats()). New blocks are 2 MiB aligned with MADV_HUGEPAGE advice
-// (LOPD_CPU_HUGEPAGES=0 opts out).
+// size and at most twice it; requests under 4 MiB go to at::empty. LOPD_CPU_BUFFER_CACHE=0 turns
+// it off (read once); release_cpu_buffer_cache() returns the cached blocks to the OS
+// (lopd_kernels._C exposes both it and cpu_buffer_cache_stats()). New blocks are 2 MiB aligned
+// with MADV_HUGEPAGE advice (LOPD_CPU_HUGEPAGES=0 opts out).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -6,6 +6,6 @@
 #include "cuda/topk_tail_kl_kernels.cuh"
 
 TORCH_LIBRARY_IMPL(lopd, CUDA, m) {
-  m.impl("topk_tail_kl_fwd", &lopd::cuda::topk_tail_kl_fwd_cuda);
-  m.impl("topk_tail_kl_bwd", &lopd::cuda::topk_tail_kl_bwd_cuda);
+  m.impl("topk_tail_kl_cuda_fwd", &lopd::cuda::topk_tail_kl_fwd_cuda);
+  m.impl("topk_tail_kl_cuda_bwd", &lopd::cuda::topk_tail_kl_bwd_cuda);
 }
