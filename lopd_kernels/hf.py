@@ -42,19 +42,31 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return decoder
 
 
-def _head_params(head: nn.Module | Tensor, name: str) -> tuple[Tensor, Tensor | None]:
-    """``(weight [V, d], bias [V] | None)`` of an LM head given as a module or a weight tensor."""
+#: An LM head: an ``nn.Linear``-like module, its ``[V, d]`` weight, or a ``(weight, bias)`` pair
+#: (e.g. a sharded head's gathered weight and its bias).
+Head = nn.Module | Tensor | tuple[Tensor, Tensor | None]
+
+
+def _head_params(head: Head, name: str) -> tuple[Tensor, Tensor | None]:
+    """``(weight [V, d], bias [V] | None)`` of an LM head (any form of :data:`Head`)."""
     if isinstance(head, Tensor):
         return head, None
+    if isinstance(head, tuple) and len(head) == 2 and isinstance(head[0], Tensor):
+        return head[0], head[1]
     weight = getattr(head, "weight", None)
     if not isinstance(weight, Tensor):
-        raise TypeError(f"{name} must be an nn.Linear-like module or a [V, d] weight tensor")
+        raise TypeError(
+            f"{name} must be an nn.Linear-like module, a [V, d] weight or a (weight, bias) pair"
+        )
     return weight, getattr(head, "bias", None)
 
 
-def _logits(hidden: Tensor, head: nn.Module | Tensor) -> Tensor:
-    """``[N, V]`` logits of a head given as a module (called, hooks included) or a weight."""
-    return hidden @ head.T if isinstance(head, Tensor) else head(hidden)
+def _logits(hidden: Tensor, head: Head, name: str) -> Tensor:
+    """``[N, V]`` logits: a module is called (hooks included), a weight / pair is applied."""
+    if isinstance(head, nn.Module):
+        return head(hidden)
+    weight, bias = _head_params(head, name)
+    return nn.functional.linear(hidden, weight, bias)
 
 
 def _scatter_rows(values: Tensor, flat_rows: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -65,9 +77,9 @@ def _scatter_rows(values: Tensor, flat_rows: Tensor, shape: tuple[int, ...]) -> 
 
 def _packed(
     student_hidden: Tensor,
-    student_head: nn.Module | Tensor,
+    student_head: Head,
     teacher_hidden: Tensor,
-    teacher_head: nn.Module | Tensor,
+    teacher_head: Head,
     target_ids: Tensor,
     fused: bool,
     kwargs: dict,
@@ -82,15 +94,16 @@ def _packed(
         )  # fmt: skip
     if "chunk_size" in kwargs:
         raise ValueError("chunk_size is an option of the fused path (fused=True)")
-    s, t = _logits(student_hidden, student_head), _logits(teacher_hidden, teacher_head)
+    s = _logits(student_hidden, student_head, "student_head")
+    t = _logits(teacher_hidden, teacher_head, "teacher_head")
     return topk_tail_kl(s, t, target_ids, **kwargs)
 
 
 def lm_head_topk_tail_kl(
     student_hidden: Tensor,
-    student_head: nn.Module | Tensor,
+    student_head: Head,
     teacher_hidden: Tensor,
-    teacher_head: nn.Module | Tensor,
+    teacher_head: Head,
     target_ids: Tensor,
     action_mask: Tensor | None = None,
     *,
@@ -114,10 +127,10 @@ def lm_head_topk_tail_kl(
     Args:
         student_hidden: the student's final hidden states (after the final norm), ``[N, d_s]``
             or ``[B, L, d_s]``.
-        student_head: the student's LM head (``nn.Linear``, e.g. ``get_output_embeddings()``) or
-            its ``[V, d_s]`` weight.
+        student_head: the student's LM head (``nn.Linear``, e.g. ``get_output_embeddings()``),
+            its ``[V, d_s]`` weight, or a ``(weight, bias)`` pair.
         teacher_hidden: the teacher's final hidden states, ``[N, d_t]`` or ``[B, L_t, d_t]``.
-        teacher_head: the teacher's LM head or its weight (may be the student's: a shared head).
+        teacher_head: the teacher's LM head, weight or pair (may be the student's: a shared head).
         target_ids: ``[N]`` or ``[B, L]`` the token each student position predicts (shifted).
         action_mask: ``[B, L]`` bool, the student positions to distill; ``None`` for packed rows.
         teacher_action_mask: ``[B, L_t]`` bool with, per sequence, as many True entries as

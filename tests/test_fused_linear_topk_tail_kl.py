@@ -495,6 +495,37 @@ def test_lm_head_helper_teacher_with_prefix():
         lm_head_topk_tail_kl(hs, head_s, ht, head_t, target, mask, teacher_action_mask=t_mask)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "materialized"])
+def test_lm_head_helper_on_packed_rows(fused):
+    """Packed action rows (the trainer's layout): the same outputs from a module head, a weight /
+    (weight, bias) pair, and, with fused=False, from the heads' own logits."""
+    g = torch.Generator().manual_seed(2)
+    hs = torch.randn(7, 8, generator=g, requires_grad=True)
+    ht = torch.randn(7, 8, generator=g, requires_grad=True)
+    target = torch.randint(0, 31, (7,), generator=g)
+    target[3] = -100
+    head_s, head_t = torch.nn.Linear(8, 31), torch.nn.Linear(8, 31, bias=False)
+    out = lm_head_topk_tail_kl(hs, head_s, ht, head_t, target, fused=fused, top_m=4)
+    pair = lm_head_topk_tail_kl(
+        hs, (head_s.weight, head_s.bias), ht, head_t.weight, target, fused=fused, top_m=4
+    )
+    ref = fused_linear_topk_tail_kl_reference(
+        hs, head_s.weight, ht, head_t.weight, target, student_bias=head_s.bias, top_m=4
+    )
+    for name in OUTS:
+        assert_close(getattr(out, name), getattr(ref, name), torch.float32, name)
+        assert torch.equal(getattr(out, name), getattr(pair, name)), name
+    assert torch.equal(out.topk_ids, ref.topk_ids)
+    (g_hs,) = torch.autograd.grad(out.kl.sum(), hs)
+    (r_hs,) = torch.autograd.grad(ref.kl.sum(), hs)
+    assert_close(g_hs, r_hs, torch.float32, "d student_hidden")
+    if not fused:
+        with pytest.raises(ValueError, match="chunk_size"):
+            lm_head_topk_tail_kl(hs, head_s, ht, head_t, target, fused=False, chunk_size=2)
+    with pytest.raises(ValueError, match="packed"):
+        lm_head_topk_tail_kl(hs[None], head_s, ht, head_t, target)
+
+
 # ---------------------------------------------------------------------------------------------
 # PyTorch twins of the per-row kernels (the chunked path without the compiled extension)
 # ---------------------------------------------------------------------------------------------
