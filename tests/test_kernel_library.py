@@ -144,7 +144,7 @@ def test_auto_resolution_and_errors():
     assert spec.resolve("torch", cuda, fp64=True) == "torch"
     with pytest.raises(TypeError, match="float64"):
         spec.resolve("cuda", cuda, fp64=True)
-    with pytest.raises(lk.BackendUnavailableError, match="^op: backend='cuda' is missing"):
+    with pytest.raises(lk.BackendUnavailableError, match=r"^op: backend='cuda' is missing"):
         spec.resolve("cuda", cuda)
     with pytest.raises(ValueError, match="backend must be one of"):
         spec.resolve("gpu", cuda)
