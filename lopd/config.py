@@ -29,6 +29,8 @@ from typing import Any
 
 import yaml
 
+from lopd_kernels import DIVERGENCES
+
 __all__ = [
     "PRESETS",
     "BankConfig",
@@ -344,7 +346,7 @@ class Config:
         if not 0.0 <= self.bank.min_reward <= 1.0:
             raise ConfigError(f"bank.min_reward must be in [0, 1], got {self.bank.min_reward}")
         choices = {
-            "lopd.divergence": (self.lopd.divergence, ("reverse", "forward")),
+            "lopd.divergence": (self.lopd.divergence, DIVERGENCES),
             "data.domain": (self.data.domain, ("tool_use", "coding")),
             "model.dtype": (self.model.dtype, ("float32", "bfloat16", "float16")),
         }

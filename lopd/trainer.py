@@ -304,30 +304,21 @@ def distill_rows(
         The kernel's :class:`~lopd_kernels.topk_tail_kl.TopKTailKLOutput` (``kl, privilege,
         student_logprob, teacher_logprob, topk_ids, teacher_topk_mass``).
     """
-    # Imported from their op modules (the public ``lopd_kernels.<op>`` functions).
-    from lopd_kernels.fused_linear_topk_tail_kl import fused_linear_topk_tail_kl
-    from lopd_kernels.topk_tail_kl import topk_tail_kl
+    # The HF-facing helper users get: packed action rows, fused with the heads or on their
+    # materialized [N, V] logits (action rows only).
+    from lopd_kernels.hf import lm_head_topk_tail_kl
 
-    tau = cfg.temperature
-    if cfg.fused_linear:
-        out = fused_linear_topk_tail_kl(
-            h_s,
-            head_s.weight,
-            h_t,
-            head_t.weight,
-            targets,
-            student_bias=getattr(head_s, "bias", None),
-            teacher_bias=getattr(head_t, "bias", None),
-            top_m=cfg.top_m,
-            temperature=tau,
-            divergence=cfg.divergence,
-        )
-    else:
-        s, t = head_s(h_s), head_t(h_t)  # [N, V] on action rows only
-        out = topk_tail_kl(
-            s, t, targets, top_m=cfg.top_m, temperature=tau, divergence=cfg.divergence
-        )
-    return out
+    return lm_head_topk_tail_kl(
+        h_s,
+        head_s,
+        h_t,
+        head_t,
+        targets,
+        fused=cfg.fused_linear,
+        top_m=cfg.top_m,
+        temperature=cfg.temperature,
+        divergence=cfg.divergence,
+    )
 
 
 def distill_metric_sums(out: Any, where: ActionRows, num_traj: int) -> dict[str, float]:

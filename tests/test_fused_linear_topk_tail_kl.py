@@ -526,6 +526,17 @@ def test_lm_head_helper_on_packed_rows(fused):
         lm_head_topk_tail_kl(hs[None], head_s, ht, head_t, target)
 
 
+def test_decoder_of_is_the_one_helper():
+    """lopd's composer uses the kernel library's decoder_of (one definition)."""
+    import lopd.composer
+
+    assert lopd.composer.decoder_of is lk.decoder_of
+    model = _tiny_llama(3)
+    assert lk.decoder_of(model) is model.get_decoder()
+    with pytest.raises(TypeError, match="exposes no decoder"):
+        lk.decoder_of(torch.nn.Linear(2, 2))
+
+
 # ---------------------------------------------------------------------------------------------
 # PyTorch twins of the per-row kernels (the chunked path without the compiled extension)
 # ---------------------------------------------------------------------------------------------

@@ -39,9 +39,9 @@ def test_every_cited_path_exists_in_the_repo():
 
 
 def test_modules_stay_small():
-    """One concern per file: no module of lopd_kernels/ much over 600 lines."""
+    """One concern per file: no module of lopd_kernels/ over 600 lines."""
     sizes = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
-    assert not {p: n for p, n in sizes.items() if n > 650}, sizes
+    assert not {p: n for p, n in sizes.items() if n > 600}, sizes
 
 
 def _imports(path: Path) -> set[str]:
