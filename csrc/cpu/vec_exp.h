@@ -74,7 +74,8 @@ inline at::vec::Vectorized<float> fast_exp(const at::vec::Vectorized<float>& x) 
   const __m256 r2 = _mm256_mul_ps(r, r);
   p = _mm256_fmadd_ps(p, r2, r);
   p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   const __m256 out = _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
   return _mm256_blendv_ps(out, _mm256_set1_ps(__builtin_inff()), huge);
 #else

@@ -1,4 +1,4 @@
-// The CUDA implementation of lopd::topk_tail_kl_fwd / _bwd: the kernels and launchers of
+// The CUDA implementation of lopd::topk_tail_kl_cuda_fwd / _bwd: the kernels and launchers of
 // topk_tail_kl_kernels.cuh (also run on the CPU by the SIMT-emulated test build,
 // csrc/emu/topk_tail_kl_emu.cpp), registered for the CUDA dispatch key.
 #include <torch/library.h>

@@ -1,4 +1,4 @@
-// Vectorized CPU kernels of lopd::topk_tail_kl_fwd / _bwd. Compiled once per ISA
+// Vectorized CPU kernels of lopd::topk_tail_kl_cpu_fwd / _bwd. Compiled once per ISA
 // (CPU_CAPABILITY = DEFAULT | AVX2 | AVX512, see csrc/cpu/isa_dispatch.h); the per-row math is in
 // csrc/common/topk_tail_kl_math.h, shared with the CUDA kernel.
 //
