@@ -7,27 +7,18 @@ import copy
 import itertools
 import json
 import math
-import time
 
 import pytest
 import torch
 
-from lopd.baselines import (
-    OPSD_SYSTEM_TEMPLATE,
-    SDPO_USER_TEMPLATE,
-    GRPOMethod,
-    LOPDFrozenComposerMethod,
-    LOPDNoMarginMethod,
-    OPSDMethod,
-    SDPOMethod,
-    build_text_teacher_sequence,
-    ema_update_,
-    group_advantages,
-    group_rollouts,
-    ppo_clip_loss,
-)
 from lopd.config import load_config
-from lopd.trainer import METHODS, Trainer
+from lopd.methods import METHODS, GRPOMethod, SDPOMethod
+from lopd.methods.ema import ema_update_
+from lopd.methods.groups import group_advantages, group_rollouts, ppo_clip_loss
+from lopd.methods.opsd import OPSD_SYSTEM_TEMPLATE
+from lopd.methods.sdpo import SDPO_USER_TEMPLATE
+from lopd.methods.text_teacher import build_text_teacher_sequence
+from lopd.trainer import Trainer
 
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -79,8 +70,17 @@ def test_ema_update_is_a_convex_step_toward_the_student():
         ema_update_(teacher, torch.nn.Sequential(student, torch.nn.Linear(2, 2)), 0.1)
 
 
-def test_all_methods_are_registered():
-    assert {"lopd", "grpo", "opsd", "sdpo", "lopd-frozen", "lopd-m0"} <= set(METHODS)
+def test_all_methods_are_registered_with_their_phases():
+    from lopd.compare import _RUN_ORDER, ALL_METHODS
+
+    assert ALL_METHODS == ("lopd", "grpo", "opsd", "sdpo", "lopd-frozen", "lopd-m0")
+    assert _RUN_ORDER == ("lopd", "lopd-frozen", "lopd-m0", "opsd", "grpo", "sdpo")
+    assert {m for m, s in METHODS.items() if s.uses_composer} == {"lopd", "lopd-frozen", "lopd-m0"}
+    assert {m for m, s in METHODS.items() if s.builds_bank} == {
+        "lopd", "lopd-frozen", "lopd-m0", "opsd",
+    }  # fmt: skip
+    cfg = load_config("smoke", overrides=["grpo.group_size=3"])
+    assert METHODS["grpo"].group_size(cfg) == 3 and METHODS["lopd"].group_size(cfg) == 1
 
 
 # ----------------------------------------------------------------------------- real toy batch
@@ -91,16 +91,25 @@ def trainer(tmp_path_factory):
     cfg = load_config("smoke", overrides=[f"run_dir={run_dir}", "lopd.method=opsd"])
     tr = Trainer(cfg, progress=False)
     tr.setup()
-    tr.build_bank()
+    return tr
+
+
+@pytest.fixture(scope="module")
+def lopd_trainer(trainer):
+    """A LOPD trainer on the same run directory: loads the bank, builds the composer."""
+    cfg = copy.deepcopy(trainer.cfg)
+    cfg.lopd.method = "lopd"
+    tr = Trainer(cfg, progress=False)
+    tr.setup()
     return tr
 
 
 @pytest.fixture(scope="module")
 def group(trainer):
     """One group of G = 4 student rollouts of one task (and what it cost the budget)."""
-    before = trainer.rollouts
-    trajs = group_rollouts(trainer, 0, 4)
-    return trajs, trainer.rollouts - before
+    before = trainer.engine.rollouts
+    trajs = group_rollouts(trainer.context, 0, 4, trainer.cfg.lopd.tasks_per_step)
+    return trajs, trainer.engine.rollouts - before
 
 
 def _full_logits(model, ids, tau=1.0):
@@ -114,7 +123,8 @@ def _action_positions(traj):
 
 def test_budget_counts_bank_and_every_group_rollout(trainer, group):
     trajs, spent = group
-    assert trainer.bank_rollouts == trainer.cfg.data.n_train * trainer.cfg.bank.rollouts_per_task
+    cfg = trainer.cfg
+    assert trainer.experience.bank_rollouts == cfg.data.n_train * cfg.bank.rollouts_per_task
     assert len(trajs) == 4 and spent == 4  # tasks_per_step=2 < G: one group of 4
     assert len({t.task.task_id for t in trajs}) == 1
     assert [t.info["group"] for t in trajs] == [0, 0, 0, 0]
@@ -127,16 +137,16 @@ def test_text_teacher_sequence_keeps_the_exact_action_token_map(trainer, group):
         (dict(user_suffix="\n\nUSR-REF"), "user"),
     )
     for kwargs, role in cases:
-        seq = build_text_teacher_sequence(trainer.tokenizer, traj, **kwargs)
+        seq = build_text_teacher_sequence(trainer.models.tokenizer, traj, **kwargs)
         for p in _action_positions(traj):
             assert seq.input_ids[p + seq.offset] == traj.input_ids[p]
-        text = trainer.tokenizer.decode(seq.input_ids[: seq.prompt_len])
+        text = trainer.models.tokenizer.decode(seq.input_ids[: seq.prompt_len])
         content = next(m["content"] for m in traj.messages if m["role"] == role)
         assert content + next(iter(kwargs.values())) in text
     with pytest.raises(ValueError, match="no system message"):
         no_sys = copy.copy(traj)
         no_sys.messages = [m for m in traj.messages if m["role"] != "system"]
-        build_text_teacher_sequence(trainer.tokenizer, no_sys, system_suffix="x")
+        build_text_teacher_sequence(trainer.models.tokenizer, no_sys, system_suffix="x")
 
 
 def test_grpo_loss_gradient_matches_hand_written_policy_gradient(trainer, group):
@@ -148,10 +158,10 @@ def test_grpo_loss_gradient_matches_hand_written_policy_gradient(trainer, group)
     )
     for t, a in zip(trajs, adv.tolist()):
         t.info["advantage"] = a
-    method, student = GRPOMethod(), trainer.student
+    method, student = GRPOMethod.from_config(trainer.context, trainer.cfg), trainer.models.student
     head = student.get_output_embeddings().weight
     student.zero_grad(set_to_none=True)
-    loss, sums = method.loss(trainer, trajs, num_total=4)
+    loss, sums = method.loss(trajs, num_total=4)
     loss.backward()
     got = head.grad.clone()
     student.zero_grad(set_to_none=True)
@@ -185,102 +195,100 @@ def _reverse_topk_tail(s_logits, t_logits, top_m):
 
 def test_opsd_is_forward_kl_over_the_full_vocabulary_against_the_frozen_base(trainer, group):
     trajs = group[0][:2]
-    method = OPSDMethod()
-    loss, sums = method.loss(trainer, trajs, num_total=2)
+    method, models = trainer.method, trainer.models  # the fixture's method is opsd
+    loss, sums = method.loss(trajs, num_total=2)
     ref = []
     for t in trajs:
-        gt = trainer._retrieved[t.task.task_id][0]
-        seq = method.teacher_sequence(trainer, t)
-        prompt_text = trainer.tokenizer.decode(seq.input_ids[: seq.prompt_len])
+        gt = trainer.experience.retrieved[t.task.task_id][0]
+        seq = method.teacher_sequence(t)
+        prompt_text = models.tokenizer.decode(seq.input_ids[: seq.prompt_len])
         assert OPSD_SYSTEM_TEMPLATE.format(gt_text=gt).strip() in prompt_text
         pos = torch.tensor(_action_positions(t))
-        s = _full_logits(trainer.student, t.input_ids)[pos - 1]
-        tt = _full_logits(trainer.backbone, seq.input_ids)[pos - 1 + seq.offset]
+        s = _full_logits(models.student, t.input_ids)[pos - 1]
+        tt = _full_logits(models.backbone, seq.input_ids)[pos - 1 + seq.offset]
         lp_s, lp_t = torch.log_softmax(s, -1), torch.log_softmax(tt, -1)
         ref.append((lp_t.exp() * (lp_t - lp_s)).sum(-1).mean())  # KL(teacher || student)
     assert loss.item() == pytest.approx(float(sum(ref) / 2), rel=1e-4, abs=1e-6)
     assert sums["teacher_top_m_mass"] == pytest.approx(2.0)  # full vocabulary: all mass
 
 
-def test_sdpo_sibling_selection_reverse_topk_kl_and_ema(trainer, group, monkeypatch):
+def test_sdpo_sibling_selection_reverse_topk_kl_and_ema(trainer, group):
     trajs = [copy.deepcopy(t) for t in group[0]]
     rewards = [1.0, 0.0, 1.0, 0.0]
-    method = SDPOMethod()
-    # Re-run the hook's sibling choice on this group with known rewards.
-    monkeypatch.setattr("lopd.baselines.group_rollouts", lambda *a: trajs)
-    monkeypatch.setattr(trainer.cfg.bank, "min_reward", 1.0)  # the smoke preset's is 0
+    cfg = copy.deepcopy(trainer.cfg)
+    cfg.bank.min_reward = 1.0  # the success criterion (the smoke preset's is 0)
+    method, models = SDPOMethod.from_config(trainer.context, cfg), trainer.models
+    # Re-run the sibling choice of the rollouts hook on this group with known rewards.
     for t, r in zip(trajs, rewards):
         t.reward = r
-    method.rollouts(trainer, 0)
+    method.pick_siblings(trajs, 0)
     traces = [t.trace_text() or "(no tool calls)" for t in trajs]
     assert trajs[0].info["sibling_text"] == traces[2]  # a success never uses itself
     assert trajs[2].info["sibling_text"] == traces[0]
     assert trajs[1].info["sibling_text"] in (traces[0], traces[2])
     for t in trajs:
         t.reward = 0.0
-    method.rollouts(trainer, 0)
+    method.pick_siblings(trajs, 0)
     assert all(t.info["sibling_text"] is None for t in trajs)  # no success: nothing to distill
-    loss0, sums0 = method.loss(trainer, trajs, num_total=4)
+    loss0, sums0 = method.loss(trajs, num_total=4)
     assert loss0.item() == 0.0 and sums0["distilled"] == 0.0
 
     for t, r in zip(trajs, rewards):
         t.reward = r
-    method.rollouts(trainer, 0)
-    loss, sums = method.loss(trainer, trajs, num_total=4)
+    method.pick_siblings(trajs, 0)
+    loss, sums = method.loss(trajs, num_total=4)
     assert sums["distilled"] == 4.0
     top_m = trainer.cfg.lopd.top_m
     ref = []
     for t in trajs:
-        seq = method.teacher_sequence(trainer, t)
+        seq = method.teacher_sequence(t)
         solution = SDPO_USER_TEMPLATE.format(solution=t.info["sibling_text"]).strip()
-        assert solution in trainer.tokenizer.decode(seq.input_ids[: seq.prompt_len])
+        assert solution in models.tokenizer.decode(seq.input_ids[: seq.prompt_len])
         pos = torch.tensor(_action_positions(t))
-        s = _full_logits(trainer.student, t.input_ids)[pos - 1]
-        tt = _full_logits(method.teacher, seq.input_ids)[pos - 1 + seq.offset]
+        s = _full_logits(models.student, t.input_ids)[pos - 1]
+        tt = _full_logits(method.teacher.get(), seq.input_ids)[pos - 1 + seq.offset]
         ref.append(_reverse_topk_tail(s, tt, top_m).mean())
     assert loss.item() == pytest.approx(float(sum(ref) / 4), rel=1e-4, abs=1e-6)
 
     # EMA: after a step the teacher moves 5% of the way to the (changed) student.
-    teacher0 = copy.deepcopy(method.teacher)
-    saved = copy.deepcopy(trainer.student.state_dict())
+    teacher0 = copy.deepcopy(method.teacher.get())
+    saved = copy.deepcopy(models.student.state_dict())
     with torch.no_grad():
-        for p in trainer.student.parameters():
+        for p in models.student.parameters():
             p.add_(0.1)
-    method.after_step(trainer, {})
+    method.after_step({})
     for t, t0, s in zip(
-        method.teacher.parameters(), teacher0.parameters(), trainer.student.parameters()
+        method.teacher.get().parameters(), teacher0.parameters(), models.student.parameters()
     ):
         torch.testing.assert_close(t, 0.95 * t0 + 0.05 * s)
-    trainer.student.load_state_dict(saved)
+    models.student.load_state_dict(saved)
 
 
-def test_lopd_m0_uses_margin_zero_and_restores_the_config(trainer):
-    method, cfg = LOPDNoMarginMethod(), trainer.cfg.lopd
-    trainer.beta = 0.0
-    out = method.after_step(trainer, {"delta": -0.1})
-    assert out["beta_next"] == pytest.approx(cfg.dual_lr * (0.0 + 0.1))  # m = 0, not 0.05
-    assert trainer.cfg.lopd is cfg and cfg.margin == 0.05
-    trainer.beta = 0.0
+def test_lopd_m0_is_lopd_with_margin_zero(lopd_trainer):
+    tr = lopd_trainer
+    method = METHODS["lopd-m0"].build(tr.context, tr.cfg)
+    assert method.beta == 0.0
+    out = method.after_step({"delta": -0.1})
+    assert out["beta_next"] == pytest.approx(tr.cfg.lopd.dual_lr * (0.0 + 0.1))  # m = 0
+    assert tr.cfg.lopd.margin == 0.05 and tr.method.settings.margin == 0.05
+    assert method.state_dict() == {"beta": out["beta_next"]}
 
 
-def test_lopd_frozen_reads_c_phi0_and_gives_the_composer_no_gradient(trainer):
-    # A second trainer on the same run directory: loads the bank, builds the composer.
-    tr = Trainer(copy.deepcopy(trainer.cfg), progress=False)
-    tr.setup()
-    tr.build_bank()
-    tr.build_composer()
-    tr.cold_start()
+def test_lopd_frozen_reads_c_phi0_and_gives_the_composer_no_gradient(lopd_trainer):
+    tr = lopd_trainer
+    method = METHODS["lopd-frozen"].build(tr.context, tr.cfg)
     tasks = tr.train_tasks[:2]
-    lat = LOPDFrozenComposerMethod().latents(tr, tasks)
-    torch.testing.assert_close(lat, tr.cached_latents0(tasks))
+    lat = method.latents(tasks)
+    torch.testing.assert_close(lat, method.cached_latents0(tasks))
     assert not lat.requires_grad
-    traj = group_rollouts(tr, 0, 2)
-    tr.composer.zero_grad(set_to_none=True)  # the cold start's last gradients
-    loss, sums = LOPDFrozenComposerMethod().loss(tr, traj, num_total=2)
+    traj = group_rollouts(tr.context, 0, 2, tr.cfg.lopd.tasks_per_step)
+    composer = tr.models.composer
+    composer.zero_grad(set_to_none=True)  # the cold start's last gradients
+    loss, sums = method.loss(traj, num_total=2)
     loss.backward()
-    assert all(p.grad is None for p in tr.composer.trainable_parameters())
+    assert all(p.grad is None for p in composer.trainable_parameters())
     assert sums["anchor"] == 0.0
-    assert any(p.grad is not None for p in tr.student.parameters())
+    assert any(p.grad is not None for p in tr.models.student.parameters())
 
 
 # ----------------------------------------------------------------------------- compare
@@ -331,26 +339,22 @@ def test_answers_compute_the_rollout_fraction_and_ablation_verdict():
     assert "lopd-m0 − lopd-frozen = -0.090 ± 0.010" in text and "→ yes" in text
 
 
-def test_sdpo_ema_teacher_survives_a_checkpoint(trainer):
+def test_sdpo_ema_teacher_survives_a_checkpoint(tmp_path):
     """A resumed SDPO run continues with the saved EMA teacher, not a copy of the student."""
-    saved_method = trainer.method
-    try:
-        trainer._make_optimizers()
-        trainer._t_session = time.perf_counter()  # set by Trainer.run(), which this skips
-        method = SDPOMethod()
-        trainer.method = method
-        with torch.no_grad():
-            for p in method.ensure_teacher(trainer).parameters():
-                p.add_(0.25)  # an EMA teacher that has drifted from the student
-        expected = copy.deepcopy(method.teacher.state_dict())
-        trainer.save_checkpoint(step=7)
-        trainer.method = fresh = SDPOMethod()
-        assert trainer.load_checkpoint() == 7
-        assert fresh.teacher is not None and not fresh.teacher.training
-        for name, value in fresh.teacher.state_dict().items():
-            torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
-        assert not any(p.requires_grad for p in fresh.teacher.parameters())
-    finally:
-        trainer.method = saved_method
-        for f in trainer.ckpt_dir.glob("step_*.pt"):
-            f.unlink()
+    cfg = load_config("smoke", overrides=[f"run_dir={tmp_path}", "lopd.method=sdpo"])
+    tr = Trainer(cfg, progress=False)
+    tr.setup()  # SDPO needs no bank: model and tasks only
+    with torch.no_grad():
+        for p in tr.method.teacher.get().parameters():
+            p.add_(0.25)  # an EMA teacher that has drifted from the student
+    expected = copy.deepcopy(tr.method.teacher.get().state_dict())
+    tr.save_checkpoint(step=7)
+    fresh = Trainer(copy.deepcopy(cfg), progress=False)
+    fresh.setup()
+    assert fresh.method.teacher.model is None
+    assert fresh.load_checkpoint() == 7
+    teacher = fresh.method.teacher.model
+    assert teacher is not None and not teacher.training
+    for name, value in teacher.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+    assert not any(p.requires_grad for p in teacher.parameters())

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from lopd.envs.tool_use import evaluate_checks, get_world
 from lopd.types import Task
 
 _TASK_KEYS = {"task_id", "domain", "world", "instruction", "spec"}
@@ -60,6 +61,17 @@ def _validate(task: Task, where: str) -> Task:
             raise TaskFormatError(f"{where}: tool-use spec needs a non-empty 'checks' list")
         if "db" not in task.spec and not isinstance(task.spec.get("seed"), int):
             raise TaskFormatError(f"{where}: tool-use spec needs 'db' or an integer 'seed'")
+        try:
+            get_world(task.world)
+        except KeyError as e:
+            raise TaskFormatError(
+                f"{where}: {e.args[0]} (register the world before loading)"
+            ) from None
+        try:
+            # On an empty database: catches unknown ops and checks missing their keys.
+            evaluate_checks(task.spec["checks"], {}, {})
+        except Exception as e:
+            raise TaskFormatError(f"{where}: invalid check ({type(e).__name__}: {e})") from None
     return task
 
 
@@ -201,17 +213,26 @@ def task_from_record(record: dict[str, Any], where: str = "record") -> Task:
 def load_tasks_jsonl(path: str | os.PathLike[str]) -> list[Task]:
     """Load tasks from a JSONL file (blank lines ignored; formats in the module docstring).
 
+    Tool-use tasks must name a registered world (register custom worlds before loading) and
+    use known check ops.
+
     Raises:
         FileNotFoundError: no such file.
         TaskFormatError: a bad line (the message gives ``path:line``), or duplicate task ids.
     """
     tasks: list[Task] = []
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TaskFormatError(
+                    f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
