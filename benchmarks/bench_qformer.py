@@ -59,9 +59,10 @@ SHAPES = {
 
 def make_inputs(seed: int = 0):
     """Module (shared layers), packed hidden states ``[6600, 512]`` and ``cu_seqlens``."""
-    torch.manual_seed(seed)
-    module = QFormerCompressor(**CONFIG, share_layers=True)
-    hidden = torch.randn(sum(LENGTHS), CONFIG["hidden_size"], requires_grad=True)
+    with torch.random.fork_rng():  # seeded without touching the caller's global RNG
+        torch.manual_seed(seed)
+        module = QFormerCompressor(**CONFIG, share_layers=True)
+        hidden = torch.randn(sum(LENGTHS), CONFIG["hidden_size"], requires_grad=True)
     cu = torch.zeros(len(LENGTHS) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(LENGTHS).cumsum(0)
     return module, hidden, cu
