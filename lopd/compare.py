@@ -6,14 +6,14 @@ rollout budget, then writes to ``--out``:
 
 * ``report.md``: a table of held-out reward (mean +- stderr over seeds, per-seed values, n) per
   method and the answers to the paper's three claims in miniature: does LOPD beat each baseline at
-  equal budget; what fraction of GRPO's rollouts LOPD needs to reach GRPO's final reward; does
-  m = 0 fall below the frozen composer.
+  equal budget; what fraction of GRPO's (and Skill-SD's) rollouts LOPD needs to reach its final
+  reward; does m = 0 fall below the frozen composer.
 * ``learning_curve.png``: held-out reward against generated rollouts (mean over seeds).
 * ``results.json``: every run's summary and curve; ``runs/<method>-seed<k>/``: the run directories.
 
 Usage::
 
-    python -m lopd.compare                          # default comparison (6 methods x 3 seeds)
+    python -m lopd.compare                          # default comparison (8 methods x 3 seeds)
     python -m lopd.compare --quick                  # seconds-scale plumbing run (tests)
     python -m lopd.compare --seeds 0 1 --methods lopd grpo --out runs/cmp data.n_test=32
 
@@ -22,9 +22,11 @@ Settings. The runs use the ``compare`` preset (``--quick``: ``compare-quick``) o
 
 Equal budgets. Every generated rollout counts (:attr:`lopd.engine.RolloutEngine.rollouts`), the
 experience bank's base-model rollouts included: methods that build a bank (LOPD and its
-ablations, OPSD) train for ``(budget - bank) / tasks_per_step`` steps, the others (GRPO, SDPO) for
-``budget / tasks_per_step`` steps, so all end at the same count. Evaluation rollouts (greedy, on
-the held-out split) do not count. Held-out rewards are measured, never used to pick anything.
+ablations, OPSD, SDFT) train for ``(budget - bank) / tasks_per_step`` steps, the others (GRPO,
+SDPO, Skill-SD) for ``budget / tasks_per_step`` steps, so all end at the same count. Skill-SD's
+skills are written from its own training rollouts (already counted); no other rollout is made.
+Evaluation rollouts (greedy, on the held-out split) do not count. Held-out rewards are measured,
+never used to pick anything.
 
 Shared phases. For one seed the bank, the composer cold start and the vanilla evaluation are the
 same computation for every method (same seed, base model and tasks), so they are run once (by the
@@ -198,7 +200,8 @@ def run_seed(
     settings: CompareSettings, methods: Sequence[str], seed: int, out: Path
 ) -> list[dict[str, Any]]:
     """All methods of one seed, sharing the seed's phases: composer methods first (they produce
-    the bank, phi_0 and c_phi0 the others reuse), then OPSD, then the bank-free methods."""
+    the bank, phi_0 and c_phi0 the others reuse), then OPSD and SDFT, then the bank-free
+    methods."""
     results, sources = [], []
     for method in sorted(methods, key=_RUN_ORDER.index):
         res = run_method(settings, method, seed, out, sources)
@@ -279,13 +282,40 @@ def _paired(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> tuple[f
     return mean, se, len(seeds)
 
 
+def _rollout_fraction(by: dict[str, list[dict[str, Any]]], ref: str, name: str) -> str:
+    """The fraction of ``ref``'s rollouts LOPD needs to reach ``ref``'s final held-out reward
+    (the paper's "less than 30% of the rollout budget of GRPO and Skill-SD")."""
+    if "lopd" not in by or ref not in by:
+        return f"- Fraction of {name}'s rollouts: needs both `lopd` and `{ref}` runs."
+    r_curve, l_curve = _mean_curve(by[ref]), _mean_curve(by["lopd"])
+    r_final_x, r_final, _ = r_curve[-1]
+    vanilla = r_curve[0][1]
+    reach = next((x for x, y, _ in l_curve if y >= r_final), None)
+    head = f"- **Rollouts LOPD needs to reach {name}'s final reward**"
+    if r_final <= vanilla:
+        return (
+            f"{head}: not meaningful here: {name}'s final held-out reward ({r_final:.3f}) does "
+            f"not exceed vanilla ({vanilla:.3f}), so any run 'reaches' it at 0 rollouts."
+        )
+    if reach is None:
+        return (
+            f"{head} ({r_final:.3f} after {r_final_x} rollouts): not reached within the budget "
+            f"(LOPD's mean curve peaks at {max(y for _, y, _ in l_curve):.3f})."
+        )
+    return (
+        f"{head} ({r_final:.3f} after {r_final_x} rollouts): {reach} rollouts (bank included) = "
+        f"{reach / r_final_x:.0%} of {name}'s (resolution: the evaluation interval; mean curves "
+        "over seeds)."
+    )
+
+
 def answers(results: Sequence[dict[str, Any]]) -> list[str]:
     """The three claims, answered from the numbers (markdown bullet lines)."""
     by = _by_method(results)
     lines = []
     if "lopd" in by:
-        for base in ("grpo", "opsd", "sdpo", "lopd-frozen", "lopd-m0"):
-            if base not in by:
+        for base in ALL_METHODS:
+            if base == "lopd" or base not in by:
                 continue
             d, se, n = _paired(by["lopd"], by[base])
             lines.append(
@@ -294,32 +324,8 @@ def answers(results: Sequence[dict[str, Any]]) -> list[str]:
             )
     else:
         lines.append("- LOPD vs baselines: LOPD was not run (or failed).")
-    if "lopd" in by and "grpo" in by:
-        g_curve, l_curve = _mean_curve(by["grpo"]), _mean_curve(by["lopd"])
-        g_final_x, g_final, _ = g_curve[-1]
-        vanilla = g_curve[0][1]
-        reach = next((x for x, y, _ in l_curve if y >= g_final), None)
-        if g_final <= vanilla:
-            lines.append(
-                f"- **Rollouts LOPD needs to reach GRPO's final reward**: not meaningful here: "
-                f"GRPO's final held-out reward ({g_final:.3f}) does not exceed vanilla "
-                f"({vanilla:.3f}), so any run 'reaches' it at 0 rollouts."
-            )
-        elif reach is None:
-            lines.append(
-                f"- **Rollouts LOPD needs to reach GRPO's final reward** ({g_final:.3f} after "
-                f"{g_final_x} rollouts): not reached within the budget (LOPD's mean curve peaks "
-                f"at {max(y for _, y, _ in l_curve):.3f})."
-            )
-        else:
-            lines.append(
-                f"- **Rollouts LOPD needs to reach GRPO's final reward** ({g_final:.3f} after "
-                f"{g_final_x} rollouts): {reach} rollouts (bank included) = "
-                f"{reach / g_final_x:.0%} of GRPO's (resolution: the evaluation interval; mean "
-                "curves over seeds)."
-            )
-    else:
-        lines.append("- Fraction of GRPO's rollouts: needs both `lopd` and `grpo` runs.")
+    for ref, name in (("grpo", "GRPO"), ("skill-sd", "Skill-SD")):
+        lines.append(_rollout_fraction(by, ref, name))
     if "lopd-m0" in by and "lopd-frozen" in by:
         d, se, n = _paired(by["lopd-m0"], by["lopd-frozen"])
         below = "yes" if d < 0 else ("no (equal)" if d == 0 else "no")
@@ -441,7 +447,8 @@ def _plot(by: dict[str, list[dict[str, Any]]], path: Path) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m lopd.compare",
-        description="LOPD vs GRPO, OPSD, SDPO and ablations at equal rollout budgets.",
+        description="LOPD vs GRPO, OPSD, SDPO, SDFT, Skill-SD and ablations at equal rollout "
+        "budgets.",
     )
     p.add_argument("--quick", action="store_true", help="seconds-scale plumbing run")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2 (quick: 0)")

@@ -1,8 +1,8 @@
 """Run configuration: the config, its validation, presets, YAML files and ``key=value`` overrides.
 
 The sections (``model``, ``data``, ``gen``, ``bank``, ``composer``, ``cold_start``, ``lopd``,
-``grpo``, ``opsd``, ``sdpo``, ``eval``) are dataclasses in :mod:`lopd.config_sections`, importable
-from here.
+``grpo``, ``opsd``, ``sdpo``, ``sdft``, ``skill_sd``, ``eval``) are dataclasses in
+:mod:`lopd.config_sections`, importable from here.
 
 One :class:`Config` object describes a whole run and is saved as ``config.yaml`` in the run
 directory. It is built in three layers, later ones winning:
@@ -45,7 +45,9 @@ from lopd.config_sections import (
     LOPDConfig,
     ModelConfig,
     OPSDConfig,
+    SDFTConfig,
     SDPOConfig,
+    SkillSDConfig,
 )
 from lopd_kernels import DIVERGENCES
 
@@ -65,7 +67,9 @@ __all__ = [
     "LOPDConfig",
     "ModelConfig",
     "OPSDConfig",
+    "SDFTConfig",
     "SDPOConfig",
+    "SkillSDConfig",
     "load_config",
     "preset_yaml",
 ]
@@ -118,6 +122,8 @@ class Config:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     opsd: OPSDConfig = field(default_factory=OPSDConfig)
     sdpo: SDPOConfig = field(default_factory=SDPOConfig)
+    sdft: SDFTConfig = field(default_factory=SDFTConfig)
+    skill_sd: SkillSDConfig = field(default_factory=SkillSDConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     # ------------------------------------------------------------------ (de)serialization
@@ -266,6 +272,10 @@ class Config:
         for name, value in {
             "grpo.group_size": self.grpo.group_size,
             "sdpo.group_size": self.sdpo.group_size,
+            "skill_sd.group_size": self.skill_sd.group_size,
+            "skill_sd.teacher_sync_every": self.skill_sd.teacher_sync_every,
+            "skill_sd.summary_max_tokens": self.skill_sd.summary_max_tokens,
+            "skill_sd.max_skills": self.skill_sd.max_skills,
         }.items():
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
@@ -273,11 +283,32 @@ class Config:
             raise ConfigError(f"grpo.clip_eps must be > 0, got {self.grpo.clip_eps}")
         if not 0.0 <= self.sdpo.ema_rate <= 1.0:
             raise ConfigError(f"sdpo.ema_rate must be in [0, 1], got {self.sdpo.ema_rate}")
-        if self.opsd.top_m is not None and self.opsd.top_m < 1:
-            raise ConfigError(f"opsd.top_m must be >= 1 or null, got {self.opsd.top_m}")
+        if not 0.0 <= self.sdft.ema_rate <= 1.0:
+            raise ConfigError(f"sdft.ema_rate must be in [0, 1], got {self.sdft.ema_rate}")
+        for name, value in {
+            "skill_sd.clip_eps_low": self.skill_sd.clip_eps_low,
+            "skill_sd.clip_eps_high": self.skill_sd.clip_eps_high,
+        }.items():
+            if not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        for name, value in {
+            "skill_sd.sdl_weight": self.skill_sd.sdl_weight,
+            "skill_sd.ucb_c": self.skill_sd.ucb_c,
+        }.items():
+            if value < 0:
+                raise ConfigError(f"{name} must be >= 0, got {value}")
+        if self.skill_sd.summarizer not in ("model", "rule"):
+            raise ConfigError(
+                f"skill_sd.summarizer must be one of ('model', 'rule'), got "
+                f"{self.skill_sd.summarizer!r}"
+            )
+        for name, value in (("opsd.top_m", self.opsd.top_m), ("sdft.top_m", self.sdft.top_m)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1 or null, got {value}")
         for name, value in (
             ("opsd.divergence", self.opsd.divergence),
             ("sdpo.divergence", self.sdpo.divergence),
+            ("sdft.divergence", self.sdft.divergence),
         ):
             if value not in DIVERGENCES:
                 raise ConfigError(f"{name} must be one of {DIVERGENCES}, got {value!r}")
@@ -360,6 +391,8 @@ def _default() -> Config:
     - lr 1e-4 (student) and 3e-4 (composer), 60 cold-start steps at 1e-3: a 1e-5 step barely
       moves a tiny model within the few dozen steps the time budget allows.
     - margin 0.05, lambda 0.2, eta_beta 0.5, M 20: the paper's values, which are scale-free.
+    - Skill-SD's skills come from the deterministic rule summarizer: the 1M-parameter tiny model
+      cannot write a skill summary (a stand-in, see :mod:`lopd.methods.skills`).
     """
     cfg = Config(run_dir="runs/default")
     cfg.data.n_train, cfg.data.n_test = 48, 32
@@ -371,6 +404,7 @@ def _default() -> Config:
     cfg.cold_start.steps, cfg.cold_start.batch_size, cfg.cold_start.lr = 60, 4, 1e-3
     cfg.lopd.steps, cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 30, 8, 4
     cfg.lopd.lr, cfg.lopd.composer_lr = 1e-4, 3e-4
+    cfg.skill_sd.summarizer = "rule"
     cfg.checkpoint_every = 10
     return cfg
 

@@ -6,6 +6,7 @@ field means. Validation and presets are in :mod:`lopd.config`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 __all__ = [
@@ -19,7 +20,9 @@ __all__ = [
     "LOPDConfig",
     "ModelConfig",
     "OPSDConfig",
+    "SDFTConfig",
     "SDPOConfig",
+    "SkillSDConfig",
 ]
 
 
@@ -143,8 +146,8 @@ class LOPDConfig:
 
     Attributes:
         method: the training objective, a name in :data:`lopd.methods.METHODS` (``lopd``,
-            its ablations and the baselines; their own settings are the ``grpo``, ``opsd`` and
-            ``sdpo`` sections).
+            its ablations and the baselines; their own settings are the ``grpo``, ``opsd``,
+            ``sdpo``, ``sdft`` and ``skill_sd`` sections).
         steps: training iterations.
         tasks_per_step: training tasks sampled per iteration (one rollout each): the rollout
             budget per step, across all data-parallel ranks.
@@ -224,6 +227,53 @@ class SDPOConfig:
     group_size: int = 4
     ema_rate: float = 0.05
     divergence: str = "reverse"
+
+
+@dataclass
+class SDFTConfig:
+    """SDFT (paper B.1; ``lopd.method=sdft``): an EMA teacher with a demonstration as text.
+
+    Attributes:
+        ema_rate: alpha, the EMA teacher's update rate, applied after every optimizer step.
+        top_m: teacher top-M support plus a tail bucket; ``None`` = the full vocabulary (paper).
+        divergence: ``forward`` (paper) or ``reverse`` KL. Temperature and ``fused_linear`` are
+            the ``lopd`` section's.
+    """
+
+    ema_rate: float = 0.01
+    top_m: int | None = None
+    divergence: str = "forward"
+
+
+@dataclass
+class SkillSDConfig:
+    """Skill-SD (paper B.1; ``lopd.method=skill-sd``): a skill-conditioned self-teacher.
+
+    Attributes:
+        group_size: G, rollouts per task (group-normalized advantages, as GRPO); a step draws
+            ``max(1, lopd.tasks_per_step // G)`` tasks.
+        clip_eps_low, clip_eps_high: the PPO-clip range ``[1 - low, 1 + high]``.
+        sdl_weight: lambda_sdl, weight of the importance-weighted sampled-token reverse KL.
+        ucb_c: c of the UCB1 skill choice (paper: sqrt 2).
+        teacher_sync_every: the teacher is the student's weights copied every this many
+            optimizer steps (1: the current student itself, no copy is kept).
+        summarizer: who writes a skill from a task's rollouts: ``model`` (the student itself,
+            greedy; a text missing one of the three sections falls back to the rule summary)
+            or ``rule`` (the deterministic summarizer of :mod:`lopd.methods.skills`, the
+            stand-in for models too small to write one, such as the tiny default).
+        summary_max_tokens: token budget of a model-written skill.
+        max_skills: bank capacity; the oldest skill leaves when a new one would exceed it.
+    """
+
+    group_size: int = 4
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    sdl_weight: float = 0.001
+    ucb_c: float = math.sqrt(2.0)
+    teacher_sync_every: int = 1
+    summarizer: str = "model"
+    summary_max_tokens: int = 256
+    max_skills: int = 256
 
 
 @dataclass

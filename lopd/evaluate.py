@@ -43,6 +43,7 @@ __all__ = [
     "HeldOutEvaluator",
     "LatentConditionedLM",
     "LatentPromptEnv",
+    "main",
     "summarize",
 ]
 
@@ -294,3 +295,20 @@ class HeldOutEvaluator:
                 make_env=env_factory,
                 progress=self.progress,
             )
+
+
+# --------------------------------------------------------------------------------------- CLI
+# ``python -m lopd.evaluate --model PATH --bench bfcl-multi-turn | humaneval | builtin``: the
+# benchmark driver is lopd.bench_eval; this entry point stays a thin wrapper so the evaluation
+# helpers above can be reorganized freely.
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Benchmark evaluation CLI (see :mod:`lopd.bench_eval`)."""
+    from lopd.bench_eval import main as bench_main
+
+    return bench_main(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

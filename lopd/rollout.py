@@ -401,12 +401,16 @@ def _advance(
     if ep.turns >= gen.max_steps:
         ep.stop_reason = "max_steps"
         return False
-    segment = render_observation(tokenizer, observation, enable_thinking=gen.enable_thinking)
+    # An env may feed the next user turn instead of a tool result (multi-turn benchmarks).
+    role = getattr(ep.env, "observation_role", "tool")
+    segment = render_observation(
+        tokenizer, observation, enable_thinking=gen.enable_thinking, role=role
+    )
     # Room for the observation, one generated token and a closing end-of-turn token.
     if len(ep.ids) + len(segment) + 2 > gen.max_total_tokens:
         ep.stop_reason = "max_total_tokens"
         return False
     ep.ids.extend(segment)
     ep.mask.extend([0] * len(segment))
-    ep.messages.append({"role": "tool", "content": observation})
+    ep.messages.append({"role": role, "content": observation})
     return True

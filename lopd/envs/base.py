@@ -19,7 +19,9 @@ Rendering conventions the rollout code relies on:
   (Qwen3 renders it as ``<tool_response>...</tool_response>`` inside a user turn). This includes
   error observations (bad JSON, unknown tool, bad arguments, a turn without a tool call), so the
   conversation alternates strictly assistant / tool. When ``done`` is True the observation is
-  final bookkeeping text and is not shown to the model.
+  final bookkeeping text and is not shown to the model. A multi-turn benchmark env (BFCL) sets
+  ``observation_role = "user"`` after a step whose observation is the next user request; the
+  rollout reads the attribute after every step and renders the observation with that role.
 * Tool calls are parsed from the model text in Qwen3's format (see :func:`parse_tool_calls`).
 """
 
@@ -311,6 +313,8 @@ class Env(abc.ABC):
     """
 
     max_steps: int = 30
+    observation_role: str = "tool"
+    """How the rollout renders the observation of the last step: ``"tool"`` or ``"user"``."""
 
     def __init__(self) -> None:
         self.task: Task | None = None

@@ -16,9 +16,18 @@ A coding :class:`~lopd.types.Task` has the problem statement as ``instruction`` 
   (``python solution.py`` with the input on stdin, a fresh process each time, one sandbox
   supervisor for all); outputs compare token by token (whitespace-insensitive), numbers within
   1e-6.
-* function-call tests: ``input`` is the list of positional arguments, ``output`` the expected
-  return value (JSON). The function is a top-level ``def fn_name`` or a LeetCode-style
-  ``Solution().fn_name``. All tests run in one sandboxed process under a per-call timer.
+* function-call tests: ``input`` is the list of positional arguments (or a string holding a
+  Python literal tuple of them, for arguments JSON cannot carry, e.g. dicts with int keys),
+  ``output`` the expected return value (JSON). The function is a top-level ``def fn_name`` or a
+  LeetCode-style ``Solution().fn_name``. All tests run in one sandboxed process under a per-call
+  timer. By default values match with :func:`values_match` (float tolerance 1e-6, TACO's
+  one-element-list unwrap); ``"compare": "exact"`` in the spec gives Python ``==`` on the JSON
+  values instead (HumanEval). A test may also ask for ``"abs_tol": t`` (``abs(value - output) <
+  t``), ``"truthy": true|false`` (``bool(value)``), ``"identical": true`` (``value is output``
+  for ``true``/``false``/``null``), or a ``"judge"``: a Python expression over the returned value
+  ``__out__`` and the names in the test's ``"judge_env"``, evaluated after ``spec["judge_code"]``
+  (trusted task code) in a second sandboxed process that never runs the solution and receives the
+  returned values as JSON data (a property check, e.g. "the returned root is a root").
 
 Why a program cannot forge a pass: nothing inside the sandbox is trusted or holds a secret. The
 expected outputs never enter it, and the verdict is computed here, outside it, from what the
@@ -28,9 +37,10 @@ test. Those records are checked strictly: a load record, then tests 1, 2, ... ex
 in order; a missing, duplicated, out-of-order, unparsable or oversized report is reward 0 with
 the reason (``malformed result channel: test 1 reported twice``, ``Test 2: no result ...``).
 A program's only influence on the verdict is thus the values it produces, which is what is
-being graded. Outputs over :data:`MAX_OUTPUT_BYTES` fail cleanly (``output over the 16 MiB
-cap``); messages are one printable line with short previews, never whole outputs. A failing
-sandbox supervisor is a failed test (``sandbox error: ...``), not an exception.
+being graded (a judge, too, sees nothing of the program but its returned values, as JSON data).
+Outputs over :data:`MAX_OUTPUT_BYTES` fail cleanly (``output over the 16 MiB cap``); messages
+are one printable line with short previews, never whole outputs. A failing sandbox supervisor
+is a failed test (``sandbox error: ...``), not an exception.
 
 Reward: 1.0 if every test passes, else 0.0.
 """
@@ -73,7 +83,7 @@ _PYTHON_TAGS = ("", "python", "py", "python3")
 # with the expected outputs, which never enter the sandbox. What the solution prints goes to
 # /dev/null.
 _CALL_RUNNER = r"""
-import copy, json, os, signal, sys
+import ast, copy, json, os, signal, sys
 
 per_call, fn_name, cap = float(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 channel = os.fdopen(os.dup(1), "w")
@@ -128,6 +138,8 @@ if fn is None:
 emit('{"loaded": true}')
 for i, args in enumerate(inputs):
     try:
+        if isinstance(args, str):
+            args = ast.literal_eval(args)
         signal.setitimer(signal.ITIMER_REAL, per_call)
         out = fn(*copy.deepcopy(args))
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -145,6 +157,39 @@ for i, args in enumerate(inputs):
         emit(json.dumps({"test": i, "error": "return value over the %d MiB cap" % (cap >> 20)}))
         break
     emit('{"test": %d, "value": %s}' % (i, text))
+"""
+
+
+# Runs in a sandbox of its own: trusted task code (spec["judge_code"]) and the judges of the
+# spec, applied to the returned values as JSON data; the solution never runs here.
+_JUDGE_RUNNER = r"""
+import json, signal, sys
+
+
+def on_alarm(signum, frame):
+    raise TimeoutError("time limit exceeded")
+
+
+signal.signal(signal.SIGALRM, on_alarm)
+ns = {"__name__": "judge"}
+with open("judge_code.py", "rb") as f:
+    exec(compile(f.read(), "judge_code.py", "exec"), ns)
+with open("cases.json") as f:
+    cases = json.load(f)
+verdicts = []
+for judge, env, value in cases:
+    scope = dict(ns)
+    scope.update(env)
+    scope["__out__"] = value
+    try:
+        signal.setitimer(signal.ITIMER_REAL, float(sys.argv[1]))
+        ok = bool(eval(compile(judge, "judge", "eval"), scope))
+    except BaseException:
+        ok = False
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    verdicts.append(ok)
+print(json.dumps(verdicts))
 """
 
 
@@ -227,6 +272,51 @@ def values_match(got: Any, expected: Any) -> bool:
         return isinstance(expected, list) and len(expected) == 1 and eq(got, expected[0])
     except (RecursionError, OverflowError):
         return False
+
+
+def python_equal(got: Any, expected: Any) -> bool:
+    """Python's ``==`` on JSON values (``True == 1``, ``2 == 2.0``, no tolerance).
+
+    Values nested too deeply to compare do not match.
+    """
+
+    def eq(a: Any, b: Any) -> bool:
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            return a == b
+        if isinstance(a, list) and isinstance(b, list):
+            return len(a) == len(b) and all(eq(x, y) for x, y in zip(a, b))
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(eq(a[k], b[k]) for k in a)
+        return type(a) is type(b) and a == b
+
+    try:
+        return eq(got, expected)
+    except (RecursionError, OverflowError):
+        return False
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def value_passes(got: Any, test: dict[str, Any], spec: dict[str, Any]) -> bool:
+    """Whether a returned value passes one function-call test (see the module docstring);
+    judge tests are decided by :func:`_judge`, not here."""
+    expected = test.get("output")
+    try:
+        if "abs_tol" in test:
+            return (
+                _is_number(got) and _is_number(expected) and abs(got - expected) < test["abs_tol"]
+            )
+        if "truthy" in test:
+            return bool(got) is bool(test["truthy"])
+    except (OverflowError, RecursionError):
+        return False
+    if test.get("identical"):
+        return type(got) is type(expected) and got == expected and expected in (True, False, None)
+    if spec.get("compare") == "exact":
+        return python_equal(got, expected)
+    return values_match(got, expected)
 
 
 @dataclass
@@ -363,6 +453,7 @@ def _run_calls(
         return TestReport(0, n, f"runtime error: {_last_line(r.stderr, r.returncode)}")
     if loaded is not True:
         return TestReport(0, n, f"error: {_preview(loaded)}")
+    judged = _judge(tests, records, spec, per)
     for i, t in enumerate(tests):
         if i == len(records):
             if r.timed_out:
@@ -372,7 +463,13 @@ def _run_calls(
         rec = records[i]
         if "error" in rec:
             return TestReport(i, n, f"Test {i + 1}: {_preview(rec['error'])}")
-        if not values_match(rec["value"], t["output"]):
+        if "judge" in t:
+            if not judged.get(i, False):
+                return TestReport(
+                    i, n, f"Test {i + 1}: wrong answer: {_preview(rec['value'])} fails the check"
+                )
+            continue
+        if not value_passes(rec["value"], t, spec):
             return TestReport(
                 i,
                 n,
@@ -380,6 +477,29 @@ def _run_calls(
                 f"got {_preview(rec['value'])}",
             )
     return TestReport(n, n, f"All {n} tests passed")
+
+
+def _judge(
+    tests: list[dict[str, Any]], records: list[dict[str, Any]], spec: dict[str, Any], per: float
+) -> dict[int, bool]:
+    """Verdicts of the judge tests that returned a value, from their own sandboxed run."""
+    idx = [i for i, t in enumerate(tests[: len(records)]) if "judge" in t and "value" in records[i]]
+    if not idx:
+        return {}
+    cases = [[tests[i]["judge"], tests[i].get("judge_env", {}), records[i]["value"]] for i in idx]
+    files = {
+        "main.py": _JUDGE_RUNNER,
+        "judge_code.py": spec.get("judge_code", ""),
+        "cases.json": json.dumps(cases),
+    }
+    r = run_sequence([(["main.py", str(per)], "")], files, _limits(spec, per * len(idx) + 2.0))[0]
+    try:
+        verdicts = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok else None
+    except (ValueError, IndexError):
+        verdicts = None
+    if not isinstance(verdicts, list) or len(verdicts) != len(idx):
+        return {}  # a failing judge fails its tests
+    return {i: v is True for i, v in zip(idx, verdicts)}
 
 
 def _read_call_channel(text: str, n: int) -> tuple[Any, list[dict[str, Any]]]:

@@ -8,7 +8,9 @@ Native format: one :class:`~lopd.types.Task` per line, as ``Task.to_dict()`` wri
 For tool use, ``world`` must be a registered world (:func:`lopd.envs.register_world`) and the spec
 holds the initial database (``"db"``, or a ``"seed"`` for the world's generator) and the
 final-state ``"checks"`` (see :mod:`lopd.envs.tool_use`): that is how EnvScaler-derived tasks are
-brought in, with a world class implementing their tools. For coding, see :mod:`lopd.envs.coding`.
+brought in, with a world class implementing their tools; or ``world`` is ``"bfcl"`` and the spec
+is a BFCL multi-turn entry (:func:`lopd.envs.bfcl_data.task_from_entry`). For coding, see
+:mod:`lopd.envs.coding` (``world`` ``"humaneval"``: :mod:`lopd.envs.humaneval`).
 
 :func:`load_tasks_jsonl` also accepts, line by line,
 
@@ -56,6 +58,13 @@ def _validate(task: Task, where: str) -> Task:
         for t in tests:
             if not isinstance(t, dict) or "input" not in t or "output" not in t:
                 raise TaskFormatError(f"{where}: each test needs 'input' and 'output'")
+    elif task.world == "bfcl":
+        from lopd.envs.bfcl_data import validate_spec
+
+        try:
+            validate_spec(task.spec)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise TaskFormatError(f"{where}: {e}") from None
     else:
         if not isinstance(task.spec.get("checks"), list) or not task.spec["checks"]:
             raise TaskFormatError(f"{where}: tool-use spec needs a non-empty 'checks' list")

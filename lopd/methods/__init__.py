@@ -16,6 +16,15 @@ held-out evaluation. They differ only in how a step's rollouts are drawn and in 
                 rollout group as text; reverse KL over the teacher's top-M plus a tail bucket.
                 Trajectories without a successful sibling get no loss
                 (:mod:`lopd.methods.sdpo`, ``sdpo`` section).
+``sdft``        Teacher = an EMA shadow of the student (alpha 0.01) with a verified-successful
+                trajectory of the shared pool as a demonstration appended to its first user
+                message (B.1 wording); forward KL over the full vocabulary
+                (:mod:`lopd.methods.sdft`, ``sdft`` section).
+``skill-sd``    G rollouts per task; a skill (what works / what to avoid / suggested workflow)
+                written from earlier rollout groups, chosen per task by UCB1, in the teacher's
+                first user message (B.1 wording); PPO-clip (0.2 / 0.28) plus an
+                importance-weighted sampled-token reverse KL (lambda_sdl 0.001)
+                (:mod:`lopd.methods.skill_sd`, :mod:`lopd.methods.skills`, ``skill_sd`` section).
 ``lopd-frozen`` LOPD with the composer fixed at phi_0 (the teacher's latents are the cached
                 ``c_phi0``; no composer gradient).
 ``lopd-m0``     LOPD with margin m = 0 (``lopd.margin`` is ignored).
@@ -36,7 +45,9 @@ from lopd.methods.base import Method, MethodBase, MethodContext, MethodSpec, Mod
 from lopd.methods.grpo import GRPOMethod
 from lopd.methods.lopd import LOPDMethod
 from lopd.methods.opsd import OPSDMethod
+from lopd.methods.sdft import SDFTMethod
 from lopd.methods.sdpo import SDPOMethod
+from lopd.methods.skill_sd import SkillSDMethod
 
 __all__ = [
     "METHODS",
@@ -48,7 +59,9 @@ __all__ = [
     "MethodSpec",
     "Models",
     "OPSDMethod",
+    "SDFTMethod",
     "SDPOMethod",
+    "SkillSDMethod",
 ]
 
 METHODS: dict[str, MethodSpec] = {
@@ -77,6 +90,20 @@ METHODS: dict[str, MethodSpec] = {
             SDPOMethod.from_config,
             "SDPO: EMA teacher with a successful sibling as text, reverse top-M + tail KL",
             group_size=lambda cfg: cfg.sdpo.group_size,
+            supports_fsdp2=False,
+        ),
+        MethodSpec(
+            "sdft",
+            SDFTMethod.from_config,
+            "SDFT: EMA teacher with a pool demonstration in the first user message, forward KL",
+            uses_bank=True,
+            supports_fsdp2=False,
+        ),
+        MethodSpec(
+            "skill-sd",
+            SkillSDMethod.from_config,
+            "Skill-SD: UCB1-chosen skill in the teacher prompt, PPO-clip + IW reverse KL",
+            group_size=lambda cfg: cfg.skill_sd.group_size,
             supports_fsdp2=False,
         ),
         MethodSpec(

@@ -1,4 +1,4 @@
-"""Group rollouts and policy-gradient pieces shared by group methods (GRPO, SDPO).
+"""Group rollouts and policy-gradient pieces shared by group methods (GRPO, SDPO, Skill-SD).
 
 A group method rolls each drawn task out G times; ``max(1, tasks_per_step // G)`` distinct tasks
 are drawn, so at ``tasks_per_step`` divisible by G a step generates exactly as many rollouts as
@@ -70,10 +70,14 @@ def group_advantages(
 
 
 def ppo_clip_loss(
-    logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, clip_eps: float = 0.2
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
 ) -> torch.Tensor:
-    """Per-token PPO-clip loss ``-min(rho A, clip(rho, 1 - eps, 1 + eps) A)``, ``rho = exp(logp -
-    logp_old)``.
+    """Per-token PPO-clip loss ``-min(rho A, clip(rho, 1 - eps_lo, 1 + eps_hi) A)``, ``rho =
+    exp(logp - logp_old)``.
 
     With one optimizer update per batch of rollouts ``logp_old`` equals ``logp`` (detached), so
     ``rho = 1`` and the gradient is the policy gradient ``-A grad logp``; the clip only binds
@@ -83,7 +87,9 @@ def ppo_clip_loss(
         logp: ``[N]`` log-probabilities of the sampled tokens under the current policy.
         logp_old: ``[N]`` the same under the sampling policy (no gradient is taken).
         advantages: ``[N]`` advantage of each token (its trajectory's).
-        clip_eps: epsilon (``eps_lo = eps_hi``).
+        clip_eps: eps_lo, and eps_hi unless ``clip_eps_high`` is given.
+        clip_eps_high: eps_hi of an asymmetric ("clip-higher", DAPO) range, e.g. Skill-SD's
+            0.28 with eps_lo 0.2; ``None``: symmetric.
 
     Returns:
         ``[N]`` losses to average.
@@ -93,9 +99,12 @@ def ppo_clip_loss(
             "logp, logp_old and advantages must have the same shape, got "
             f"{tuple(logp.shape)}, {tuple(logp_old.shape)} and {tuple(advantages.shape)}"
         )
+    eps_hi = clip_eps if clip_eps_high is None else clip_eps_high
     if clip_eps <= 0:
         raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
+    if eps_hi <= 0:
+        raise ValueError(f"clip_eps_high must be > 0, got {eps_hi}")
     ratio = torch.exp(logp - logp_old.detach())
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_hi) * advantages
     return -torch.minimum(unclipped, clipped)
