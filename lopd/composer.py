@@ -23,6 +23,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from lopd.injection import pad_batch
+from lopd_kernels.hf import decoder_of
 
 __all__ = ["ENCODER_TEMPLATE", "LORA_TARGETS", "LatentComposer", "decoder_of"]
 
@@ -31,17 +32,6 @@ ENCODER_TEMPLATE = "Task to solve:\n{task}\n\nReference past trajectory:\n{exper
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The seven linear projections per block that carry the encoder's LoRA (paper A.1)."""
-
-
-def decoder_of(model: nn.Module) -> nn.Module:
-    """The transformer body of a ``*ForCausalLM`` (returns hidden states, no ``[L, V]`` logits)."""
-    getter = getattr(model, "get_decoder", None)
-    decoder = getter() if callable(getter) else None
-    if decoder is None:
-        decoder = getattr(model, "model", None)
-    if decoder is None:
-        raise TypeError(f"{type(model).__name__} exposes no decoder (get_decoder() or .model)")
-    return decoder
 
 
 class LatentComposer(nn.Module):

@@ -49,6 +49,7 @@ from lopd.config_sections import (
     SDPOConfig,
     SkillSDConfig,
 )
+from lopd_kernels import DIVERGENCES
 
 __all__ = [
     "COMPARE_BUDGETS",
@@ -245,7 +246,7 @@ class Config:
         if not 0.0 <= self.bank.min_reward <= 1.0:
             raise ConfigError(f"bank.min_reward must be in [0, 1], got {self.bank.min_reward}")
         choices = {
-            "lopd.divergence": (self.lopd.divergence, ("reverse", "forward")),
+            "lopd.divergence": (self.lopd.divergence, DIVERGENCES),
             "data.domain": (self.data.domain, ("tool_use", "coding")),
             "model.dtype": (self.model.dtype, ("float32", "bfloat16", "float16")),
         }
@@ -319,8 +320,8 @@ class Config:
             ("sdpo.divergence", self.sdpo.divergence),
             ("sdft.divergence", self.sdft.divergence),
         ):
-            if value not in ("reverse", "forward"):
-                raise ConfigError(f"{name} must be one of ('reverse', 'forward'), got {value!r}")
+            if value not in DIVERGENCES:
+                raise ConfigError(f"{name} must be one of {DIVERGENCES}, got {value!r}")
 
     def _validate_budgets_and_precision(self) -> None:
         """Token budgets (:mod:`lopd.budget` checks them against the model at start-up), fixed

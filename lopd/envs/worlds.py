@@ -1,7 +1,7 @@
 """The three built-in tool-use worlds: shop orders, insurance policies, logistics.
 
 Each world is small on purpose (6-8 people, a dozen records): instructions and tool results stay a
-few dozen tokens, so the embedded ~5M-parameter default model can learn the tasks by SFT on the
+few dozen tokens, so the embedded ~1.1M-parameter default model can learn the tasks by SFT on the
 oracle demonstrations. Every task needs *dependent* calls: human-visible keys from the instruction
 (a name, an order number, a policy or tracking number) are looked up to internal ids, which the
 modification tools take. Templates span 2 to 5 calls.
