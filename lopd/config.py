@@ -331,6 +331,7 @@ class Config:
             "gen.rollout_batch_size": g.rollout_batch_size,
             "bank.embed_batch_size": self.bank.embed_batch_size,
             "bank.embed_max_length": self.bank.embed_max_length,
+            "bank.index_batch_size": self.bank.index_batch_size,
             "checkpoint_keep": self.checkpoint_keep,
         }.items():
             if value < 1:

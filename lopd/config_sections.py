@@ -117,12 +117,17 @@ class BankConfig:
         embed_batch_size: texts per forward of the retrieval embedder (the frozen backbone's
             mean-pooled hidden states, :class:`lopd.memory.HiddenStateEmbedder`).
         embed_max_length: the embedder truncates documents and queries to this many tokens.
+        index_batch_size: bank entries (or tasks) handed to the embedder per call while the
+            retriever indexes the bank and precomputes query embeddings; the embedder splits
+            each call into ``embed_batch_size`` forwards, so this bounds the host memory of the
+            pending texts and embeddings, not the model's activations.
     """
 
     rollouts_per_task: int = 2
     min_reward: float = 1.0
     embed_batch_size: int = 16
     embed_max_length: int = 512
+    index_batch_size: int = 256
 
 
 @dataclass

@@ -116,6 +116,7 @@ def build_experience(
             embedder=_embedder(cfg, backbone, tokenizer),
             query_tasks=list(train_tasks) + list(test_tasks),
             index="cpu",
+            index_batch_size=cfg.bank.index_batch_size,
             progress=progress,
         )
         # Every successful trajectory (duplicated traces included) is cold-start data.
@@ -137,7 +138,11 @@ def build_experience(
     )
     cfg.check_bank_size(len(bank))
     retriever = Retriever.load_or_build(
-        bank, _embedder(cfg, backbone, tokenizer), index="cpu", save=False
+        bank,
+        _embedder(cfg, backbone, tokenizer),
+        index="cpu",
+        save=False,
+        doc_batch_size=cfg.bank.index_batch_size,
     )
     j = cfg.composer.num_retrieved
     tasks = list(train_tasks) + list(test_tasks)
