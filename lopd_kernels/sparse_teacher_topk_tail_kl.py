@@ -35,12 +35,13 @@ Conventions (documented choices):
 * No privilege output: the teacher's log-prob of the sampled token is known only when the
   token is among the top-M.
 
-Layering as in :mod:`lopd_kernels.topk_tail_kl`: kernels (C++ ``csrc/cpu/
-sparse_teacher_topk_tail_kl.cpp``, Triton ``lopd_kernels/triton/sparse_teacher_topk_tail_kl.py``)
--> custom ops ``torch.ops.lopd.sparse_teacher_topk_tail_kl_<impl>_fwd`` / ``_bwd`` (``cpu``:
-C++, schema in ``csrc/common/schemas.h``; ``triton``: ``torch.library.custom_op`` here), each
-with a fake impl and autograd -> :func:`sparse_teacher_topk_tail_kl` ->
-:class:`SparseTeacherTopKTailKL`. There is no CUDA C++ kernel: on GPUs the Triton kernel runs.
+Layering as in :mod:`lopd_kernels.topk_tail_kl`: kernels (C++
+``csrc/cpu/sparse_teacher_topk_tail_kl.cpp``, Triton
+``lopd_kernels/triton/sparse_teacher_topk_tail_kl.py``) -> custom ops
+``torch.ops.lopd.sparse_teacher_topk_tail_kl_<impl>_fwd`` / ``_bwd`` (``cpu``: C++, schema in
+``csrc/common/schemas.h``; ``triton``: ``torch.library.custom_op`` here), each with a fake impl
+and autograd -> :func:`sparse_teacher_topk_tail_kl` -> :class:`SparseTeacherTopKTailKL`. There
+is no CUDA C++ kernel: on GPUs the Triton kernel runs.
 :func:`sparse_teacher_topk_tail_kl_reference` is the float64-capable oracle.
 """
 

@@ -251,6 +251,13 @@ def test_tail_floor_and_full_mass(backend):
         assert math.isclose(float(out.kl[r]), float(expected), rel_tol=1e-4)
     zero = lk.sparse_teacher_topk_tail_kl(s, lp, ids, target, tail_floor=0.0, backend=backend)
     assert torch.isinf(zero.kl).all() and (zero.kl > 0).all()
+    # Forward KL: the noise-level tail is dropped (its term Q log(Q / P) -> 0), not floored.
+    fwd = lk.sparse_teacher_topk_tail_kl(s, lp, ids, target, divergence="forward", backend=backend)
+    for r in range(2):
+        real = lp[r] > -math.inf
+        p = logp[r, ids[r][real]].exp()
+        q = lp[r][real].double().exp()
+        assert math.isclose(float(fwd.kl[r]), float((q * (q.log() - p.log())).sum()), rel_tol=1e-4)
 
 
 @pytest.mark.parametrize("backend", ["torch", *BACKENDS])
@@ -461,3 +468,18 @@ def test_ignored_rows_are_not_validated():
     lp[1], ids[1], target[1] = 0.0, 0, -100
     out = lk.sparse_teacher_topk_tail_kl(s, lp, ids, target)
     assert out.kl[1] == 0 and out.teacher_topk_mass[1] == 0 and (out.kl[[0, 2]] > 0).all()
+
+
+def test_op_names_and_info():
+    """cpu (when built) and triton custom ops, no cuda op; lopd_kernels.info reports the op."""
+    from lopd_kernels import info
+
+    names = [
+        f"sparse_teacher_topk_tail_kl_{i}_{p}" for i in ("triton", "cpu") for p in ("fwd", "bwd")
+    ]
+    for name in names[: 4 if lk.extension_loaded() else 2]:
+        assert hasattr(torch.ops.lopd, name), name
+    assert not hasattr(torch.ops.lopd, "sparse_teacher_topk_tail_kl_cuda_fwd")
+    auto = info.collect()["auto"]["sparse_teacher_topk_tail_kl"]
+    assert auto["cpu"] == ("cpu" if HAS_CPP else "torch")
+    assert "Triton" in auto["unavailable"]["cuda"]
