@@ -483,3 +483,17 @@ def test_op_names_and_info():
     auto = info.collect()["auto"]["sparse_teacher_topk_tail_kl"]
     assert auto["cpu"] == ("cpu" if HAS_CPP else "torch")
     assert "Triton" in auto["unavailable"]["cuda"]
+
+
+@requires_cpp
+@pytest.mark.parametrize("isa", ["default", "avx2", "avx512"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_cpu_every_isa_several_blocks(isa, dtype, monkeypatch):
+    """Each compiled ISA copy (capped by LOPD_CPU_ISA; one the CPU lacks falls back), with V over
+    two L1 blocks and not a multiple of the vector width, teacher ids inside and across blocks."""
+    monkeypatch.setenv("LOPD_CPU_ISA", isa)
+    s, _t, lp, ids, target = make_inputs(
+        3, 4133, 20, s_dtype=dtype, seed=21, ignore_rows=(2,), pad_rows=(1,), student_neg_inf=5
+    )
+    for divergence in ("reverse", "forward"):
+        check_backend("cpu", s, lp, ids, target, temperature=0.9, divergence=divergence)

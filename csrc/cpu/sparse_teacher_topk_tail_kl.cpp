@@ -1,30 +1,22 @@
 // CPU implementation of lopd::sparse_teacher_topk_tail_kl_cpu_fwd / _bwd (schemas:
-// csrc/common/schemas.h; Python side and conventions: lopd_kernels/sparse_teacher_topk_tail_kl.py).
-//
-// One row per task (at::parallel_for), float32 math whatever the student dtype. The student's
-// tail is a log-sum-exp over the complement of the teacher's ids, accumulated directly: the
-// row's real ids are sorted and the vocabulary is streamed in the contiguous segments between
-// them (O(V + M log M), no scratch of size V). Scalar code: the per-row work is two passes over
-// V, like the dense op's, without its per-ISA vectorization (not measured as a bottleneck yet).
+// csrc/common/schemas.h; Python side and conventions: lopd_kernels/sparse_teacher_topk_tail_kl.py):
+// argument checks, output allocation, and the choice of the per-ISA kernel
+// (csrc/cpu/isa/sparse_teacher_topk_tail_kl_kernel.cpp).
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <tuple>
-#include <utility>
-#include <vector>
 
-#include "common/topk_tail_kl_math.h"
+#include "cpu/buffer_cache.h"
+#include "cpu/isa_dispatch.h"
+#include "cpu/sparse_teacher_topk_tail_kl.h"
 
 namespace lopd::cpu {
 namespace {
 
-namespace km = ::lopd::topk_tail_kl;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr const char* kOp = "sparse_teacher_topk_tail_kl";
 
@@ -69,159 +61,6 @@ void check_indices(const at::Tensor& target, const at::Tensor& ids, const at::Te
   }
 }
 
-// log(1 - sum_i exp(lp_i)) over the real slots, with the log-sum-exp as max + log1p(rest) so
-// that a top-M mass near 1 keeps its last digits. A tail below `floor` is rounding noise: raised
-// to it for the reverse KL (finite log Q), dropped to 0 for the forward KL (no Q log(Q / 0)).
-float teacher_log_tail(const float* lp, int64_t m, float floor, bool reverse) {
-  int64_t arg = -1;
-  float top = kNegInf;
-  for (int64_t i = 0; i < m; ++i) {
-    if (lp[i] > top) {
-      top = lp[i];
-      arg = i;
-    }
-  }
-  if (arg < 0) return 0.0f;  // no real slot: the whole teacher is the tail
-  float rest = 0.0f;
-  for (int64_t i = 0; i < m; ++i) {
-    if (i != arg) rest += std::exp(lp[i] - top);
-  }
-  const float lse = std::min(top + std::log1p(rest), 0.0f);
-  float tail = -std::expm1(lse);
-  if (tail < floor) tail = reverse ? floor : 0.0f;
-  return tail > 0.0f ? std::log(tail) : kNegInf;
-}
-
-// The row's real slots as (id, slot), sorted by id: the segments between consecutive ids are the
-// student's tail.
-void sorted_real_slots(const int64_t* ids, const float* logq, int64_t m,
-                       std::vector<std::pair<int64_t, int64_t>>& out) {
-  out.clear();
-  for (int64_t i = 0; i < m; ++i) {
-    if (logq[i] != kNegInf) out.emplace_back(ids[i], i);
-  }
-  std::sort(out.begin(), out.end());
-}
-
-template <typename T>
-km::LseState tail_lse(const T* x, int64_t vocab, float inv_t,
-                      const std::vector<std::pair<int64_t, int64_t>>& slots) {
-  // Pass 1: the tail's maximum; pass 2: its sum. Segments [lo, hi) skip the real ids.
-  float mx = kNegInf;
-  auto each_segment = [&](auto&& fn) {
-    int64_t lo = 0;
-    for (const auto& slot : slots) {
-      fn(lo, slot.first);
-      lo = std::max(lo, slot.first + 1);
-    }
-    fn(lo, vocab);
-  };
-  each_segment([&](int64_t lo, int64_t hi) {
-    for (int64_t j = lo; j < hi; ++j) mx = std::max(mx, static_cast<float>(x[j]) * inv_t);
-  });
-  if (mx == kNegInf) return km::lse_empty();
-  float sum = 0.0f;
-  each_segment([&](int64_t lo, int64_t hi) {
-    for (int64_t j = lo; j < hi; ++j) sum += std::exp(static_cast<float>(x[j]) * inv_t - mx);
-  });
-  return km::LseState{mx, sum};
-}
-
-template <typename T>
-void fwd_rows(const at::Tensor& student, const at::Tensor& logprobs, const at::Tensor& ids,
-              const at::Tensor& target, float inv_t, bool reverse, int64_t ignore_index,
-              float floor, at::Tensor& kl, at::Tensor& slp, at::Tensor& lse, at::Tensor& bucket) {
-  const int64_t n = student.size(0), v = student.size(1), m = ids.size(1);
-  const T* sp = student.data_ptr<T>();
-  const float* lpp = logprobs.data_ptr<float>();
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  const int64_t* tp = target.data_ptr<int64_t>();
-  float* klp = kl.data_ptr<float>();
-  float* slpp = slp.data_ptr<float>();
-  float* lsep = lse.data_ptr<float>();
-  float* bp = bucket.data_ptr<float>();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<std::pair<int64_t, int64_t>> slots;
-    for (int64_t r = begin; r < end; ++r) {
-      float* logp = bp + r * 2 * (m + 1);
-      float* logq = logp + (m + 1);
-      if (tp[r] == ignore_index) {
-        klp[r] = slpp[r] = lsep[r] = 0.0f;
-        std::fill(logp, logp + 2 * (m + 1), 0.0f);
-        continue;
-      }
-      const T* x = sp + r * v;
-      const float* lp = lpp + r * m;
-      sorted_real_slots(ip + r * m, lp, m, slots);
-      const km::LseState tail = tail_lse(x, v, inv_t, slots);
-      km::LseState all = tail;
-      for (const auto& slot : slots) km::lse_add(all, static_cast<float>(x[slot.first]) * inv_t);
-      const float lse_s = km::lse_value(all);
-      float div = 0.0f;
-      for (int64_t i = 0; i < m; ++i) logp[i] = logq[i] = kNegInf;  // padding slots
-      for (const auto& slot : slots) {
-        const int64_t i = slot.second;
-        logp[i] = km::log_normalize(static_cast<float>(x[slot.first]) * inv_t, lse_s);
-        logq[i] = lp[i];
-        div += km::bucket_kl_term(logp[i], logq[i], reverse);
-      }
-      logp[m] = km::log_normalize(km::lse_value(tail), lse_s);
-      logq[m] = teacher_log_tail(lp, m, floor, reverse);
-      div += km::bucket_kl_term(logp[m], logq[m], reverse);
-      klp[r] = div;
-      lsep[r] = lse_s;
-      slpp[r] = km::log_normalize(static_cast<float>(x[tp[r]]) * inv_t, lse_s);
-    }
-  });
-}
-
-template <typename T>
-void bwd_rows(const at::Tensor& grad_kl, const at::Tensor& grad_slp, const at::Tensor& student,
-              const at::Tensor& ids, const at::Tensor& target, const at::Tensor& kl,
-              const at::Tensor& lse, const at::Tensor& bucket, float inv_t, bool reverse,
-              int64_t ignore_index, at::Tensor& grad) {
-  const int64_t n = student.size(0), v = student.size(1), m = ids.size(1);
-  const T* sp = student.data_ptr<T>();
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  const int64_t* tp = target.data_ptr<int64_t>();
-  const float* gkl = grad_kl.data_ptr<float>();
-  const float* gsl = grad_slp.data_ptr<float>();
-  const float* klp = kl.data_ptr<float>();
-  const float* lsep = lse.data_ptr<float>();
-  const float* bp = bucket.data_ptr<float>();
-  T* gp = grad.data_ptr<T>();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      T* g = gp + r * v;
-      if (tp[r] == ignore_index) {
-        std::fill(g, g + v, static_cast<T>(0.0f));
-        continue;
-      }
-      const T* x = sp + r * v;
-      const float* logp = bp + r * 2 * (m + 1);
-      const float* logq = logp + (m + 1);
-      const float u_kl = gkl[r], u_ls = gsl[r], lse_s = lsep[r];
-      float k_tail, unused;
-      km::bucket_grad_factors(logp[m], logq[m], klp[r], reverse, u_kl, u_ls, 0.0f, &k_tail,
-                              &unused);
-      const float lse_tail = km::bucket_lse(lse_s, logp[m]);
-      // Every entry gets the tail formula, then the real slots their own bucket's.
-      for (int64_t j = 0; j < v; ++j) {
-        const float share = std::exp(static_cast<float>(x[j]) * inv_t - lse_tail);
-        g[j] = static_cast<T>(km::entry_grad(share, k_tail, u_ls, j == tp[r], inv_t));
-      }
-      for (int64_t i = 0; i < m; ++i) {
-        if (logq[i] == kNegInf) continue;  // padding slot: its id stays in the tail
-        float k_s;
-        km::bucket_grad_factors(logp[i], logq[i], klp[r], reverse, u_kl, u_ls, 0.0f, &k_s,
-                                &unused);
-        const int64_t id = ip[r * m + i];
-        g[id] = static_cast<T>(km::entry_grad(1.0f, k_s, u_ls, id == tp[r], inv_t));
-      }
-    }
-  });
-}
-
 float checked_inv_temperature(double temperature) {
   TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0, kOp,
               ": temperature must be a finite number > 0, got ", temperature);
@@ -251,10 +90,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sparse_teacher_fwd_cp
   const auto f32 = s.options().dtype(at::kFloat);
   at::Tensor kl = at::empty({n}, f32), slp = at::empty({n}, f32), lse = at::empty({n}, f32);
   at::Tensor bucket = at::empty({n, 2, m + 1}, f32);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, s.scalar_type(), kOp, [&] {
-    fwd_rows<scalar_t>(s, lp, ids, tgt, inv_t, reverse, ignore_index,
-                       static_cast<float>(tail_floor), kl, slp, lse, bucket);
-  });
+  SparseTeacherFwdArgs a{s,     lp,  ids, tgt, inv_t, reverse, ignore_index,
+                         static_cast<float>(tail_floor), kl, slp, lse, bucket};
+  LOPD_CPU_ISA_CALL(sparse_teacher_fwd_kernel, a);
   return {kl, slp, lse, bucket};
 }
 
@@ -282,12 +120,13 @@ at::Tensor sparse_teacher_bwd_cpu(const at::Tensor& grad_kl, const at::Tensor& g
   const at::Tensor tgt = target_ids.contiguous();
   const at::Tensor bucket = bucket_logp.contiguous();
   check_indices(tgt, ids, nullptr, bucket, v, ignore_index);
-  at::Tensor grad = at::empty_like(s);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, s.scalar_type(), kOp, [&] {
-    bwd_rows<scalar_t>(grad_kl.contiguous(), grad_student_logprob.contiguous(), s, ids, tgt,
-                       kl.contiguous(), lse.contiguous(), bucket, inv_t, reverse, ignore_index,
-                       grad);
-  });
+  // The [N, V] gradient is the op's only large allocation: a recycled buffer (see
+  // cpu/buffer_cache.h: fresh pages would be zeroed by the OS before the kernel writes them).
+  at::Tensor grad = empty_recycled(s.sizes(), s.options());
+  SparseTeacherBwdArgs a{grad_kl.contiguous(), grad_student_logprob.contiguous(), s, ids, tgt,
+                         kl.contiguous(), lse.contiguous(), bucket, inv_t, reverse, ignore_index,
+                         grad};
+  LOPD_CPU_ISA_CALL(sparse_teacher_bwd_kernel, a);
   return grad;
 }
 
