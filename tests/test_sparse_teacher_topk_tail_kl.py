@@ -497,3 +497,39 @@ def test_cpu_every_isa_several_blocks(isa, dtype, monkeypatch):
     )
     for divergence in ("reverse", "forward"):
         check_backend("cpu", s, lp, ids, target, temperature=0.9, divergence=divergence)
+
+
+# Runs in a subprocess: with TRITON_INTERPRET=1 (set for this process by conftest.py) triton.jit
+# yields interpreter functions, which cannot be compiled.
+_COMPILE_SCRIPT = """
+from tests.triton_compile import compile_kernel
+import lopd_kernels.triton.sparse_teacher_topk_tail_kl as k
+
+def arg_type(name):
+    if name in ("s_ptr", "gs_ptr"):
+        return "*bf16"
+    if name in ("tgt_ptr", "ids_ptr"):
+        return "*i64"
+    if name.endswith("_ptr"):
+        return "*fp32"
+    return {"V": "i32", "inv_t": "fp32", "tail_floor": "fp32"}.get(name, "i64")
+
+def compile_for(fn, arch, **constexprs):
+    aligned = lambda n: n.endswith("_ptr") or n == "V" or n.startswith("stride")
+    compile_kernel(fn, arch, arg_type, aligned, **constexprs)
+
+# The launcher's blocks (forward, backward) for M = 20 (sm_80 reverse, sm_90 forward).
+cases = ((80, 20, 32, (512, 256), True), (90, 20, 32, (512, 256), False))
+for arch, m, mp, blocks, reverse in cases:
+    for fn, block in zip((k._fwd_kernel, k._bwd_kernel), blocks):
+        compile_for(fn, arch, M=m, MP=mp, BLOCK_V=block, REVERSE=reverse)
+print("compiled")
+"""
+
+
+def test_triton_kernels_compile_for_sm80_sm90():
+    """The Triton kernels lower to cubins for sm_80 and sm_90 at the launcher's block sizes
+    (Triton's own ptxas, no GPU): the interpreter accepts code the compiler rejects."""
+    from tests.triton_compile import assert_script_compiles
+
+    assert_script_compiles(_COMPILE_SCRIPT)
