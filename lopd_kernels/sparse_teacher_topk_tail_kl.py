@@ -10,7 +10,7 @@ teacher's ids (a log-sum-exp over the complement, never ``1 - sum``). The diverg
 (forward), so with the teacher's true top-M this op **equals** ``topk_tail_kl`` run on the dense
 teacher (same ``top_m``, temperature, divergence), loss and student gradient.
 
-Conventions (documented choices):
+Conventions (documented choices; the maths: ``docs/math.md``, section 3b):
 
 * **Temperature** divides the student logits only: the server's log-probs must already be the
   tempered teacher's (``log_softmax(t / T)``), which is what ``topk_tail_kl(s, t, T)`` uses.
