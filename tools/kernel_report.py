@@ -80,6 +80,7 @@ class TritonSpec:
     bytes_per_entry: int | None = None
     default_type: str = "i64"
     aligned_ints: tuple[str, ...] = ()
+    options: dict = dataclasses.field(default_factory=dict)  # compile options, e.g. maxnreg
 
 
 def _topk_types() -> dict:
@@ -94,7 +95,9 @@ def _topk_types() -> dict:
 def _fused_types() -> dict:
     t = {n: "*bf16" for n in ("HS", "WS", "BS", "HT", "WT", "BT")}
     t.update({"TGT": "*i32", "TOP_I": "*i32", "IDS": "*i64", "inv_temp": "fp32"})
-    return t
+    t.update({n: "i32" for n in ("N", "V", "DS", "DT", "split_len")})
+    t.update({f"stride_{n}": "i32" for n in ("hs", "ws", "ht", "wt", "h", "w")})
+    return t  # every other argument: an fp32 pointer
 
 
 def _attn_types() -> dict:
@@ -141,10 +144,10 @@ def triton_specs() -> list[TritonSpec]:
     need = ("S", "T", "DHS", "DWS", "DBS", "DHT", "DWT", "DBT")
     specs += [
         TritonSpec("fused_linear fwd", f, "_fwd_kernel", _fused_types(),
-                   {**flags, "M_PAD": 32, **tiles}, 8, default_type="i32"),
+                   {**flags, "M_PAD": 32, **tiles}, 8, default_type="*fp32"),
         TritonSpec("fused_linear bwd", f, "_bwd_kernel", _fused_types(),
                    {**flags, **{f"NEED_{n}": n in ("S", "T", "DHS", "DWS") for n in need},
-                    **tiles}, 8, default_type="i32"),
+                    **tiles}, 8, default_type="*fp32"),
     ]  # fmt: skip
     a = "lopd_kernels.triton.varlen_cross_attention_kernels"
     c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128, "PRECISION": "tf32", "UPCAST": False}
@@ -159,8 +162,17 @@ def triton_specs() -> list[TritonSpec]:
 
 
 def _variant_specs() -> list[TritonSpec]:
-    """Kernels of the selectable variants (lopd_kernels/triton/topk_tail_kl.py), if any."""
-    return []
+    """The new kernels of lopd_kernels/kernel_variants.py's switches, at the same defaults."""
+    from lopd_kernels.triton import topk_tail_kl as tk
+
+    return [
+        TritonSpec(
+            "topk_tail_kl fwd top-M v2", "lopd_kernels.triton.topk_tail_kl_fused_kernels",
+            "_fwd_topm_fused_kernel", _topk_types(),
+            {"M": 20, "MP": 32, "BLOCK_V": tk._FWD_BLOCK_V, "REVERSE": True}, tk._FWD_WARPS,
+            tk._FWD_BLOCK_V, 4, aligned_ints=("V",), options={"maxnreg": tk._FWD_V2_MAXNREG},
+        ),
+    ]  # fmt: skip
 
 
 # Threads per block of the CUDA kernels (their launchers; 256 unless listed).
@@ -262,7 +274,9 @@ def report_triton(spec: TritonSpec) -> dict:
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs=spec.constexprs, attrs=attrs)
     compiled = triton.compile(
-        src, target=GPUTarget("cuda", ARCH, 32), options={"num_warps": spec.num_warps}
+        src,
+        target=GPUTarget("cuda", ARCH, 32),
+        options={"num_warps": spec.num_warps, **spec.options},
     )
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"

@@ -19,7 +19,10 @@ import torch
 import triton
 
 from lopd_kernels._constants import KERNEL_DTYPES, TRITON_TOPK_MAX_TOP_M
+from lopd_kernels.kernel_variants import SWITCHES
+from lopd_kernels.kernel_variants import variant as selected_variant
 from lopd_kernels.triton._common import LOG2E
+from lopd_kernels.triton.topk_tail_kl_fused_kernels import _fwd_topm_fused_kernel
 from lopd_kernels.triton.topk_tail_kl_kernels import _bwd_kernel, _fwd_full_kernel, _fwd_topm_kernel
 
 __all__ = ["MAX_TOP_M", "topk_tail_kl_bwd_triton", "topk_tail_kl_fwd_triton"]
@@ -46,6 +49,12 @@ _FWD_BULK_TOP_M = 64
 _FWD_BULK_MIN = 12
 _BWD_BLOCK_V = 2048
 _BWD_WARPS = 8
+#: The switch choosing the top-M forward kernel (lopd_kernels/kernel_variants.py).
+FWD_SWITCH = "topk_tail_kl.triton_fwd"
+# The v2 top-M forward left alone takes 95 registers (two programs per SM); capped at 80 (v1's
+# 74 allocate as 80 too: registers go per warp in units of 256) it keeps v1's three programs
+# per SM with no spill and one more instruction per block (tools/kernel_report.py).
+_FWD_V2_MAXNREG = 80
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,6 +154,7 @@ def topk_tail_kl_fwd_triton(
     block_v: int | None = None,
     num_warps: int | None = None,
     bulk_min: int | None = None,
+    variant: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward of ``topk_tail_kl`` in Triton (the ``lopd::topk_tail_kl_cpu_fwd`` contract).
 
@@ -162,6 +172,9 @@ def topk_tail_kl_fwd_triton(
         bulk_min: a block with more top-M candidates than this is merged into the running
             top-M with one bitonic merge, one with fewer by sequential inserts; negative: always
             inserts (the merge is not compiled). Default: 12 when ``top_m > 64``, else -1.
+        variant: the top-M kernel, ``"v1"`` or ``"v2"`` (:data:`FWD_SWITCH` in
+            :mod:`lopd_kernels.kernel_variants`; default: what the switch selects now). ``v2``
+            has no bitonic merge: with ``bulk_min >= 0`` the ``v1`` kernel runs.
 
     Returns:
         ``(kl [N], student_logprob [N], teacher_logprob [N], topk_ids [N, M] int64,
@@ -184,6 +197,10 @@ def topk_tail_kl_fwd_triton(
     block_v = _block_size(block_v or default_block, v, _register_width(top_m))
     if bulk_min is None:
         bulk_min = _FWD_BULK_MIN if top_m > _FWD_BULK_TOP_M else -1
+    if variant is None:
+        variant = selected_variant(FWD_SWITCH)
+    elif variant not in SWITCHES[FWD_SWITCH].choices:
+        raise ValueError(f"variant must be one of {SWITCHES[FWD_SWITCH].choices}, got {variant!r}")
     warps = num_warps or _FWD_WARPS
 
     dev = s.device
@@ -202,6 +219,12 @@ def topk_tail_kl_fwd_triton(
         _fwd_full_kernel[(n,)](
             s, t, tgt, kl, slp, tlp, lse, blp, *common,
             BLOCK_V=block_v, REVERSE=bool(reverse), num_warps=warps,
+        )  # fmt: skip
+    elif variant == "v2" and bulk_min < 0:
+        _fwd_topm_fused_kernel[(n,)](
+            s, t, tgt, kl, slp, tlp, ids, lse, blp, *common,
+            M=top_m, MP=_register_width(top_m), BLOCK_V=block_v, REVERSE=bool(reverse),
+            num_warps=warps, maxnreg=_FWD_V2_MAXNREG,
         )  # fmt: skip
     else:
         _fwd_topm_kernel[(n,)](
