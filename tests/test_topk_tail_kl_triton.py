@@ -526,11 +526,13 @@ def test_kernels_compile_for_sm80_sm90():
     [(20, True), (20, False), (64, True), (256, False), (0, True), (0, False)],
     ids=["M20-rev", "M20-fwd", "M64-rev", "M256-fwd", "full-rev", "full-fwd"],
 )
-def test_gpu_qwen_vocab_bf16(m, reverse):
+def test_gpu_qwen_vocab_bf16(m, reverse, fwd_variant):
     """Qwen3 vocabulary (151,936) in bf16 with the default GPU launch configuration.
 
     M = 256 compiles the bitonic-merge path (tens of seconds once), hence one direction only.
     """
+    if fwd_variant != "v1" and not 1 <= m <= 64:
+        pytest.skip(f"{fwd_variant}: the launcher runs v1 for top_m={m}")
     gen = torch.Generator().manual_seed(m)
     n, v = 16, 151_936
     s = (torch.randn(n, v, generator=gen) * 4).to(torch.bfloat16).cuda()
