@@ -11,14 +11,15 @@ barriers and SASS instructions per vocabulary entry. No GPU needed.
 
 Registers, shared memory and spills (local memory bytes) come from ``cuobjdump
 --dump-resource-usage`` of the cubin; for Triton the shared memory is the compiler's
-``metadata.shared`` (what the launch requests). The SASS (``cuobjdump -sass``) gives the
-barriers and the loops (``tools/sass_stats.py``: every loop's static size, its shortest path =
-the common path of a streaming loop whose rare work sits behind a branch, its longest path, and
-the ``BAR`` barriers on the shortest path).
+``metadata.shared`` (what the launch requests), for CUDA the static shared memory only (the
+launchers add dynamic shared memory: ``tools/cuda_resource_report.py`` counts it). The SASS
+(``cuobjdump -sass``) gives the barriers and the loops (``tools/sass_stats.py``: every loop's
+static size, its shortest path = the common path of a streaming loop whose rare work sits
+behind a branch, its longest path, and the ``BAR`` barriers on the shortest path).
 
 Instructions per vocabulary entry, for kernels that stream a logit row with one block
 (``entries`` per main-loop iteration, declared below from the kernel's source: Triton's
-``BLOCK_V``, CUDA's ``kTile``): ``min_path * warps / entries`` warp-instructions per entry and
+``BLOCK_V``): ``min_path * warps / entries`` warp-instructions per entry and
 row, where the main loop is the largest outermost loop. As a check of
 the declared ``entries``, ``entries_from_loads = threads * LDG bytes on the path /
 bytes_per_entry`` counts what one iteration actually loads (both logit rows: 4 bytes per entry
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -162,8 +164,12 @@ def triton_specs() -> list[TritonSpec]:
 
 
 def _variant_specs() -> list[TritonSpec]:
-    """The new kernels of lopd_kernels/kernel_variants.py's switches, at the same defaults."""
+    """The new kernels of lopd_kernels/kernel_variants.py's switches, at the same defaults
+    (none in a tree from before the switches: the report then covers the other kernels)."""
     from lopd_kernels.triton import topk_tail_kl as tk
+
+    if importlib.util.find_spec("lopd_kernels.triton.topk_tail_kl_fused_kernels") is None:
+        return []
 
     return [
         TritonSpec(
@@ -335,7 +341,8 @@ def report_cuda(src: Path, all_instances: bool = False) -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     head = (
-        "| kernel | regs | spill B | smem B | BAR (all) | main loop: static / min / max instr |"
+        "| kernel | regs | spill B | smem B (Triton: launch; CUDA: static) | BAR (all) |"
+        " main loop: static / min / max instr |"
         " BAR on min path | entries / iter (from loads) | warp-instr / entry |"
     )
     lines = [head, "|" + "---|" * 9]

@@ -109,6 +109,11 @@ __device__ __forceinline__ void store8(T* p, int valid, bool aligned, const floa
   }
 }
 
+// Whether every row start keeps the base pointer's 16-byte alignment for kVec-wide loads.
+__device__ __forceinline__ bool strides_aligned(const math::RowLayout& l) {
+  return l.item_stride % kVec == 0 && l.row_stride % kVec == 0;
+}
+
 // Entries of a kVec-wide step starting at `base` that lie inside a row of V entries.
 __device__ __forceinline__ int valid_in(int64_t V, int64_t base) {
   return V - base < kVec ? static_cast<int>(V - base) : kVec;
@@ -217,6 +222,7 @@ struct FwdParams {
   int64_t n_rows, vocab, top_m, ignore_index;
   float inv;
   bool reverse;
+  math::RowLayout s_layout, t_layout;  // where each logit row starts (strided rows in place)
 };
 
 // Dynamic shared memory: kSortCap uint64 keys (top-M mode only).
@@ -245,10 +251,11 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
-  const TS* s = student + row * V;
-  const TT* t = teacher + row * V;
+  const TS* s = student + p.s_layout.offset(row);
+  const TT* t = teacher + p.t_layout.offset(row);
   const bool aligned = (V % kVec == 0) && (reinterpret_cast<uintptr_t>(student) % 16 == 0) &&
-                       (reinterpret_cast<uintptr_t>(teacher) % 16 == 0);
+                       (reinterpret_cast<uintptr_t>(teacher) % 16 == 0) &&
+                       strides_aligned(p.s_layout) && strides_aligned(p.t_layout);
   const float inv = p.inv;
 
   if (M == 0) {
@@ -394,6 +401,7 @@ struct BwdParams {
   int64_t vocab, top_m, ignore_index;
   float inv;
   bool reverse;
+  math::RowLayout s_layout, t_layout;
 };
 
 // One side (student or teacher) of a top-M row: x are that side's logits, k its bucket factors
@@ -448,6 +456,7 @@ __global__ void __launch_bounds__(kThreads)
   TT* gt = grad_teacher != nullptr ? grad_teacher + row * V : nullptr;
   const bool aligned = (V % kVec == 0) && (reinterpret_cast<uintptr_t>(student) % 16 == 0) &&
                        (reinterpret_cast<uintptr_t>(teacher) % 16 == 0) &&
+                       strides_aligned(p.s_layout) && strides_aligned(p.t_layout) &&
                        (reinterpret_cast<uintptr_t>(grad_student) % 16 == 0) &&
                        (reinterpret_cast<uintptr_t>(grad_teacher) % 16 == 0);
   if (tgt == p.ignore_index || tgt < 0 || tgt >= V) {
@@ -461,8 +470,8 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
-  const TS* s = student + row * V;
-  const TT* t = teacher + row * V;
+  const TS* s = student + p.s_layout.offset(row);
+  const TT* t = teacher + p.t_layout.offset(row);
   const float lse_s = p.lse[2 * row];
   const float lse_t = p.lse[2 * row + 1];
   const float kl = p.kl[row];
@@ -546,14 +555,14 @@ topk_tail_kl_fwd_cuda(const at::Tensor& student_logits, const at::Tensor& teache
                       bool reverse, int64_t ignore_index) {
   checks::check_fwd_args(student_logits, teacher_logits, target_ids, top_m,
                          LOPD_SIMT_DEVICE_TYPE, LOPD_SIMT_BACKEND);
-  const int64_t n = student_logits.size(0);
-  const int64_t v = student_logits.size(1);
+  const int64_t n = checks::rows_of(student_logits);
+  const int64_t v = student_logits.size(-1);
   TORCH_CHECK(v < (int64_t(1) << 32), "topk_tail_kl (" LOPD_SIMT_BACKEND "): V must be < 2^32, got ", v);
   TORCH_CHECK(top_m <= kMaxTopM, "topk_tail_kl (" LOPD_SIMT_BACKEND "): top_m must be <= ", kMaxTopM, ", got ",
               top_m, " (use top_m=None for the full vocabulary)");
   LOPD_DEVICE_GUARD(student_logits.device());
-  const at::Tensor s = student_logits.contiguous();
-  const at::Tensor t = teacher_logits.contiguous();
+  const at::Tensor s = checks::dense_vocab(student_logits);  // strided rows read in place
+  const at::Tensor t = checks::dense_vocab(teacher_logits);
   const at::Tensor tgt = target_ids.contiguous();
   const auto f32 = s.options().dtype(at::kFloat);
   at::Tensor kl = at::empty({n}, f32);
@@ -566,7 +575,8 @@ topk_tail_kl_fwd_cuda(const at::Tensor& student_logits, const at::Tensor& teache
     FwdParams prm{tgt.data_ptr<int64_t>(), kl.data_ptr<float>(), slp.data_ptr<float>(),
                   tlp.data_ptr<float>(), ids.data_ptr<int64_t>(), lse.data_ptr<float>(),
                   bucket.data_ptr<float>(), n, v, top_m, ignore_index,
-                  checks::checked_inv_temperature(temperature), reverse};
+                  checks::checked_inv_temperature(temperature), reverse, checks::row_layout(s),
+                  checks::row_layout(t)};
     const size_t smem = top_m > 0 ? kSortCap * sizeof(uint64_t) : 0;
     dispatch_pair(s.scalar_type(), t.scalar_type(), [&](auto s_tag, auto t_tag) {
       using TS = decltype(s_tag);
@@ -590,13 +600,14 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cuda(
       grad_kl, grad_student_logprob, grad_teacher_logprob, student_logits, teacher_logits,
       target_ids, topk_ids, kl, lse, bucket_logp, LOPD_SIMT_DEVICE_TYPE, LOPD_SIMT_BACKEND);
   const auto dev = student_logits.device();
-  const int64_t n = student_logits.size(0);
-  const int64_t v = student_logits.size(1);
+  const int64_t n = checks::rows_of(student_logits);
+  const int64_t v = student_logits.size(-1);
   LOPD_DEVICE_GUARD(dev);
-  const at::Tensor s = student_logits.contiguous();
-  const at::Tensor t = teacher_logits.contiguous();
-  at::Tensor gs = student_requires_grad ? at::empty_like(s) : at::Tensor();
-  at::Tensor gt = teacher_requires_grad ? at::empty_like(t) : at::Tensor();
+  const at::Tensor s = checks::dense_vocab(student_logits);
+  const at::Tensor t = checks::dense_vocab(teacher_logits);
+  // Gradients dense in the logits' shape (the kernel writes row r at r * V).
+  at::Tensor gs = student_requires_grad ? at::empty(s.sizes(), s.options()) : at::Tensor();
+  at::Tensor gt = teacher_requires_grad ? at::empty(t.sizes(), t.options()) : at::Tensor();
   if (n > 0 && (student_requires_grad || teacher_requires_grad)) {
     const at::Tensor g_kl = grad_kl.contiguous(), g_ls = grad_student_logprob.contiguous(),
                      g_lt = grad_teacher_logprob.contiguous(), tgt = target_ids.contiguous(),
@@ -605,7 +616,8 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cuda(
     BwdParams prm{g_kl.data_ptr<float>(), g_ls.data_ptr<float>(), g_lt.data_ptr<float>(),
                   tgt.data_ptr<int64_t>(), ids.data_ptr<int64_t>(), kl_c.data_ptr<float>(),
                   lse_c.data_ptr<float>(), bucket.data_ptr<float>(), v, m, ignore_index,
-                  checks::checked_inv_temperature(temperature), reverse};
+                  checks::checked_inv_temperature(temperature), reverse, checks::row_layout(s),
+                  checks::row_layout(t)};
     const size_t smem = 2 * (m + 1) * sizeof(float);
     dispatch_pair(s.scalar_type(), t.scalar_type(), [&](auto s_tag, auto t_tag) {
       using TS = decltype(s_tag);

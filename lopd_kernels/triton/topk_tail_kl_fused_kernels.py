@@ -60,7 +60,10 @@ def _fwd_topm_fused_kernel(
     lse_ptr,  # [N, 2] fp32 out
     blp_ptr,  # [N, 2, M + 1] fp32 out: log P_b, log Q_b; b = M is the tail
     V,
+    L,  # rows per batch item ([B, L, V] inputs; else N), as in v1
+    stride_sb,
     stride_s,
+    stride_tb,
     stride_t,
     scale2,  # log2(e) / T
     ignore_index,
@@ -70,8 +73,8 @@ def _fwd_topm_fused_kernel(
     REVERSE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    s_row = s_ptr + row * stride_s
-    t_row = t_ptr + row * stride_t
+    s_row = s_ptr + (row // L) * stride_sb + (row % L) * stride_s
+    t_row = t_ptr + (row // L) * stride_tb + (row % L) * stride_t
     ids_row = ids_ptr + row * M
     blp_row = blp_ptr + row * (2 * (M + 1))
     slot = tl.arange(0, MP)
