@@ -22,7 +22,7 @@ import sass_stats  # noqa: E402
 
 # A streaming loop at 0x20..0x90 with a rare path (0x40..0x60) behind a branch, a barrier on
 # the common path and one on the rare path, a nested loop inside the rare path, and an
-# out-of-line BRA.DIV stub after EXIT that jumps back (not a loop).
+# out-of-line BRA.DIV stub after EXIT that jumps back, and the end-of-code trap (not loops).
 _SASS = """
         Function : k
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -39,13 +39,14 @@ _SASS = """
         /*00b0*/                   NOP ;
         /*00c0*/                   WARPSYNC.ALL ;
         /*00d0*/                   BRA 0x90 ;
+        /*00e0*/                   BRA 0xe0 ;
 """
 
 
 def test_sass_loops_paths_and_barriers():
     code = sass_stats.split_functions(_SASS)["k"]
     stats = sass_stats.function_stats(code)
-    assert stats["instrs"] == 12 and stats["barriers"] == 2
+    assert stats["instrs"] == 13 and stats["barriers"] == 2
     outer, inner = stats["loops"]
     assert (outer.head, outer.back_branch, outer.depth) == (0x20, 0x90, 0)
     assert (inner.head, inner.back_branch, inner.depth) == (0x50, 0x60, 1)

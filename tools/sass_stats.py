@@ -4,7 +4,8 @@ Used by ``tools/kernel_report.py``; plain text processing, no GPU and no CUDA to
 
 A *loop* is a backward branch ``@P BRA target`` at offset ``b`` with ``target <= b`` whose range
 ``[target, b]`` holds no unconditional ``EXIT`` (that excludes the out-of-line stubs the compiler
-jumps to with ``BRA.DIV`` and that jump back). Per loop, over the range's forward edges only
+jumps to with ``BRA.DIV`` and that jump back) and that is not the end-of-code trap (an
+unconditional ``BRA`` to itself). Per loop, over the range's forward edges only
 (nested loops' back edges dropped, so the range is a DAG in offset order):
 
 * ``min_path``: the fewest instructions from the loop head to its back branch, every
@@ -160,6 +161,8 @@ def find_loops(code: list[Instr]) -> list[Loop]:
         target = ins.branch_target()
         if target is None or target > ins.offset or ins.opcode.startswith("BRA.DIV"):
             continue
+        if target == ins.offset and not ins.predicated:
+            continue  # the end-of-code trap (`BRA` to itself after the last EXIT)
         a = _index_of(code, target)
         if a is None:
             continue
