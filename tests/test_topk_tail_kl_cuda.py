@@ -99,9 +99,9 @@ def test_unaligned_rows(target):
 @pytest.mark.parametrize("v", [64, 61], ids=["aligned", "unaligned"])
 def test_causal_view_rows_in_place(target, v):
     """``logits[:, :-1]`` of ``[B, T, V]`` buffers (rows of stride V, items of stride T * V; no
-    ``[N, V]`` view exists) go to the kernels as they are: the results and gradients of the
-    contiguous copy, and the reference's. V = 61 makes every row start unaligned (scalar
-    loads), V = 64 keeps the 16-byte vector loads."""
+    ``[N, V]`` view exists) are accepted, with the results and gradients of the contiguous copy
+    and the reference's (the CUDA op copies them to dense rows; V = 61 and 64: odd and
+    vector-load-aligned rows)."""
     g = torch.Generator().manual_seed(v)
     s_base = torch.randn(2, 5, v, generator=g).requires_grad_(True)
     t_base = torch.randn(2, 5, v, generator=g).requires_grad_(True)

@@ -2,10 +2,11 @@
 causal-LM buffer (rows of stride V, items of stride T * V: no ``[N, V]`` view covers it) and a
 row slice of a wider buffer.
 
-For every backend present (reference, C++ CPU, Triton, the CUDA kernels under the SIMT
-emulator): the strided view gives exactly the results and gradients of its contiguous copy,
-those match the float64 reference, and the logits are not copied (the ops' profiles hold no
-copy of their size; the Triton kernel is launched on the view's own memory and strides).
+For the backends that read strided rows in place (reference, C++ CPU, Triton): the strided
+view gives exactly the results and gradients of its contiguous copy, those match the float64
+reference, and the logits are not copied (the ops' profiles hold no copy of their size; the
+Triton kernels are launched on the view's own memory and strides). The CUDA op (which copies
+to dense rows) is checked on such views in tests/test_topk_tail_kl_cuda.py.
 """
 
 from __future__ import annotations
@@ -67,6 +68,28 @@ def test_rows_in_place_views():
     assert rows_in_place(wide).data_ptr() == wide.data_ptr() and rows_in_place(wide).dim() == 2
     assert rows_in_place(x).shape == (B * T, V)  # collapsible: 2-D
     assert rows_in_place(x.transpose(1, 2)).is_contiguous()  # strided vocabulary: copied
+    y = torch.randn(4, 3, 2, V)
+    cases = ((y[:, 1:], (4, 4, V)), (y[1:, 1:], (3, 4, V)), (y[1:, :, :1], (9, V)))
+    for view, shape in (*cases, (y[:, :, 1:], (12, V))):
+        got = rows_in_place(view)
+        assert got.shape == shape and got.data_ptr() == view.data_ptr(), (view.stride(), shape)
+        assert torch.equal(got.reshape(view.shape), view)
+    gaps = torch.randn(4, 3, 3, V)[:, 1:, 1:]  # gaps between all three leading dims
+    assert rows_in_place(gaps).is_contiguous() and torch.equal(
+        rows_in_place(gaps), gaps.reshape(-1, V)
+    )
+
+
+@pytest.mark.skipif(not HAS_CPP, reason="lopd_kernels._C (C++ ops) is not built")
+def test_compiled_fullgraph_on_a_causal_view():
+    """torch.compile(fullgraph=True) traces the view choice (no failed ``view`` to catch)."""
+    s_base, t_base, target = _causal(2)
+    s, t = s_base.detach(), t_base.detach()
+
+    def loss(s, t, a):
+        return lk.topk_tail_kl(s[:, :-1], t[:, :-1], a, top_m=5, backend="cpu").kl
+
+    assert torch.equal(torch.compile(loss, fullgraph=True)(s, t, target), loss(s, t, target))
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")

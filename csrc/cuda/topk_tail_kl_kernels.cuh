@@ -109,11 +109,6 @@ __device__ __forceinline__ void store8(T* p, int valid, bool aligned, const floa
   }
 }
 
-// Whether every row start keeps the base pointer's 16-byte alignment for kVec-wide loads.
-__device__ __forceinline__ bool strides_aligned(const math::RowLayout& l) {
-  return l.item_stride % kVec == 0 && l.row_stride % kVec == 0;
-}
-
 // Entries of a kVec-wide step starting at `base` that lie inside a row of V entries.
 __device__ __forceinline__ int valid_in(int64_t V, int64_t base) {
   return V - base < kVec ? static_cast<int>(V - base) : kVec;
@@ -222,7 +217,6 @@ struct FwdParams {
   int64_t n_rows, vocab, top_m, ignore_index;
   float inv;
   bool reverse;
-  math::RowLayout s_layout, t_layout;  // where each logit row starts (strided rows in place)
 };
 
 // Dynamic shared memory: kSortCap uint64 keys (top-M mode only).
@@ -251,11 +245,10 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
-  const TS* s = student + p.s_layout.offset(row);
-  const TT* t = teacher + p.t_layout.offset(row);
+  const TS* s = student + row * V;
+  const TT* t = teacher + row * V;
   const bool aligned = (V % kVec == 0) && (reinterpret_cast<uintptr_t>(student) % 16 == 0) &&
-                       (reinterpret_cast<uintptr_t>(teacher) % 16 == 0) &&
-                       strides_aligned(p.s_layout) && strides_aligned(p.t_layout);
+                       (reinterpret_cast<uintptr_t>(teacher) % 16 == 0);
   const float inv = p.inv;
 
   if (M == 0) {
@@ -401,7 +394,6 @@ struct BwdParams {
   int64_t vocab, top_m, ignore_index;
   float inv;
   bool reverse;
-  math::RowLayout s_layout, t_layout;
 };
 
 // One side (student or teacher) of a top-M row: x are that side's logits, k its bucket factors
@@ -456,7 +448,6 @@ __global__ void __launch_bounds__(kThreads)
   TT* gt = grad_teacher != nullptr ? grad_teacher + row * V : nullptr;
   const bool aligned = (V % kVec == 0) && (reinterpret_cast<uintptr_t>(student) % 16 == 0) &&
                        (reinterpret_cast<uintptr_t>(teacher) % 16 == 0) &&
-                       strides_aligned(p.s_layout) && strides_aligned(p.t_layout) &&
                        (reinterpret_cast<uintptr_t>(grad_student) % 16 == 0) &&
                        (reinterpret_cast<uintptr_t>(grad_teacher) % 16 == 0);
   if (tgt == p.ignore_index || tgt < 0 || tgt >= V) {
@@ -470,8 +461,8 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
-  const TS* s = student + p.s_layout.offset(row);
-  const TT* t = teacher + p.t_layout.offset(row);
+  const TS* s = student + row * V;
+  const TT* t = teacher + row * V;
   const float lse_s = p.lse[2 * row];
   const float lse_t = p.lse[2 * row + 1];
   const float kl = p.kl[row];
@@ -561,8 +552,10 @@ topk_tail_kl_fwd_cuda(const at::Tensor& student_logits, const at::Tensor& teache
   TORCH_CHECK(top_m <= kMaxTopM, "topk_tail_kl (" LOPD_SIMT_BACKEND "): top_m must be <= ", kMaxTopM, ", got ",
               top_m, " (use top_m=None for the full vocabulary)");
   LOPD_DEVICE_GUARD(student_logits.device());
-  const at::Tensor s = checks::dense_vocab(student_logits);  // strided rows read in place
-  const at::Tensor t = checks::dense_vocab(teacher_logits);
+  // The CUDA kernels take dense [N, V] rows: [B, L, V] or strided logits are copied here (the
+  // CPU and Triton kernels read them in place).
+  const at::Tensor s = student_logits.reshape({n, v}).contiguous();
+  const at::Tensor t = teacher_logits.reshape({n, v}).contiguous();
   const at::Tensor tgt = target_ids.contiguous();
   const auto f32 = s.options().dtype(at::kFloat);
   at::Tensor kl = at::empty({n}, f32);
@@ -575,8 +568,7 @@ topk_tail_kl_fwd_cuda(const at::Tensor& student_logits, const at::Tensor& teache
     FwdParams prm{tgt.data_ptr<int64_t>(), kl.data_ptr<float>(), slp.data_ptr<float>(),
                   tlp.data_ptr<float>(), ids.data_ptr<int64_t>(), lse.data_ptr<float>(),
                   bucket.data_ptr<float>(), n, v, top_m, ignore_index,
-                  checks::checked_inv_temperature(temperature), reverse, checks::row_layout(s),
-                  checks::row_layout(t)};
+                  checks::checked_inv_temperature(temperature), reverse};
     const size_t smem = top_m > 0 ? kSortCap * sizeof(uint64_t) : 0;
     dispatch_pair(s.scalar_type(), t.scalar_type(), [&](auto s_tag, auto t_tag) {
       using TS = decltype(s_tag);
@@ -603,11 +595,10 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cuda(
   const int64_t n = checks::rows_of(student_logits);
   const int64_t v = student_logits.size(-1);
   LOPD_DEVICE_GUARD(dev);
-  const at::Tensor s = checks::dense_vocab(student_logits);
-  const at::Tensor t = checks::dense_vocab(teacher_logits);
-  // Gradients dense in the logits' shape (the kernel writes row r at r * V).
-  at::Tensor gs = student_requires_grad ? at::empty(s.sizes(), s.options()) : at::Tensor();
-  at::Tensor gt = teacher_requires_grad ? at::empty(t.sizes(), t.options()) : at::Tensor();
+  const at::Tensor s = student_logits.reshape({n, v}).contiguous();
+  const at::Tensor t = teacher_logits.reshape({n, v}).contiguous();
+  at::Tensor gs = student_requires_grad ? at::empty_like(s) : at::Tensor();
+  at::Tensor gt = teacher_requires_grad ? at::empty_like(t) : at::Tensor();
   if (n > 0 && (student_requires_grad || teacher_requires_grad)) {
     const at::Tensor g_kl = grad_kl.contiguous(), g_ls = grad_student_logprob.contiguous(),
                      g_lt = grad_teacher_logprob.contiguous(), tgt = target_ids.contiguous(),
@@ -616,8 +607,7 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cuda(
     BwdParams prm{g_kl.data_ptr<float>(), g_ls.data_ptr<float>(), g_lt.data_ptr<float>(),
                   tgt.data_ptr<int64_t>(), ids.data_ptr<int64_t>(), kl_c.data_ptr<float>(),
                   lse_c.data_ptr<float>(), bucket.data_ptr<float>(), v, m, ignore_index,
-                  checks::checked_inv_temperature(temperature), reverse, checks::row_layout(s),
-                  checks::row_layout(t)};
+                  checks::checked_inv_temperature(temperature), reverse};
     const size_t smem = 2 * (m + 1) * sizeof(float);
     dispatch_pair(s.scalar_type(), t.scalar_type(), [&](auto s_tag, auto t_tag) {
       using TS = decltype(s_tag);
@@ -631,8 +621,9 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cuda(
   }
   // A side without gradient gets an empty float32 [0] tensor (the same for every backend).
   const auto none = student_logits.options().dtype(at::kFloat);
-  return {student_requires_grad ? gs : at::empty({0}, none),
-          teacher_requires_grad ? gt : at::empty({0}, none)};
+  // Gradients in the logits' shape ([N, V] or [B, L, V]), dense.
+  return {student_requires_grad ? gs.view(student_logits.sizes()) : at::empty({0}, none),
+          teacher_requires_grad ? gt.view(teacher_logits.sizes()) : at::empty({0}, none)};
 }
 
 }  // namespace
