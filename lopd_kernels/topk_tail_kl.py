@@ -27,6 +27,7 @@ per forward op (``torch.library.register_autograd``) -> :func:`topk_tail_kl` ->
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -157,9 +158,12 @@ def topk_tail_kl_reference(
     )
     tgt = target_ids.reshape(-1).long()
     check_target_values(tgt, vocab, ignore_index)
-    rows = (tgt != ignore_index).nonzero().squeeze(1)
-    s = student_logits.reshape(-1, vocab).to(dtype)[rows] / temperature
-    t = teacher_logits.reshape(-1, vocab).to(dtype)[rows] / temperature
+    keep = target_ids != ignore_index
+    rows = keep.reshape(-1).nonzero().squeeze(1)
+    # Gather the kept rows straight from [..., V] (a strided view such as logits[:, :-1] is not
+    # first copied whole by a reshape), in the order of ``rows``.
+    s = student_logits[keep].to(dtype) / temperature
+    t = teacher_logits[keep].to(dtype) / temperature
     a = tgt[rows].unsqueeze(1)
 
     lse_s = torch.logsumexp(s, dim=-1, keepdim=True)
@@ -211,7 +215,7 @@ def _fwd_fake(
     reverse: bool,
     ignore_index: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    n = student_logits.shape[0]
+    n = math.prod(student_logits.shape[:-1])  # [N, V] or [B, L, V] logits
     f32 = {"dtype": torch.float32, "device": student_logits.device}
     return (
         torch.empty(n, **f32),
@@ -283,9 +287,10 @@ def _triton_fwd(
         )
     else:
         check_target_values(target_ids, vocab, ignore_index)
+    # The launcher reads strided rows in place (it copies only a non-dense vocabulary axis).
     return fwd(
-        student_logits.contiguous(),
-        teacher_logits.contiguous(),
+        student_logits,
+        teacher_logits,
         target_ids.contiguous(),
         top_m,
         temperature,
@@ -318,8 +323,8 @@ def _triton_bwd(
         grad_kl.contiguous(),
         grad_student_logprob.contiguous(),
         grad_teacher_logprob.contiguous(),
-        student_logits.contiguous(),
-        teacher_logits.contiguous(),
+        student_logits,
+        teacher_logits,
         target_ids.contiguous(),
         topk_ids.contiguous(),
         kl.contiguous(),
@@ -482,6 +487,32 @@ def topk_tail_kl(
     )
 
 
+def _fold(sizes, strides) -> bool:
+    """Whether dims ``sizes`` / ``strides`` fold into one dim of a view (each dim of size > 1
+    steps over the next as one block)."""
+    dims = [(n, st) for n, st in zip(sizes, strides) if n != 1]
+    return all(st == n_next * st_next for (_, st), (n_next, st_next) in itertools.pairwise(dims))
+
+
+def rows_in_place(x: Tensor) -> Tensor:
+    """``[..., V]`` logits as the ops take them, ``[N, V]`` or ``[B, L, V]``, without a copy
+    whenever the vocabulary axis is dense: a 2-D view if the leading dims fold into one, else a
+    3-D one (``logits[:, :-1]`` of a ``[B, T, V]`` buffer: rows of stride V, items of stride
+    T * V, which no 2-D view covers). Copies only a strided vocabulary axis, or leading dims
+    that fold into neither. Decided from the strides (no failed ``view``: torch.compile traces
+    it)."""
+    vocab = x.shape[-1]
+    lead, lead_strides = x.shape[:-1], x.stride()[:-1]
+    if x.stride(-1) == 1 or vocab <= 1:
+        if _fold(lead, lead_strides):
+            return x.view(-1, vocab)
+        if len(lead) >= 2 and _fold(lead[:-1], lead_strides[:-1]):
+            return x.view(-1, lead[-1], vocab)
+        if len(lead) >= 3 and _fold(lead[1:], lead_strides[1:]):
+            return x.view(lead[0], -1, vocab)
+    return x.reshape(-1, vocab).contiguous()
+
+
 def call_fwd_op(
     op,
     student_logits: Tensor,
@@ -495,12 +526,11 @@ def call_fwd_op(
     """Runs a ``topk_tail_kl_<impl>_fwd``-schema op (any implementation's, autograd registered)
     on validated ``[..., V]`` inputs with ``m`` top buckets and shapes its outputs as
     :func:`topk_tail_kl`."""
-    vocab = student_logits.shape[-1]
     lead = student_logits.shape[:-1]
     flat_target = target_ids.reshape(-1).to(torch.int64).contiguous()
     kl, slp, tlp, ids, _lse, bucket = op(
-        student_logits.reshape(-1, vocab).contiguous(),
-        teacher_logits.reshape(-1, vocab).contiguous(),
+        rows_in_place(student_logits),
+        rows_in_place(teacher_logits),
         flat_target,
         m,
         float(temperature),
