@@ -27,7 +27,6 @@ per forward op (``torch.library.register_autograd``) -> :func:`topk_tail_kl` ->
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import NamedTuple
 
@@ -41,6 +40,7 @@ from lopd_kernels._constants import (
     REDUCTIONS,
     TRITON_TOPK_MAX_TOP_M,
 )
+from lopd_kernels.row_layout import rows_in_place
 from lopd_kernels.topk_tail_kl_checks import check_inputs, check_target_values
 
 __all__ = ["TopKTailKL", "TopKTailKLOutput", "topk_tail_kl", "topk_tail_kl_reference"]
@@ -485,32 +485,6 @@ def topk_tail_kl(
         divergence,
         ignore_index,
     )
-
-
-def _fold(sizes, strides) -> bool:
-    """Whether dims ``sizes`` / ``strides`` fold into one dim of a view (each dim of size > 1
-    steps over the next as one block)."""
-    dims = [(n, st) for n, st in zip(sizes, strides) if n != 1]
-    return all(st == n_next * st_next for (_, st), (n_next, st_next) in itertools.pairwise(dims))
-
-
-def rows_in_place(x: Tensor) -> Tensor:
-    """``[..., V]`` logits as the ops take them, ``[N, V]`` or ``[B, L, V]``, without a copy
-    whenever the vocabulary axis is dense: a 2-D view if the leading dims fold into one, else a
-    3-D one (``logits[:, :-1]`` of a ``[B, T, V]`` buffer: rows of stride V, items of stride
-    T * V, which no 2-D view covers). Copies only a strided vocabulary axis, or leading dims
-    that fold into neither. Decided from the strides (no failed ``view``: torch.compile traces
-    it)."""
-    vocab = x.shape[-1]
-    lead, lead_strides = x.shape[:-1], x.stride()[:-1]
-    if x.stride(-1) == 1 or vocab <= 1:
-        if _fold(lead, lead_strides):
-            return x.view(-1, vocab)
-        if len(lead) >= 2 and _fold(lead[:-1], lead_strides[:-1]):
-            return x.view(-1, lead[-1], vocab)
-        if len(lead) >= 3 and _fold(lead[1:], lead_strides[1:]):
-            return x.view(lead[0], -1, vocab)
-    return x.reshape(-1, vocab).contiguous()
 
 
 def call_fwd_op(

@@ -17,7 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import lopd_kernels as lk
 from lopd_kernels import _backend
-from lopd_kernels.topk_tail_kl import rows_in_place, topk_tail_kl_reference
+from lopd_kernels.row_layout import rows_in_place
+from lopd_kernels.topk_tail_kl import topk_tail_kl_reference
 from tests.utils import TRITON_DEVICE, assert_close
 
 HAS_CPP = _backend.has_kernel("topk_tail_kl_cpu_fwd", "CPU")
