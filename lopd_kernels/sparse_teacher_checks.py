@@ -13,8 +13,8 @@ import math
 import torch
 from torch import Tensor
 
-from lopd_kernels._constants import DIVERGENCES, REFERENCE_DTYPES
-from lopd_kernels.topk_tail_kl_checks import check_target_values
+from lopd_kernels._constants import REFERENCE_DTYPES
+from lopd_kernels.topk_tail_kl_checks import check_loss_options, check_target_values
 
 __all__ = ["check_sparse_inputs", "check_sparse_teacher_values"]
 
@@ -84,17 +84,7 @@ def check_sparse_inputs(
             "constants (a server's outputs) and returns no gradient for them: pass "
             "teacher_topk_logprobs.detach()"
         )
-    if (
-        not isinstance(temperature, (int, float))
-        or isinstance(temperature, bool)
-        or not math.isfinite(temperature)
-        or temperature <= 0
-    ):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    check_loss_options(temperature, divergence, ignore_index)
     if not isinstance(tail_floor, (int, float)) or not 0.0 <= tail_floor < 1.0:
         raise ValueError(f"tail_floor must be a number in [0, 1), got {tail_floor!r}")
     if not isinstance(mass_tolerance, (int, float)) or not 0.0 <= mass_tolerance < 1.0:
