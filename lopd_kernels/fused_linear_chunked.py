@@ -1,11 +1,11 @@
 """The chunked path of ``fused_linear_topk_tail_kl`` (backends ``"cpu"`` and ``"cuda"``).
 
 Token chunks x the full vocabulary: the forward computes each chunk's two ``[C, V]`` logit
-blocks with one vendor GEMM each (MKL / cuBLAS), runs the per-row ``topk_tail_kl`` kernel of the
-same implementation word on them (:func:`epilogue_kernels`) and keeps only O(M) per row (top-M
-ids, both log-sum-exps, the M+1 bucket log-masses). The backward recomputes a side's chunk logits,
-runs the per-row backward on the chunk and accumulates ``dh = ds @ W`` and ``dW += ds^T h``
-(fp32). Peak memory is a few ``[C, V]`` blocks; ``C`` comes from the free memory
+blocks with one vendor GEMM each (MKL / cuBLAS), runs a per-row ``topk_tail_kl`` kernel on them
+(:func:`epilogue_kernels`: the C++ one on CPU, Triton's or CUDA's on a GPU) and keeps only O(M)
+per row (top-M ids, both log-sum-exps, the M+1 bucket log-masses). The backward recomputes a
+side's chunk logits, runs the per-row backward on the chunk and accumulates ``dh = ds @ W`` and
+``dW += ds^T h`` (fp32). Peak memory is a few ``[C, V]`` blocks; ``C`` comes from the free memory
 (:func:`auto_chunk_rows`, ``chunk_size=`` overrides it).
 
 **Frozen heads.** When a side's head (and bias) needs no gradient but its hidden states do (a
