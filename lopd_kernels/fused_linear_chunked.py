@@ -162,10 +162,11 @@ def _cuda_half_addmm_f32_out() -> bool:
     """Whether cuBLAS accumulates a half-precision product into a float32 tensor in place
     (``addmm(c, a, b, out_dtype=float32, out=c)``; older torch wants ``c`` in ``a``'s dtype)."""
     try:
-        x = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+        # A transposed left operand, as the weight-gradient GEMM passes it (ds^T).
+        x = torch.ones(8, 16, device="cuda", dtype=torch.bfloat16)
         c = torch.ones(16, 16, device="cuda", dtype=torch.float32)
-        torch.addmm(c, x, x, out_dtype=torch.float32, out=c)
-        return bool((c == 17).all())
+        torch.addmm(c, x.T, x, out_dtype=torch.float32, out=c)
+        return bool((c == 9).all())
     except (RuntimeError, TypeError):
         return False
 
