@@ -7,7 +7,9 @@ Variants (``--variant``), each forward and backward timed apart, with peak memor
 * ``materialized``: ``lk.topk_tail_kl(h_s @ W_s^T, h_t @ W_t^T, ...)`` (cuBLAS logits, [N, V]
   twice, then the per-row kernel);
 * ``chunked``: ``lk.fused_linear_topk_tail_kl(..., backend="cuda")`` (cuBLAS logit blocks per
-  token chunk + the CUDA per-row kernels);
+  token chunk + the per-row kernels), every variant of its switch
+  ``fused_linear_topk_tail_kl.chunked`` in the same process (``chunked`` = the default,
+  ``chunked[v1]`` = the previous path: CUDA epilogue, multi-pass tail, slab-wise dW);
 * ``triton``: ``backend="triton"``, the fully fused kernel;
 * ``trl_chunked_divergence``: TRL's ``ChunkedDivergenceFunction`` (``trl.kernels.
   chunked_divergence``, the ``DistillationTrainer`` loss) with ``beta=1``: full-vocabulary
@@ -40,6 +42,8 @@ VARIANTS = ("materialized", "chunked", "triton", "trl_chunked_divergence", "lige
 SETTINGS = ("frozen-heads", "student-head")
 SIZES = {"full": (8192, 4096, 151_936, 20), "tiny": (6, 16, 70, 4)}
 CHECK_ROWS = 16
+# The chunked path's switch (lopd_kernels/kernel_variants.py): v1, the previous path, and v2.
+CHUNKED_SWITCH = "fused_linear_topk_tail_kl.chunked"
 # bf16 inputs (tests/utils.py's bf16 row): |out - ref| <= ATOL + RTOL * |ref|.
 RTOL, ATOL = 2e-2, 8e-3
 
@@ -117,6 +121,24 @@ def check_rows(lk, kl, hs, ws, ht, wt, a, top_m: int | None, rounded_logits=Fals
 
 
 def bench_setting(args, lk, rec, device, setting: str) -> None:
+    """One gradient setting; ``chunked``: every variant of its switch, old against new in this
+    process (one record each: ``chunked`` for the switch's default, ``chunked[<v>]`` for the
+    others), each within half of ``--budget-s``."""
+    if args.variant != "chunked":
+        _bench_one(args, lk, rec, device, setting, args.variant, args.budget_s, {})
+        return
+    from lopd_kernels.kernel_variants import SWITCHES, use_variant
+
+    sw = SWITCHES[CHUNKED_SWITCH]
+    for kv in sw.choices:
+        with use_variant(CHUNKED_SWITCH, kv):
+            label = "chunked" if kv == sw.default else f"chunked[{kv}]"
+            budget = args.budget_s / len(sw.choices)
+            _bench_one(args, lk, rec, device, setting, label, budget, {CHUNKED_SWITCH: kv})
+        gc.free_cuda(device)
+
+
+def _bench_one(args, lk, rec, device, setting: str, label: str, budget_s: float, kv) -> None:
     n, d, v, m = SIZES[args.size]
     dtype = torch.bfloat16
     hs, ws, ht, wt, a = make_inputs(n, d, v, device, dtype)
@@ -131,9 +153,11 @@ def bench_setting(args, lk, rec, device, setting: str) -> None:
         hs.grad = ht.grad = ws.grad = None
 
     extra: dict = {"teacher_grad": lopd, "grad_fp32": head_grad and lopd}
+    if kv:
+        extra["kernel_variants"] = kv
     # The warm-up call (JIT, allocator; at least one: the check needs it) also gives the
     # correctness check its output; how long it took decides how many timed calls fit in
-    # --budget-s.
+    # budget_s.
     reps = args.reps
     for _ in range(max(1, args.warmup)):
         clear()
@@ -144,18 +168,18 @@ def bench_setting(args, lk, rec, device, setting: str) -> None:
         bwd(out)
         del out
         gc.sync(device)
-        reps = max(1, min(args.reps, int(args.budget_s / (time.perf_counter() - t0))))
+        reps = max(1, min(args.reps, int(budget_s / (time.perf_counter() - t0))))
     r = gc.time_fwd_bwd(fwd, bwd, device, reps, clear, warmup=0)
     grad_bytes = hs.numel() * 2 + (ht.numel() * 2 if lopd else 0) + (ws.numel() * 2 * head_grad)
     peak = None if r["peak_bytes"] is None else max(0, r["peak_bytes"] - grad_bytes)
     shapes = {"N": n, "d": d, "V": v, "M": m if lopd else "full", "dtype": "bfloat16",
               "grads": setting}  # fmt: skip
     for pas in ("fwd", "bwd", "fwd+bwd"):
-        rec.add("fused_linear_topk_tail_kl", args.variant, {**shapes, "pass": pas}, r[pas],
+        rec.add("fused_linear_topk_tail_kl", label, {**shapes, "pass": pas}, r[pas],
                 peak if pas == "fwd+bwd" else None, reps=r["reps"], grad_bytes=grad_bytes,
                 peak_allocated_bytes=r["peak_bytes"], **extra)  # fmt: skip
     if extra.get("check_ok") is False:
-        raise AssertionError(f"{args.variant} {setting}: wrong against the reference: {extra}")
+        raise AssertionError(f"{label} {setting}: wrong against the reference: {extra}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,11 @@
 """The chunked path of ``fused_linear_topk_tail_kl`` (backends ``"cpu"`` and ``"cuda"``).
 
 Token chunks x the full vocabulary: the forward computes each chunk's two ``[C, V]`` logit
-blocks with one vendor GEMM each (MKL / cuBLAS), runs the per-row ``topk_tail_kl`` kernel of the
-same implementation word on them (:func:`epilogue_kernels`) and keeps only O(M) per row (top-M
-ids, both log-sum-exps, the M+1 bucket log-masses). The backward recomputes a side's chunk logits,
-runs the per-row backward on the chunk and accumulates ``dh = ds @ W`` and ``dW += ds^T h``
-(fp32). Peak memory is a few ``[C, V]`` blocks; ``C`` comes from the free memory
+blocks with one vendor GEMM each (MKL / cuBLAS), runs a per-row ``topk_tail_kl`` kernel on them
+(:func:`epilogue_kernels`: the C++ one on CPU, Triton's or CUDA's on a GPU) and keeps only O(M)
+per row (top-M ids, both log-sum-exps, the M+1 bucket log-masses). The backward recomputes a
+side's chunk logits, runs the per-row backward on the chunk and accumulates ``dh = ds @ W`` and
+``dW += ds^T h`` (fp32). Peak memory is a few ``[C, V]`` blocks; ``C`` comes from the free memory
 (:func:`auto_chunk_rows`, ``chunk_size=`` overrides it).
 
 **Frozen heads.** When a side's head (and bias) needs no gradient but its hidden states do (a
@@ -14,6 +14,13 @@ keeps that side's *tail projection* ``sum_{j not in top-M} softmax_j W[j]`` ([N,
 gradient is ``S_j * c[b(j)]`` with one coefficient per bucket, so ``dh`` is the tail projection
 times the tail coefficient plus M + 1 rows of ``W``: the backward skips that side's logit
 recompute and its dh GEMM (one extra GEMM in the forward instead of two in the backward).
+
+**Variants** (switch ``fused_linear_topk_tail_kl.chunked``, :mod:`lopd_kernels.kernel_variants`;
+``v1`` is the previous path, kept until a GPU has timed both). ``v2``: on a GPU the Triton
+per-row kernels first (:func:`epilogue_impl`); the tail probabilities in one pass
+(:func:`tail_probs`); with a half-precision head on a GPU the logit gradient cast once per chunk
+for both GEMMs, and the weight gradient accumulated by one fp32-output ``addmm``
+(:func:`accumulate_f32_`).
 """
 
 from __future__ import annotations
@@ -25,9 +32,15 @@ import torch
 from torch import Tensor
 
 from lopd_kernels._backend import has_kernel, op_name, triton_available
+from lopd_kernels._constants import CUDA_TOPK_MAX_TOP_M, TRITON_TOPK_MAX_TOP_M
 from lopd_kernels.bucket_math import bucket_coefs, effective_top_m, rows_bwd_torch, rows_fwd_torch
+from lopd_kernels.kernel_variants import variant as selected_variant
 
 __all__ = ["auto_chunk_rows", "chunked_bwd", "chunked_fwd", "epilogue_kernels", "matmul_f32"]
+
+#: The switch choosing between the previous chunked path (v1) and the current one (v2):
+#: lopd_kernels/kernel_variants.py.
+CHUNKED_SWITCH = "fused_linear_topk_tail_kl.chunked"
 
 # Working-set cap for the chunked path's [C, V] blocks. 256 MiB is C ~ 220 rows of a 152k
 # vocabulary per live block pair: CPU GEMMs of that height run within ~20% of their large-M
@@ -39,20 +52,47 @@ _CHUNK_BUDGET_CAP = {"cpu": 256 << 20, "cuda": 512 << 20}
 _SLAB_BYTES = 64 << 20
 
 
-def epilogue_kernels(device: torch.device) -> tuple[Callable, Callable]:
-    """Per-row fwd/bwd on a logit block: ``topk_tail_kl``'s compiled kernels of this device's
-    implementation word (``topk_tail_kl_cpu_*`` on CPU, ``topk_tail_kl_cuda_*`` on a GPU), on a
-    GPU without them ``topk_tail_kl``'s Triton kernels, else the PyTorch twins (a pure-Python
-    install: still memory-bounded, only slower)."""
-    impl = {"cpu": "cpu", "cuda": "cuda"}.get(device.type)
-    if impl is not None:
-        fwd, bwd = (op_name("topk_tail_kl", impl, phase) for phase in ("fwd", "bwd"))
-        key = impl.upper()
-        if has_kernel(fwd, key) and has_kernel(bwd, key):
-            return getattr(torch.ops.lopd, fwd), getattr(torch.ops.lopd, bwd)
-    if device.type == "cuda" and triton_available():
-        return torch.ops.lopd.topk_tail_kl_triton_fwd, torch.ops.lopd.topk_tail_kl_triton_bwd
-    return rows_fwd_torch, rows_bwd_torch
+# GPU epilogue order per variant: v1 took the CUDA per-row kernels whenever the build had them;
+# v2 follows topk_tail_kl's own "auto" on a GPU (Triton first, lopd_kernels/topk_tail_kl.py).
+_GPU_EPILOGUE_ORDER = {"v1": ("cuda", "triton"), "v2": ("triton", "cuda")}
+PHASES = ("fwd", "bwd")
+_EPILOGUE_MAX_TOP_M = {"cuda": CUDA_TOPK_MAX_TOP_M, "triton": TRITON_TOPK_MAX_TOP_M}
+
+
+def epilogue_impl(device: torch.device, top_m: int = 0, variant: str | None = None) -> str:
+    """The implementation word of the per-row epilogue :func:`epilogue_kernels` returns.
+
+    CPU: ``"cpu"`` (the C++ kernels) when built, else ``"torch"``. GPU: the first of
+    ``_GPU_EPILOGUE_ORDER[variant]`` that this install has and whose ``top_m`` limit admits
+    ``top_m``, else ``"torch"``.
+    """
+    variant = variant or selected_variant(CHUNKED_SWITCH)
+    if device.type == "cpu":
+        order: tuple[str, ...] = ("cpu",)
+    elif device.type == "cuda":
+        order = _GPU_EPILOGUE_ORDER[variant]
+    else:
+        order = ()
+    for impl in order:
+        if top_m > _EPILOGUE_MAX_TOP_M.get(impl, top_m):
+            continue
+        if impl == "triton":
+            if triton_available():
+                return impl
+        elif all(has_kernel(op_name("topk_tail_kl", impl, p), impl.upper()) for p in PHASES):
+            return impl
+    return "torch"
+
+
+def epilogue_kernels(device: torch.device, top_m: int = 0) -> tuple[Callable, Callable]:
+    """Per-row fwd/bwd on a logit block: ``topk_tail_kl``'s kernels of :func:`epilogue_impl`
+    (``topk_tail_kl_cpu_*`` on CPU; on a GPU its Triton or CUDA kernels, in the order the
+    switch :data:`CHUNKED_SWITCH` selects), else the PyTorch twins (a pure-Python install: still
+    memory-bounded, only slower)."""
+    impl = epilogue_impl(device, top_m)
+    if impl == "torch":
+        return rows_fwd_torch, rows_bwd_torch
+    return tuple(getattr(torch.ops.lopd, op_name("topk_tail_kl", impl, p)) for p in PHASES)
 
 
 def _free_memory_bytes(device: torch.device) -> int:
@@ -117,25 +157,61 @@ def _cuda_half_gemm_f32_out() -> bool:
         return False
 
 
+@functools.cache
+def _cuda_half_addmm_f32_out() -> bool:
+    """Whether cuBLAS accumulates a half-precision product into a float32 tensor in place
+    (``addmm(c, a, b, out_dtype=float32, out=c)``; older torch wants ``c`` in ``a``'s dtype)."""
+    try:
+        # A transposed left operand, as the weight-gradient GEMM passes it (ds^T).
+        x = torch.ones(8, 16, device="cuda", dtype=torch.bfloat16)
+        c = torch.ones(16, 16, device="cuda", dtype=torch.float32)
+        torch.addmm(c, x.T, x, out_dtype=torch.float32, out=c)
+        return bool((c == 9).all())
+    except (RuntimeError, TypeError):
+        return False
+
+
+def half_gemm(b: Tensor) -> bool:
+    """Whether GEMMs with operand ``b`` run in its half dtype with float32 output (a GPU with
+    tensor-core ``mm(out_dtype=float32)``); otherwise :func:`matmul_f32` upcasts ``b``."""
+    return b.is_cuda and b.dtype in _HALF and _cuda_half_gemm_f32_out()
+
+
+def half_addmm(b: Tensor) -> bool:
+    """Whether ``out += a @ b`` with half ``a``, ``b`` and a float32 ``out`` is one GEMM here."""
+    return half_gemm(b) and _cuda_half_addmm_f32_out()
+
+
+def mm_f32_out(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` of two half-precision matrices, written in float32 (where :func:`half_gemm`)."""
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
+def addmm_f32_out_(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``out += a @ b`` in one GEMM: half ``a``, ``b``, float32 ``out`` (where
+    :func:`half_addmm`): ``out`` is read and written once."""
+    return torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+
+
 def matmul_f32(a: Tensor, b: Tensor, out: Tensor | None = None, accumulate: bool = False) -> Tensor:
     """``a @ b`` (or ``out += a @ b``) into float32, for ``a [R, K]``, ``b [K, C]``.
 
-    float32 operands go straight to one GEMM. With a half-precision ``b`` on a GPU, ``a`` is
-    cast to ``b``'s dtype (as autograd's bf16 matmuls do) and tensor-core GEMMs write float32
-    (``out_dtype``), accumulating in slabs of ``out``'s rows. Otherwise (CPU) half operands are
-    upcast one slab of ``b``'s columns at a time, so a bf16 LM head is never copied to float32
-    whole.
+    float32 operands go straight to one GEMM. With a half-precision ``b`` on a GPU
+    (:func:`half_gemm`), ``a`` is cast to ``b``'s dtype (as autograd's bf16 matmuls do; a no-op
+    when it has it already) and tensor-core GEMMs write float32 (``out_dtype``), accumulating in
+    slabs of ``out``'s rows. Otherwise (CPU) half operands are upcast one slab of ``b``'s columns
+    at a time, so a bf16 LM head is never copied to float32 whole.
     """
     rows, cols = a.shape[0], b.shape[1]
     f32 = torch.float64 if a.dtype == torch.float64 else torch.float32
-    if a.is_cuda and b.dtype in _HALF and _cuda_half_gemm_f32_out():
+    if half_gemm(b):
         a_h = a.to(b.dtype)
         if out is None:
-            return torch.mm(a_h, b, out_dtype=torch.float32)
+            return mm_f32_out(a_h, b)
         slab = max(1, _SLAB_BYTES // (4 * max(cols, 1)))
         for r0 in range(0, rows, slab):
             r1 = min(rows, r0 + slab)
-            part = torch.mm(a_h[r0:r1], b, out_dtype=torch.float32)
+            part = mm_f32_out(a_h[r0:r1], b)
             if accumulate:
                 out[r0:r1] += part
             else:
@@ -156,6 +232,45 @@ def matmul_f32(a: Tensor, b: Tensor, out: Tensor | None = None, accumulate: bool
         else:
             torch.mm(a32, b[:, c0:c1].to(f32), out=dst)
     return out
+
+
+def accumulate_f32_(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``out += a @ b`` into the float32 ``out`` (v2): one fp32-output ``addmm`` where
+    :func:`half_addmm` (``out`` read and written once per call, against v1's float32 part per
+    64 MiB slab written, re-read and added: twice the traffic on ``out``), else
+    :func:`matmul_f32`'s accumulation (on CPU already one ``addmm_`` per upcast slab)."""
+    if half_addmm(b) and a.dtype == b.dtype:
+        addmm_f32_out_(out, a, b)
+    else:
+        matmul_f32(a, b, out=out, accumulate=True)
+
+
+def tail_probs_triton_ok(logits: Tensor) -> bool:
+    """Whether the tail probabilities are computed by the Triton pass (a GPU with Triton)."""
+    return logits.is_cuda and triton_available()
+
+
+def tail_probs(
+    logits: Tensor, lse: Tensor, topk_ids: Tensor, temperature: float, out_dtype: torch.dtype
+) -> Tensor:
+    """``exp(logits / T - lse)`` with each row's top-M entries zeroed, in ``out_dtype`` (v2).
+
+    On a GPU with Triton one pass (:mod:`lopd_kernels.triton.tail_probs`: a float32 read, a
+    write in the GEMM dtype, M zeros per row). Otherwise two PyTorch passes in place
+    (``lse`` subtracted with the ``1/T`` scale in one ``add``, then ``exp``), a scatter and, when
+    ``out_dtype`` is not float32, a cast. ``logits`` (``[C, V]`` float32) is overwritten.
+
+    Args:
+        logits: ``[C, V]`` float32 logit block; lse: ``[C]`` this side's log-sum-exp of
+            ``logits / T``; topk_ids: ``[C, M]`` int64.
+    """
+    if tail_probs_triton_ok(logits):
+        from lopd_kernels.triton.tail_probs import tail_probs_triton
+
+        return tail_probs_triton(logits, lse, topk_ids, temperature, out_dtype)
+    probs = torch.add(lse.neg()[:, None], logits, alpha=1.0 / temperature, out=logits).exp_()
+    probs.scatter_(1, topk_ids, 0.0)
+    return probs.to(out_dtype)
 
 
 def _logits_block(h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -203,7 +318,8 @@ def chunked_fwd(
     n_valid = rows.numel()
     if n_valid == 0:
         return kl, lp_s, lp_t, ids, lse, bucket, *projs
-    fwd, _ = epilogue_kernels(dev)
+    v2 = selected_variant(CHUNKED_SWITCH) == "v2"
+    fwd, _ = epilogue_kernels(dev, m)
     chunk = chunk_size or auto_chunk_rows(vocab, n_valid, dev, live_blocks=2)
     for c0, c1 in _chunks(n_valid, chunk):
         r = rows[c0:c1]
@@ -216,10 +332,16 @@ def chunked_fwd(
         # gets this side's dh from O(M) rows of W, without recomputing its logits (see
         # _hidden_grad_from_tail). In place: the logits are not needed any more.
         for x, logits, w, proj in ((0, s, ws, projs[0]), (1, t, wt, projs[1])):
-            if proj.numel():
+            if not proj.numel():
+                continue
+            if v2:
+                gemm_dtype = w.dtype if half_gemm(w) else logits.dtype
+                probs = tail_probs(logits, out[4][:, x], out[3], temperature, gemm_dtype)
+            else:
                 probs = logits.div_(temperature).sub_(out[4][:, x : x + 1]).exp_()
                 probs.scatter_(1, out[3], 0.0)
-                proj.index_copy_(0, r, matmul_f32(probs, w))
+            proj.index_copy_(0, r, matmul_f32(probs, w))
+            del probs
         del s, t
     return kl, lp_s, lp_t, ids, lse, bucket, *projs
 
@@ -323,7 +445,8 @@ def chunked_bwd(
     need_s = (n_hs and not from_tail_s) or n_ws or n_bs
     need_t = (n_ht and not from_tail_t) or n_wt or n_bt
     if rows.numel() and (need_s or need_t):
-        _, bwd = epilogue_kernels(dev)
+        v2 = selected_variant(CHUNKED_SWITCH) == "v2"
+        _, bwd = epilogue_kernels(dev, topk_ids.shape[1])
         full_vocab = topk_ids.shape[1] == 0
         sides = 2 if full_vocab else int(bool(need_s)) + int(bool(need_t))
         # Per recomputed side: its logit block and its gradient block.
@@ -362,13 +485,20 @@ def chunked_bwd(
             ):
                 if grad.numel() == 0:
                     continue
-                if d_h is not None:
-                    d_h.index_copy_(0, r, matmul_f32(grad, w))
-                if d_w is not None:
-                    # dW[V, d] += ds^T [V, C] @ h [C, d]: one GEMM per chunk, fp32 accumulator.
-                    matmul_f32(grad.T, h, out=d_w, accumulate=True)
                 if d_b is not None:
                     d_b += grad.sum(0)
+                # v2: the logit gradient cast once to the GEMM dtype, for both GEMMs (v1 cast it
+                # inside each matmul_f32 call: twice with a bf16 head on a GPU).
+                g = grad.to(w.dtype) if v2 and half_gemm(w) else grad
+                if d_h is not None:
+                    d_h.index_copy_(0, r, matmul_f32(g, w))
+                if d_w is not None:
+                    # dW[V, d] += ds^T [V, C] @ h [C, d]: one GEMM per chunk, fp32 accumulator.
+                    if v2:
+                        accumulate_f32_(d_w, g.T, h)
+                    else:
+                        matmul_f32(g.T, h, out=d_w, accumulate=True)
+                del g
             del g_s, g_t
     return [
         None if g is None else g.to(like.dtype)

@@ -8,8 +8,9 @@ Implementations (``torch.ops.lopd.fused_linear_topk_tail_kl_<impl>_fwd/_bwd``, o
 
 - ``"cpu"``, ``"cuda"`` (and ``"auto"``): the chunked path
   (:mod:`lopd_kernels.fused_linear_chunked`): token chunks, one vendor GEMM (MKL / cuBLAS) per
-  logit block, the per-row ``topk_tail_kl`` kernels of the same implementation word as the
-  epilogue, O(M) state per row; frozen heads skip their logit recompute (tail projections).
+  logit block, the per-row ``topk_tail_kl`` kernels as the epilogue (C++ on CPU; on a GPU
+  Triton's, else CUDA's: :func:`lopd_kernels.fused_linear_chunked.epilogue_impl`), O(M) state
+  per row; frozen heads skip their logit recompute (tail projections).
 - ``"triton"`` (GPU, or ``TRITON_INTERPRET=1``): one kernel that tiles tokens x vocabulary, keeps
   the logit tile in registers and streams the tail log-sum-exps and the running teacher top-M;
   see :mod:`lopd_kernels.triton.fused_linear_topk_tail_kl`.

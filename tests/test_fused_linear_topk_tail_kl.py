@@ -185,7 +185,7 @@ def emulated_cuda_epilogue(monkeypatch):
     monkeypatch.setattr(
         chunked,
         "epilogue_kernels",
-        lambda device: (ops.topk_tail_kl_cuda_fwd, ops.topk_tail_kl_cuda_bwd),
+        lambda device, top_m=0: (ops.topk_tail_kl_cuda_fwd, ops.topk_tail_kl_cuda_bwd),
     )
 
 
