@@ -1,162 +1,186 @@
-"""GPU benchmark of fused_linear_topk_tail_kl against the materialized path (forward + backward).
+"""GPU benchmark of ``fused_linear_topk_tail_kl`` and its peers: one variant per process.
 
-    python benchmarks/gpu_fused_linear.py --out DIR      # N=16,384, d=4096, V=151,936, bf16
+    python benchmarks/gpu_fused_linear.py --variant materialized    # N=8192, d=4096, V=151,936
 
-Variants, all backpropagating ``sum(kl) + sum(privilege) + sum(student_logprob)``:
+Variants (``--variant``), each forward and backward timed apart, with peak memory:
 
-* ``materialized``: ``lk.topk_tail_kl(h_s @ W_s^T, h_t @ W_t^T, ...)`` (cuBLAS + its kernels);
-* ``triton``: ``lk.fused_linear_topk_tail_kl(..., backend="triton")``;
-* ``chunked``: ``backend="cuda"`` (token chunks: cuBLAS GEMMs + the per-row kernels).
+* ``materialized``: ``lk.topk_tail_kl(h_s @ W_s^T, h_t @ W_t^T, ...)`` (cuBLAS logits, [N, V]
+  twice, then the per-row kernel);
+* ``chunked``: ``lk.fused_linear_topk_tail_kl(..., backend="cuda")`` (cuBLAS logit blocks per
+  token chunk + the CUDA per-row kernels);
+* ``triton``: ``backend="triton"``, the fully fused kernel;
+* ``trl_chunked_divergence``: TRL's ``ChunkedDivergenceFunction`` (``trl.kernels.
+  chunked_divergence``, the ``DistillationTrainer`` loss) with ``beta=1``: full-vocabulary
+  reverse KL, gradient to the student only;
+* ``liger_fused_linear_jsd``: Liger's ``LigerFusedLinearJSD(jsd_beta=1)`` (reverse KL over the
+  full vocabulary, student gradient only), when the package is importable.
 
-Two gradient settings: ``frozen-heads`` (hidden states only: LoRA student, frozen teacher) and
-``student-head`` (``W_s`` trained too). Per (variant, setting): median of ``--reps`` timed calls
-(CUDA events) and the peak of ``torch.cuda.max_memory_allocated`` beyond the inputs, parameters
-and their gradients; the fused variants also report their ratios to the materialized path
-(targets: <= 1/25 memory, <= 1.1x time). A trained head's fp32 gradient accumulator is counted
-as gradient storage (``grad_fp32``), not as working memory. Records go to
-``DIR/fused_linear_topk_tail_kl.json`` through :func:`benchmarks.common.record`.
-
-Without a CUDA device it prints "no CUDA device: skipped" and exits 0; ``--device cpu`` (with
-small ``--n/--d/--v``) runs the materialized and chunked variants on the CPU, which only checks
-that the script works (tests/test_gpu_scripts.py does, so that GPU time is never lost to it).
+All LOPD variants backpropagate ``sum(kl) + sum(privilege) + sum(student_logprob)`` into both
+hidden states (and the student head under ``student-head``). Two gradient settings, each its own
+records (``shapes["grads"]``): ``frozen-heads`` (LoRA student, frozen teacher: the hidden states
+only) first, then ``student-head`` (``W_s`` trained too). ``peak_mem_bytes`` is the allocator's
+peak beyond the inputs and the gradients the caller keeps (``grad_bytes``; a fused variant's
+float32 weight-gradient accumulator counts as working memory). The LOPD variants and TRL's are
+checked against the float64 reference on the first rows (``max_err_kl``, ``check_ok``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_common as gc
+
+VARIANTS = ("materialized", "chunked", "triton", "trl_chunked_divergence", "liger_fused_linear_jsd")
+SETTINGS = ("frozen-heads", "student-head")
+SIZES = {"full": (8192, 4096, 151_936, 20), "tiny": (6, 16, 70, 4)}
+CHECK_ROWS = 16
+# bf16 inputs (tests/utils.py's bf16 row): |out - ref| <= ATOL + RTOL * |ref|.
+RTOL, ATOL = 2e-2, 8e-3
 
 
-def _measure(fn, clear, reps: int, device: torch.device) -> tuple[float, int | None]:
-    """Median seconds of ``fn`` over ``reps`` calls and its peak allocated bytes (CUDA events
-    and the caching allocator's peak on a GPU; wall clock and no memory figure on the CPU)."""
-    cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    clear()
-    fn()  # warm-up: Triton compilation, cuBLAS handles
-    clear()
-    sync()
-    times = []
-    for _ in range(reps):
-        clear()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            sync()
-            times.append(start.elapsed_time(end) / 1e3)
+def make_inputs(n: int, d: int, v: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """Hidden states ``[n, d]``, heads ``[v, d]`` (logits of std ~2, teacher close to the
+    student) and random targets ``[n]``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    ws = torch.randn(v, d, generator=g, device=device).mul_(d**-0.5)
+    wt = torch.randn(v, d, generator=g, device=device).mul_(0.1 * d**-0.5).add_(ws)
+    hs = torch.randn(n, d, generator=g, device=device).mul_(2)
+    ht = torch.randn(n, d, generator=g, device=device).mul_(0.5).add_(hs)
+    a = torch.randint(0, v, (n,), generator=g, device=device)
+    return hs.to(dtype), ws.to(dtype), ht.to(dtype), wt.to(dtype), a
+
+
+def _lopd_sum(out) -> torch.Tensor:
+    return out.kl.sum() + out.privilege.sum() + out.student_logprob.sum()
+
+
+def variant_fns(name: str, lk, hs, ws, ht, wt, a, m: int, device: torch.device):
+    """``(forward, backward, check(out) -> dict)`` of one variant."""
+    if name == "materialized":
+        fwd = lambda: lk.topk_tail_kl(hs @ ws.T, ht @ wt.T, a, top_m=m)
+        return (
+            fwd,
+            lambda out: _lopd_sum(out).backward(),
+            lambda out: check_rows(lk, out.kl, hs, ws, ht, wt, a, m, rounded_logits=True),
+        )
+    if name in ("chunked", "triton"):
+        backend = name if name == "triton" else ("cuda" if device.type == "cuda" else "cpu")
+        fwd = lambda: lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=m, backend=backend)
+        return (
+            fwd,
+            lambda out: _lopd_sum(out).backward(),
+            lambda out: check_rows(lk, out.kl, hs, ws, ht, wt, a, m),
+        )
+    if name == "trl_chunked_divergence":
+        from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+        # beta = 1: reverse KL(student || teacher) over the full vocabulary, per token.
+        fwd = lambda: ChunkedDivergenceFunction.apply(hs, ws, None, ht, wt, None, 1.0, 1.0)
+        return (
+            fwd,
+            lambda out: out[0].sum().backward(),
+            lambda out: check_rows(lk, out[0], hs, ws, ht, wt, a, None),
+        )
+    if name == "liger_fused_linear_jsd":
+        from liger_kernel.transformers.fused_linear_jsd import LigerFusedLinearJSD
+
+        loss = LigerFusedLinearJSD(jsd_beta=1.0)
+        fwd = lambda: loss(hs, ws, ht, wt, a)
+        return fwd, lambda out: out.backward(), lambda out: {}  # a scalar: nothing per row
+    raise ValueError(f"unknown variant {name!r}")
+
+
+def check_rows(lk, kl, hs, ws, ht, wt, a, top_m: int | None, rounded_logits=False) -> dict:
+    """``kl`` of the first rows against the float64 reference on the same (rounded) inputs;
+    ``rounded_logits``: on the logits rounded to the inputs' dtype, as the materialized path
+    forms them (its own rounding is not an error of the kernel)."""
+    r = min(CHECK_ROWS, a.shape[0])
+    with torch.no_grad():
+        if rounded_logits:
+            s, t = (hs[:r] @ ws.T).double(), (ht[:r] @ wt.T).double()
+            ref = lk.topk_tail_kl_reference(s, t, a[:r], top_m=top_m).kl
         else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    if not cuda:
-        return statistics.median(times), None
-    clear()
-    sync()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    sync()
-    peak = torch.cuda.max_memory_allocated() - base
-    return statistics.median(times), peak
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory for the results JSON")
-    parser.add_argument("--n", type=int, default=16_384)
-    parser.add_argument("--d", type=int, default=4096)
-    parser.add_argument("--v", type=int, default=151_936)
-    parser.add_argument("--m", type=int, default=20)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument(
-        "--device",
-        default="cuda",
-        help="cuda (default); 'cpu' only smoke-tests this script (chunked path, small shapes)",
-    )
-    args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: skipped")
-        return 0
-    os.environ["LOPD_BENCH_RESULTS"] = args.out
-    import lopd_kernels as lk
-    from benchmarks.common import record
-
-    n, d, v, m = args.n, args.d, args.v, args.m
-    dev, dt = torch.device(args.device), torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
-    ws = torch.empty(v, d, device=dev, dtype=dt).normal_(generator=g).mul_(d**-0.5)
-    wt = torch.empty(v, d, device=dev, dtype=dt).normal_(generator=g).mul_(0.1 * d**-0.5)
-    wt.add_(ws)
-    hs = torch.empty(n, d, device=dev, dtype=dt).normal_(generator=g).mul_(2)
-    ht = torch.empty(n, d, device=dev, dtype=dt).normal_(generator=g).mul_(0.5).add_(hs)
-    a = torch.randint(0, v, (n,), device=dev, generator=g)
-    hs.requires_grad_(True)
-    ht.requires_grad_(True)
-
-    def loss(out):
-        return out.kl.sum() + out.privilege.sum() + out.student_logprob.sum()
-
-    runs = {
-        "materialized": lambda: loss(lk.topk_tail_kl(hs @ ws.T, ht @ wt.T, a, top_m=m)).backward(),
-        "triton": lambda: loss(
-            lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=m, backend="triton")
-        ).backward(),
-        "chunked": lambda: loss(
-            lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=m, backend=dev.type)
-        ).backward(),
+            ref = lk.fused_linear_topk_tail_kl_reference(
+                hs[:r].double(), ws.double(), ht[:r].double(), wt.double(), a[:r], top_m=top_m
+            ).kl
+    diff = (kl.detach()[:r].double() - ref).abs()
+    return {
+        "max_err_kl": float(diff.max()),
+        "check_ok": bool((diff <= ATOL + RTOL * ref.abs()).all()),
     }
-    if dev.type != "cuda":
-        del runs["triton"]  # the CPU smoke run checks this script, not the interpreter
 
-    def clear():
+
+def bench_setting(args, lk, rec, device, setting: str) -> None:
+    n, d, v, m = SIZES[args.size]
+    dtype = torch.bfloat16
+    hs, ws, ht, wt, a = make_inputs(n, d, v, device, dtype)
+    head_grad = setting == "student-head"
+    lopd = args.variant in ("materialized", "chunked", "triton")
+    hs.requires_grad_(True)
+    ht.requires_grad_(lopd)  # the peers give the student a gradient only
+    ws.requires_grad_(head_grad)
+    fwd, bwd, check = variant_fns(args.variant, lk, hs, ws, ht, wt, a, m, device)
+
+    def clear() -> None:
         hs.grad = ht.grad = ws.grad = None
 
-    status = 0
-    for setting, head_grad in (("frozen-heads", False), ("student-head", True)):
-        ws.requires_grad_(head_grad)
-        # Gradients the caller keeps: both hidden states' and, if trained, the student head's
-        # (bf16); the fused variants also hold the head's fp32 accumulator while they run.
-        grad_bytes = 2 * n * d * 2 + (v * d * 2 if head_grad else 0)
-        fp32_acc = v * d * 4 if head_grad else 0
-        shapes = {"N": n, "d": d, "V": v, "M": m, "dtype": "bfloat16", "pass": "fwd+bwd",
-                  "grads": setting}  # fmt: skip
-        base = None
-        for name, fn in runs.items():
-            try:
-                median, peak = _measure(fn, clear, args.reps, dev)
-            except Exception as err:  # report and go on with the other variants
-                print(f"{setting} {name}: FAILED {type(err).__name__}: {err}")
-                status = 1
-                torch.cuda.empty_cache()
-                continue
-            extra = (
-                None
-                if peak is None
-                else max(0, peak - grad_bytes - (0 if name == "materialized" else fp32_acc))
-            )
-            fields = {"peak_allocated_bytes": peak, "grad_fp32": head_grad}
-            if name == "materialized":
-                base = (median, extra)
-            elif base is not None:
-                fields["time_vs_materialized"] = median / base[0]
-                if extra is not None:
-                    fields["memory_vs_materialized"] = extra / max(1, base[1])
-            record("fused_linear_topk_tail_kl", name, shapes, median, extra, dev.type, **fields)
-            ratios = {k: round(x, 4) for k, x in fields.items() if k.endswith("materialized")}
-            mem = "n/a" if extra is None else f"{extra / 2**30:7.3f} GiB"
-            print(f"{setting:13s} {name:12s} {median * 1e3:9.1f} ms  extra {mem}  {ratios}")
-            torch.cuda.empty_cache()
-    return status
+    extra: dict = {"teacher_grad": lopd, "grad_fp32": head_grad and lopd}
+    # The warm-up call (JIT, allocator; at least one: the check needs it) also gives the
+    # correctness check its output; how long it took decides how many timed calls fit in
+    # --budget-s.
+    reps = args.reps
+    for _ in range(max(1, args.warmup)):
+        clear()
+        gc.sync(device)
+        t0 = time.perf_counter()
+        out = fwd()
+        extra.update(check(out))
+        bwd(out)
+        del out
+        gc.sync(device)
+        reps = max(1, min(args.reps, int(args.budget_s / (time.perf_counter() - t0))))
+    r = gc.time_fwd_bwd(fwd, bwd, device, reps, clear, warmup=0)
+    grad_bytes = hs.numel() * 2 + (ht.numel() * 2 if lopd else 0) + (ws.numel() * 2 * head_grad)
+    peak = None if r["peak_bytes"] is None else max(0, r["peak_bytes"] - grad_bytes)
+    shapes = {"N": n, "d": d, "V": v, "M": m if lopd else "full", "dtype": "bfloat16",
+              "grads": setting}  # fmt: skip
+    for pas in ("fwd", "bwd", "fwd+bwd"):
+        rec.add("fused_linear_topk_tail_kl", args.variant, {**shapes, "pass": pas}, r[pas],
+                peak if pas == "fwd+bwd" else None, reps=r["reps"], grad_bytes=grad_bytes,
+                peak_allocated_bytes=r["peak_bytes"], **extra)  # fmt: skip
+    if extra.get("check_ok") is False:
+        raise AssertionError(f"{args.variant} {setting}: wrong against the reference: {extra}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", required=True, choices=VARIANTS)
+    parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated")
+    parser.add_argument(
+        "--budget-s", type=float, default=8.0, help="fewer reps when one call is this slow"
+    )
+    gc.add_common_args(parser, reps=5)
+    args = parser.parse_args(argv)
+    device = gc.resolve_device(args.device)
+    if device is None:
+        return 0
+    import lopd_kernels as lk
+
+    rec = gc.Recorder(args.records, device)
+    ok = True
+    for setting in args.settings.split(","):
+        ok &= gc.run_guarded(
+            f"fused_linear {args.variant} {setting}",
+            lambda setting=setting: bench_setting(args, lk, rec, device, setting),
+        )
+        gc.free_cuda(device)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,210 +1,155 @@
-"""GPU benchmark entry: QFormer compressor and its varlen cross-attention, bf16.
+"""GPU benchmark of the varlen cross-attention and the QFormer compressor: one variant per process.
+
+    python benchmarks/gpu_qformer.py --variant triton           # bf16, d = 2560 and 4096
 
 Same item mix as ``bench_qformer.py`` (12 items, T_j evenly spread over [200, 2000]) at the widths
 of the paper's backbones: d = 2560 (Qwen3-4B: 32 heads, 8 kv heads, head dim 80) and d = 4096
 (Qwen3-8B: 32 heads, 8 kv heads, head dim 128); K = 32 queries, 8 shared layers.
 
-Measured (CUDA events, median of ``--reps``), each recorded in ``<out>/qformer_gpu.json``:
+Variants (``--variant``), forward and backward timed apart, with peak memory:
 
-* module forward + backward: :class:`QFormerCompressor` (Triton attention, K/V once) vs the
-  straightforward padded QFormer (K/V per layer, padding + mask, PyTorch SDPA);
-* attention alone, forward + backward: ``varlen_cross_attention(backend="triton")`` vs the
-  hand-written CUDA kernels (``backend="cuda"``: WMMA tensor cores for these bf16 shapes, when
-  the extension was built with them), vs flash-attn's ``flash_attn_varlen_func`` (queries packed
-  as ``B`` items of ``K`` rows) when it is importable, and vs padded PyTorch SDPA.
+* attention alone, ``B`` items x ``K`` queries against the packed keys (op
+  ``varlen_cross_attention``): ``triton`` and ``cuda`` (``lk.varlen_cross_attention(backend=)``),
+  ``sdpa_padded`` (PyTorch SDPA on keys padded to the longest item, with a key mask: what one
+  writes without a varlen kernel), ``flash_attn_varlen`` (flash-attn's ``flash_attn_varlen_func``,
+  queries packed as B items of K rows; only when the package is importable);
+* the whole module (op ``qformer``): ``module_fused`` (:class:`lk.QFormerCompressor`, K/V of H
+  once, varlen attention) and ``module_padded`` (the usual QFormer with the same weights: K/V per
+  layer, padding + mask, SDPA).
 
-Peak memory is ``torch.cuda.max_memory_allocated`` above the inputs.
-
-    python benchmarks/gpu_qformer.py --out DIR
-
-Without a CUDA device it prints "no CUDA device: skipped" and exits 0. ``--device cpu`` runs a
-tiny fp32 version (d = 64, three short items; the ``"cpu"`` attention backend) that only checks
-that this script works (tests/test_gpu_scripts.py).
+The inputs (27 MB of keys and values at d = 4096) fit in the 60 MB L2 cache: these figures are of
+warm-cache attention, as inside a training step that has just computed the keys.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-WIDTHS = {2560: (32, 8), 4096: (32, 8)}  # d -> (heads, kv heads)
-LENGTHS = torch.linspace(200, 2000, 12).round().int().tolist()
-NUM_QUERIES, NUM_LAYERS = 32, 8
-DEVICE, DTYPE = torch.device("cuda"), torch.bfloat16
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_common as gc
+
+VARIANTS = (
+    "triton", "cuda", "sdpa_padded", "flash_attn_varlen", "module_fused", "module_padded",
+)  # fmt: skip
+# size -> ({d: (heads, kv heads)}, item lengths, queries K, layers)
+SIZES = {
+    "full": ({2560: (32, 8), 4096: (32, 8)}, torch.linspace(200, 2000, 12).round().int().tolist(),
+             32, 8),
+    "tiny": ({64: (4, 2)}, [7, 13, 3], 4, 2),
+}  # fmt: skip
 
 
-def _time(fn, reps: int) -> tuple[float, int | None]:
-    """Median seconds of ``fn()`` over ``reps`` runs (after one warm-up) and its peak bytes (CUDA
-    events and the allocator's peak on a GPU; wall clock and no memory figure on the CPU)."""
-    fn()
-    if DEVICE.type != "cuda":
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times), None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times), torch.cuda.max_memory_allocated() - base
-
-
-def _flash_attn_varlen():
-    try:
+def _attention_fns(variant, lk, q, k, v, cu, t_max, grad, device):
+    """``(forward, backward)`` of one attention variant on the packed inputs."""
+    batch, n_q, heads, head_dim = q.shape
+    if variant in ("triton", "cuda"):
+        # CPU dry run: the C++ kernel stands in for CUDA (Triton runs under its interpreter)
+        backend = "cpu" if variant == "cuda" and device.type != "cuda" else variant
+        fwd = lambda: lk.varlen_cross_attention(q, k, v, cu, max_seqlen_k=t_max, backend=backend)
+        return fwd, lambda out: out.backward(grad)
+    if variant == "flash_attn_varlen":
         from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return None
-    return flash_attn_varlen_func
+
+        cu_q = torch.arange(0, (batch + 1) * n_q, n_q, device=device, dtype=torch.int32)
+        q_packed = q.view(batch * n_q, heads, head_dim)
+        fwd = lambda: flash_attn_varlen_func(q_packed, k, v, cu_q, cu, n_q, t_max)
+        return fwd, lambda out: out.backward(grad.view_as(out))
+    if variant == "sdpa_padded":
+        kv_heads = k.shape[1]
+        lengths = (cu[1:] - cu[:-1]).long()
+        valid = torch.arange(t_max, device=device)[None] < lengths[:, None]
+        k_pad = torch.zeros(batch, t_max, kv_heads, head_dim, device=device, dtype=k.dtype)
+        v_pad = torch.zeros_like(k_pad)
+        k_pad[valid], v_pad[valid] = k.detach(), v.detach()
+        k_pad.requires_grad_(True)
+        v_pad.requires_grad_(True)
+        mask = valid[:, None, None, :]
+
+        def fwd():
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k_pad.transpose(1, 2), v_pad.transpose(1, 2),
+                attn_mask=mask, enable_gqa=True,
+            )  # fmt: skip
+            return out.transpose(1, 2)
+
+        return fwd, lambda out: out.backward(grad)
+    raise ValueError(variant)
 
 
-def _bench_width(d: int, heads: int, kv_heads: int, cu: torch.Tensor, reps: int) -> dict:
-    """All rows for one width: name -> (median seconds, peak bytes)."""
-    from lopd_kernels import QFormerCompressor, varlen_cross_attention
-    from lopd_kernels._backend import has_cuda_kernel
-    from lopd_kernels.qformer import straightforward_qformer
+def bench_width(args, lk, rec, device, dtype, d, heads, kv_heads, lengths, n_q, layers) -> None:
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    cu = cu.to(device)
+    total, t_max, batch = sum(lengths), max(lengths), len(lengths)
+    g = torch.Generator(device=device).manual_seed(0)
+    shapes = {"items": batch, "T": f"{min(lengths)}..{max(lengths)}", "d": d, "heads": heads,
+              "kv_heads": kv_heads, "K": n_q,
+              "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
+    if args.variant.startswith("module_"):
+        from lopd_kernels.qformer import straightforward_qformer
 
-    device = cu.device
-    total, t_max, batch = sum(LENGTHS), max(LENGTHS), len(LENGTHS)
-    head_dim = d // heads
-    torch.manual_seed(0)
-    module = QFormerCompressor(d, heads, kv_heads, NUM_QUERIES, NUM_LAYERS)
-    module = module.to(device=device, dtype=DTYPE)
-    hidden = torch.randn(total, d, device=device, dtype=DTYPE, requires_grad=True)
+        torch.manual_seed(0)
+        module = lk.QFormerCompressor(d, heads, kv_heads, n_q, layers).to(device, dtype)
+        hidden = torch.randn(total, d, generator=g, device=device).to(dtype).requires_grad_(True)
+        if args.variant == "module_fused":
+            fwd = lambda: module(hidden, cu, max_seqlen=t_max)
+        else:
+            fwd = lambda: straightforward_qformer(module, hidden, cu, padded=True)
+        bwd = lambda out: out.float().sum().backward()
 
-    def fused():
-        module(hidden, cu, max_seqlen=t_max).float().sum().backward()
+        def clear() -> None:
+            module.zero_grad(set_to_none=True)
+            hidden.grad = None
 
-    def baseline():
-        straightforward_qformer(module, hidden, cu, padded=True).float().sum().backward()
-
-    rows = {"module/fused": _time(fused, reps)}
-    rows["module/straightforward_padded"] = _time(baseline, reps)
-
-    # Attention alone: B items x K queries against the packed keys.
-    q = torch.randn(batch, NUM_QUERIES, heads, head_dim, device=device, dtype=DTYPE)
-    k = torch.randn(total, kv_heads, head_dim, device=device, dtype=DTYPE)
-    v = torch.randn_like(k)
-    for t in (q, k, v):
-        t.requires_grad_()
-    grad = torch.randn_like(q)
-
-    main_backend = "triton" if device.type == "cuda" else "cpu"
-
-    def attn_main():
-        out = varlen_cross_attention(q, k, v, cu, max_seqlen_k=t_max, backend=main_backend)
-        out.backward(grad)
-
-    rows[f"attention/{main_backend}"] = _time(attn_main, reps)
-    if device.type == "cuda" and has_cuda_kernel("varlen_cross_attention_cuda_fwd"):
-
-        def attn_cuda():
-            out = varlen_cross_attention(q, k, v, cu, max_seqlen_k=t_max, backend="cuda")
-            out.backward(grad)
-
-        rows["attention/cuda"] = _time(attn_cuda, reps)
+        op, shapes = "qformer", {**shapes, "layers": layers}
     else:
-        print("lopd_kernels._C has no CUDA varlen_cross_attention kernel: comparison skipped")
-    flash_varlen = _flash_attn_varlen() if device.type == "cuda" else None
-    if flash_varlen is not None:
-        cu_q = torch.arange(0, (batch + 1) * NUM_QUERIES, NUM_QUERIES, device=device)
-        cu_q = cu_q.to(torch.int32)
-        q_packed = q.view(batch * NUM_QUERIES, heads, head_dim)
+        head_dim = d // heads
+        q = torch.randn(batch, n_q, heads, head_dim, generator=g, device=device).to(dtype)
+        k = torch.randn(total, kv_heads, head_dim, generator=g, device=device).to(dtype)
+        v = torch.randn(total, kv_heads, head_dim, generator=g, device=device).to(dtype)
+        grad = torch.randn(batch, n_q, heads, head_dim, generator=g, device=device).to(dtype)
+        for x in (q, k, v):
+            x.requires_grad_(True)
+        fwd, bwd = _attention_fns(args.variant, lk, q, k, v, cu, t_max, grad, device)
 
-        def attn_flash():
-            out = flash_varlen(q_packed, k, v, cu_q, cu, NUM_QUERIES, t_max)
-            out.backward(grad.view_as(out))
+        def clear() -> None:
+            q.grad = k.grad = v.grad = None
 
-        rows["attention/flash_attn_varlen_func"] = _time(attn_flash, reps)
-    else:
-        print("flash-attn not importable: flash_attn_varlen_func comparison skipped")
-
-    k_pad = torch.zeros(batch, t_max, kv_heads, head_dim, device=device, dtype=DTYPE)
-    v_pad = torch.zeros_like(k_pad)
-    valid = torch.arange(t_max, device=device)[None] < (cu[1:] - cu[:-1])[:, None].long()
-    k_pad[valid], v_pad[valid] = k.detach(), v.detach()
-    k_pad.requires_grad_()
-    v_pad.requires_grad_()
-
-    def attn_sdpa_padded():
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k_pad.transpose(1, 2),
-            v_pad.transpose(1, 2),
-            attn_mask=valid[:, None, None, :],
-            enable_gqa=True,
-        )
-        out.transpose(1, 2).backward(grad)
-
-    rows["attention/sdpa_padded"] = _time(attn_sdpa_padded, reps)
-    return rows
-
-
-def run(out_dir: str, reps: int) -> None:
-    os.environ["LOPD_BENCH_RESULTS"] = out_dir
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.common import record
-
-    cu = torch.zeros(len(LENGTHS) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(LENGTHS).cumsum(0)
-    cu = cu.to(DEVICE)
-    for d, (heads, kv_heads) in WIDTHS.items():
-        shapes = {
-            "items": len(LENGTHS),
-            "T": "200..2000 (evenly spread)",
-            "d": d,
-            "heads": heads,
-            "kv_heads": kv_heads,
-            "K": NUM_QUERIES,
-            "layers": NUM_LAYERS,
-            "dtype": str(DTYPE).removeprefix("torch."),
-            "pass": "fwd+bwd",
-        }
-        rows = _bench_width(d, heads, kv_heads, cu, reps)
-        print(f"d={d} heads={heads}/{kv_heads} {shapes['dtype']}, items {LENGTHS}")
-        for name, (seconds, peak) in rows.items():
-            mem = "n/a" if peak is None else f"{peak / 2**20:.0f} MiB"
-            print(f"  {name:<36}{seconds * 1e3:>10.2f} ms{mem:>10}")
-            record("qformer_gpu", name, shapes, seconds, peak, device=DEVICE.type)
-        speedup = rows["module/straightforward_padded"][0] / rows["module/fused"][0]
-        print(f"  module speedup {speedup:.1f}x")
-        if DEVICE.type == "cuda":
-            torch.cuda.empty_cache()
+        op = "varlen_cross_attention"
+    r = gc.time_fwd_bwd(fwd, bwd, device, args.reps, clear, warmup=args.warmup)
+    for pas in ("fwd", "bwd", "fwd+bwd"):
+        rec.add(op, args.variant, {**shapes, "pass": pas}, r[pas],
+                r["peak_bytes"] if pas == "fwd+bwd" else None)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results", help="results directory")
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument(
-        "--device", default="cuda", help="cuda (default); 'cpu' only smoke-tests this script"
-    )
+    parser.add_argument("--variant", required=True, choices=VARIANTS)
+    gc.add_common_args(parser, reps=20)
     args = parser.parse_args(argv)
-    global DEVICE, DTYPE, WIDTHS, LENGTHS, NUM_LAYERS
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: skipped")
+    device = gc.resolve_device(args.device)
+    if device is None:
         return 0
-    if args.device != "cuda":
-        DEVICE, DTYPE = torch.device(args.device), torch.float32
-        WIDTHS, LENGTHS, NUM_LAYERS = {64: (4, 2)}, [7, 13, 3], 2
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    run(args.out, args.reps)
-    return 0
+    import lopd_kernels as lk
+
+    widths, lengths, n_q, layers = SIZES[args.size]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rec = gc.Recorder(args.records, device)
+    ok = True
+    for d, (heads, kv_heads) in widths.items():
+        ok &= gc.run_guarded(
+            f"{args.variant} d={d}",
+            lambda d=d, heads=heads, kv_heads=kv_heads: bench_width(
+                args, lk, rec, device, dtype, d, heads, kv_heads, lengths, n_q, layers
+            ),
+        )
+        gc.free_cuda(device)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

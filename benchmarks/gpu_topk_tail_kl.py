@@ -1,186 +1,191 @@
-"""GPU benchmark of topk_tail_kl: forward + backward at N = 8192, V = 151,936, bf16, M = 20.
+"""GPU benchmark of ``topk_tail_kl``: one variant per process, forward and backward timed apart.
 
-    python benchmarks/gpu_topk_tail_kl.py --out DIR
+    python benchmarks/gpu_topk_tail_kl.py --variant triton      # N=8192, V=151,936, bf16, M=20
 
-Times each GPU backend present (``triton``; ``cuda`` once the CUDA kernel is built) against two
-eager baselines, the PyTorch reference (float32 math, plain autograd) and, when TRL is installed,
-TRL's ``compute_topk_self_distillation_loss`` + ``log_softmax(x).gather(target)`` on both
-sides. All variants backpropagate ``sum(kl) + sum(privilege) + sum(student_logprob)`` into both
-logits.
+Variants (``--variant``):
 
-Reports per variant: median seconds (CUDA events), peak allocated memory beyond the inputs and
-the two [N, V] gradients, and the achieved bandwidth for the ``6 * N * V * 2`` bytes the op must
-move (read s, t forward; read s, t and write ds, dt backward) as a fraction of the measured
-device copy bandwidth (``dst.copy_(src)`` on an [N, V] bf16 tensor; the GPU target is >= 85%).
-Results: ``DIR/topk_tail_kl_gpu.json`` and, through ``benchmarks.common.record``,
-``DIR/topk_tail_kl.json``. Without a CUDA device it prints "no CUDA device: skipped" and exits 0.
+* ``triton`` / ``cuda``: ``lk.topk_tail_kl(s, t, a, top_m=M, backend=...)``, gradients into both
+  logits through ``sum(kl) + sum(privilege) + sum(student_logprob)``;
+* ``torch_reference``: ``lk.topk_tail_kl_reference`` (eager PyTorch, plain autograd);
+* ``trl_eager``: TRL's ``compute_topk_self_distillation_loss`` + ``log_softmax(x).gather`` on both
+  sides (the eager loss a TRL user runs), same backward;
+* ``torch_topk``: ``torch.topk(t, M)`` alone, forward only: the floor for "find the top-M".
+
+Two teachers, each a record of its own (``shapes["teacher"]``): ``iid`` (i.i.d. normal logits,
+the top-M scattered over the vocabulary: the most work for a running top-M) and ``zipf`` (logits
+falling as ``-1.5 ln(1 + id)`` plus unit noise, as in frequency-ordered BPE vocabularies: the
+top-M settles in the first blocks; its mean teacher top-M mass is recorded). The student is the
+teacher plus noise; targets are sampled from the student (on-policy).
+
+Per figure: the median of ``--reps`` (CUDA events) for ``fwd``, ``bwd`` and ``fwd+bwd``
+(``shapes["pass"]``), the bytes the op must move over that time (forward reads s and t, backward
+reads both and writes both gradients: 2 and 4 x N x V x 2 bytes) as GB/s and as a fraction of
+the device copy bandwidth measured in the same process, and ``peak_mem_bytes``, the allocator's
+peak beyond the inputs and the two [N, V] gradients. The LOPD backends are also checked against
+the float64 reference on the first rows (``max_err_*``, ``check_ok``): a figure of a wrong kernel
+is worthless.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_common as gc
+
+VARIANTS = ("triton", "cuda", "torch_reference", "trl_eager", "torch_topk")
+TEACHERS = ("iid", "zipf")
+ZIPF_SLOPE = 1.5
+CHECK_ROWS = 32
+SIZES = {"full": (8192, 151_936, 20), "tiny": (4, 160, 4)}
 
 
-def _timer(device: torch.device):
-    """Returns ``measure(fn) -> seconds`` using CUDA events on CUDA, perf_counter otherwise."""
-
-    def measure(fn) -> float:
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-    return measure
-
-
-def _peak_bytes(device: torch.device) -> int:
-    return torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="folder for the JSON results")
-    p.add_argument("--n", type=int, default=8192, help="token rows (default 8192)")
-    p.add_argument("--v", type=int, default=151_936, help="vocabulary size (default 151,936)")
-    p.add_argument("--m", type=int, default=20, help="top-M (default 20)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per variant")
-    p.add_argument(
-        "--device",
-        default="cuda",
-        help="cuda (default); 'cpu' only smoke-tests this script with the C++ backend",
-    )
-    args = p.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("gpu_topk_tail_kl: no CUDA device: skipped")
-        return 0
-
-    import lopd_kernels as lk
-    from benchmarks import common
-    from lopd_kernels import _backend
-
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    common.RESULTS_DIR = out_dir
-    n, v, m = args.n, args.v, args.m
-    dtype = torch.bfloat16
-    elt = torch.finfo(dtype).bits // 8
-    shapes = {"N": n, "V": v, "M": m, "dtype": "bfloat16", "pass": "fwd+bwd"}
-    measure = _timer(device)
-
-    g = torch.Generator(device=device).manual_seed(0)
-    s = torch.randn(n, v, generator=g, device=device, dtype=dtype).mul_(2).requires_grad_(True)
-    t = torch.randn(n, v, generator=g, device=device, dtype=dtype).add_(s.detach())
-    t.requires_grad_(True)
-    a = torch.randint(0, v, (n,), generator=g, device=device)
-    grad_bytes = 2 * n * v * elt
-
-    # Device copy bandwidth: bytes read + written per second.
-    src = s.detach()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    copy_s = statistics.median([measure(lambda: dst.copy_(src)) for _ in range(5)])
-    copy_gbps = 2 * n * v * elt / copy_s / 1e9
-    dst = None  # free it before the variants run
-    print(f"copy bandwidth: {copy_gbps:.0f} GB/s")
-
-    def lopd(backend):
-        def run():
-            out = lk.topk_tail_kl(s, t, a, top_m=m, backend=backend)
-            (out.kl.sum() + out.privilege.sum() + out.student_logprob.sum()).backward()
-
-        return run
-
-    def reference():
-        out = lk.topk_tail_kl_reference(s, t, a, top_m=m)
-        (out.kl.sum() + out.privilege.sum() + out.student_logprob.sum()).backward()
-
-    variants = {}
-    if device.type == "cuda":
-        if _backend.has_cuda_kernel("topk_tail_kl_fwd"):
-            variants["cuda"] = lopd("cuda")
-        if _backend.triton_available():
-            variants["triton"] = lopd("triton")
+def make_inputs(n: int, v: int, teacher: str, device: torch.device, dtype: torch.dtype, seed=0):
+    """Student and teacher logits ``[n, v]`` (leaves requiring grad) and sampled targets ``[n]``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    t = torch.randn(n, v, generator=g, device=device)
+    if teacher == "zipf":
+        ids = torch.arange(v, device=device, dtype=torch.float32)
+        t.add_(torch.log1p(ids).mul_(-ZIPF_SLOPE))
     else:
-        variants["cpu"] = lopd("cpu")
-    variants["torch_reference"] = reference
-    try:
-        from trl.experimental.sdpo.loss_utils import compute_topk_self_distillation_loss
+        t.mul_(2.0)
+    s = t + torch.randn(n, v, generator=g, device=device)
+    # On-policy targets: sampled from the student (Gumbel-max).
+    gumbel = torch.empty_like(s).exponential_(generator=g).log_().neg_()
+    a = (s + gumbel).argmax(dim=-1)
+    del gumbel
+    s = s.to(dtype).requires_grad_(True)
+    t = t.to(dtype).requires_grad_(True)
+    return s, t, a
 
-        def trl_eager():
-            kl = compute_topk_self_distillation_loss(
-                t, s, distillation_topk=m, distillation_alpha=0.0, distillation_add_tail=True
-            )
-            slp = torch.log_softmax(s.float(), -1).gather(1, a[:, None]).squeeze(1)
-            tlp = torch.log_softmax(t.float(), -1).gather(1, a[:, None]).squeeze(1)
-            (kl.sum() + (tlp - slp.detach()).sum() + slp.sum()).backward()
 
-        variants["trl_eager"] = trl_eager
-    except ImportError:
-        print("trl not installed: the TRL eager baseline is skipped")
+def _lopd_forward(lk, backend: str, s, t, a, m):
+    return lambda: lk.topk_tail_kl(s, t, a, top_m=m, backend=backend)
 
-    results = {"device": common.device_name(args.device), "copy_gbps": copy_gbps, "runs": []}
-    eager_median = None
-    for name, fn in variants.items():
-        s.grad = t.grad = None
-        try:
-            fn()  # warm-up: Triton JIT, allocator
-            s.grad = t.grad = None
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            base = _peak_bytes(device)
-            times = []
-            for _ in range(args.reps):
-                s.grad = t.grad = None
-                times.append(measure(fn))
-            peak = _peak_bytes(device)
-        except torch.OutOfMemoryError as err:
-            print(f"{name}: out of memory ({err}); skipped")
-            continue
-        s.grad = t.grad = None
-        med = statistics.median(times)
-        gbps = 6 * n * v * elt / med / 1e9
-        extra = max(0, peak - base - grad_bytes) if device.type == "cuda" else None
-        row = {
-            "backend": name,
-            "median_s": med,
-            "peak_mem_extra_bytes": extra,
-            "achieved_gbps": gbps,
-            "fraction_of_copy_bw": gbps / copy_gbps,
-        }
-        if name in ("torch_reference", "trl_eager"):
-            eager_median = med if eager_median is None else min(eager_median, med)
-        results["runs"].append(row)
-        fields = {k: x for k, x in row.items() if k not in ("backend", "median_s")}
-        common.record("topk_tail_kl", name, shapes, med, extra, device=args.device, **fields)
-        print(
-            f"{name:>16}: {med * 1e3:9.2f} ms  {gbps:7.0f} GB/s "
-            f"({100 * gbps / copy_gbps:5.1f}% of copy)  extra memory "
-            f"{'n/a' if extra is None else f'{extra / 2**20:.1f} MiB'}"
+
+def _sum_backward(out) -> None:
+    (out.kl.sum() + out.privilege.sum() + out.student_logprob.sum()).backward()
+
+
+def _trl_forward(s, t, a, m):
+    from trl.experimental.sdpo.loss_utils import compute_topk_self_distillation_loss
+
+    def forward():
+        # Support = the first argument's top-k (the teacher's); alpha = 0 is KL(student || teacher)
+        # as in benchmarks/bench_topk_tail_kl.py.
+        kl = compute_topk_self_distillation_loss(
+            t, s, distillation_topk=m, distillation_alpha=0.0, distillation_add_tail=True
         )
-    if eager_median is not None:
-        for row in results["runs"]:
-            row["speedup_vs_fastest_eager"] = eager_median / row["median_s"]
-    (out_dir / "topk_tail_kl_gpu.json").write_text(json.dumps(results, indent=1) + "\n")
-    return 0
+        slp = torch.log_softmax(s.float(), -1).gather(1, a[:, None]).squeeze(1)
+        tlp = torch.log_softmax(t.float(), -1).gather(1, a[:, None]).squeeze(1)
+        return kl, slp, tlp
+
+    def backward(out) -> None:
+        kl, slp, tlp = out
+        (kl.sum() + (tlp - slp.detach()).sum() + slp.sum()).backward()
+
+    return forward, backward
+
+
+def check_rows(lk, out, s, t, a, m: int) -> dict[str, float | bool]:
+    """Outputs and gradients of the first rows against the float64 reference on those rows."""
+    r = min(CHECK_ROWS, a.shape[0])
+    s64 = s.detach()[:r].double().requires_grad_(True)
+    t64 = t.detach()[:r].double().requires_grad_(True)
+    ref = lk.topk_tail_kl_reference(s64, t64, a[:r], top_m=m)
+    _sum_backward(ref)
+    err = {
+        f"max_err_{name}": float((getattr(out, name)[:r].double() - getattr(ref, name)).abs().max())
+        for name in ("kl", "student_logprob", "teacher_logprob")
+    }
+    err["ids_match"] = bool(torch.equal(out.topk_ids[:r], ref.topk_ids))
+    for side, x, x64 in (("student", s, s64), ("teacher", t, t64)):
+        scale = x64.grad.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+        err[f"max_rel_err_grad_{side}"] = float(
+            ((x.grad[:r].double() - x64.grad) / scale).abs().max()
+        )
+    ok_out = all(err[f"max_err_{k}"] <= 1e-3 for k in ("kl", "student_logprob", "teacher_logprob"))
+    ok_grad = all(err[f"max_rel_err_grad_{k}"] <= 3e-2 for k in ("student", "teacher"))
+    err["check_ok"] = bool(ok_out and ok_grad and err["ids_match"])
+    return err
+
+
+def bench_teacher(args, lk, rec, device, teacher: str) -> None:
+    n, v, m = SIZES[args.size]
+    dtype = torch.bfloat16
+    s, t, a = make_inputs(n, v, teacher, device, dtype)
+    elt = s.element_size()
+    copy = gc.copy_gbps(s.detach())
+    base_shapes = {"N": n, "V": v, "M": m, "dtype": "bfloat16", "teacher": teacher}
+    rec.add("device", "copy", {"bytes": 2 * s.numel() * elt}, 2 * s.numel() * elt / copy / 1e9,
+            copy_gbps=copy)  # fmt: skip
+
+    def clear() -> None:
+        s.grad = t.grad = None
+
+    extra: dict = {}
+    if args.variant == "torch_topk":
+        with torch.no_grad():
+            r = gc.time_fwd_bwd(
+                lambda: torch.topk(t, m), None, device, args.reps, clear, warmup=args.warmup
+            )
+        rec.add("topk_tail_kl", "torch_topk", {**base_shapes, "pass": "fwd"}, r["fwd"],
+                r["peak_bytes"], **gc.bandwidth_fields(n * v * elt, r["fwd"], copy))  # fmt: skip
+        return
+    if args.variant in ("triton", "cuda"):
+        # CPU dry run: the C++ kernel stands in for CUDA (Triton runs under its interpreter)
+        backend = "cpu" if args.variant == "cuda" and device.type != "cuda" else args.variant
+        forward, backward = _lopd_forward(lk, backend, s, t, a, m), _sum_backward
+        clear()
+        out = forward()
+        backward(out)
+        extra = check_rows(lk, out, s, t, a, m)
+        extra["teacher_topk_mass"] = float(out.teacher_topk_mass.mean())
+        del out
+    elif args.variant == "torch_reference":
+        backend = "torch_reference"
+        forward = lambda: lk.topk_tail_kl_reference(s, t, a, top_m=m)
+        backward = _sum_backward
+    else:
+        backend = "trl_eager"
+        forward, backward = _trl_forward(s, t, a, m)
+    r = gc.time_fwd_bwd(forward, backward, device, args.reps, clear, warmup=args.warmup)
+    grads = 2 * n * v * elt
+    peak = None if r["peak_bytes"] is None else max(0, r["peak_bytes"] - grads)
+    passes = (("fwd", 2), ("bwd", 4), ("fwd+bwd", 6))
+    for name, tensors in passes:
+        fields = gc.bandwidth_fields(tensors * n * v * elt, r[name], copy)
+        rec.add("topk_tail_kl", backend, {**base_shapes, "pass": name}, r[name],
+                peak if name == "fwd+bwd" else None, **fields, **extra)  # fmt: skip
+    if extra and not extra["check_ok"]:
+        raise AssertionError(f"{backend} {teacher}: wrong against the float64 reference: {extra}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", required=True, choices=VARIANTS)
+    parser.add_argument("--teachers", default=",".join(TEACHERS), help="comma-separated")
+    gc.add_common_args(parser, reps=10)
+    args = parser.parse_args(argv)
+    device = gc.resolve_device(args.device)
+    if device is None:
+        return 0
+    import lopd_kernels as lk
+
+    rec = gc.Recorder(args.records, device)
+    ok = True
+    for teacher in args.teachers.split(","):
+        ok &= gc.run_guarded(
+            f"topk_tail_kl {args.variant} {teacher}",
+            lambda teacher=teacher: bench_teacher(args, lk, rec, device, teacher),
+        )
+        gc.free_cuda(device)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -213,14 +213,21 @@ def render_prompt(
     )
 
 
+OBSERVATION_ROLES = ("tool", "user")
+"""Roles an observation may be rendered as: a tool result, or the next user turn (multi-turn
+benchmarks such as BFCL feed the next user request after the model ends its turn)."""
+
+
 @functools.lru_cache(maxsize=64)
-def _observation_affixes(tokenizer: Any, enable_thinking: bool) -> tuple[str, str]:
+def _observation_affixes(
+    tokenizer: Any, enable_thinking: bool, role: str = "tool"
+) -> tuple[str, str]:
     eot = end_of_turn_token(tokenizer)
     messages = [
         {"role": "system", "content": "s"},
         {"role": "user", "content": "u"},
         {"role": "assistant", "content": _SENT_ASSISTANT},
-        {"role": "tool", "content": _SENT_OBSERVATION},
+        {"role": role, "content": _SENT_OBSERVATION},
     ]
     text = _apply(tokenizer, messages, None, True, enable_thinking)
     anchor = _SENT_ASSISTANT + eot
@@ -228,7 +235,7 @@ def _observation_affixes(tokenizer: Any, enable_thinking: bool) -> tuple[str, st
     if start < 0 or text.count(_SENT_OBSERVATION) != 1:
         raise ValueError(
             "the tokenizer's chat template does not render an assistant turn as "
-            f"'<content>{eot}' followed by one tool turn; cannot derive observation segments"
+            f"'<content>{eot}' followed by one {role} turn; cannot derive observation segments"
         )
     segment = text[start + len(anchor) :]
     prefix, suffix = segment.split(_SENT_OBSERVATION)
@@ -236,34 +243,41 @@ def _observation_affixes(tokenizer: Any, enable_thinking: bool) -> tuple[str, st
 
 
 def render_observation_text(
-    tokenizer: Any, observation: str, *, enable_thinking: bool = False
+    tokenizer: Any, observation: str, *, enable_thinking: bool = False, role: str = "tool"
 ) -> str:
     """The text of :func:`render_observation`."""
     if not isinstance(observation, str):
         raise TypeError(f"observation must be a str, got {type(observation).__name__}")
-    prefix, suffix = _observation_affixes(tokenizer, enable_thinking)
+    if role not in OBSERVATION_ROLES:
+        raise ValueError(f"role must be one of {OBSERVATION_ROLES}, got {role!r}")
+    prefix, suffix = _observation_affixes(tokenizer, enable_thinking, role)
     return prefix + observation + suffix
 
 
 def render_observation(
-    tokenizer: Any, observation: str, *, enable_thinking: bool = False
+    tokenizer: Any, observation: str, *, enable_thinking: bool = False, role: str = "tool"
 ) -> list[int]:
     """Token ids between an assistant turn's end-of-turn token and the next generated token.
 
     The observation is rendered as one ``tool`` message (Qwen3: a ``user`` turn wrapping the text
-    in ``<tool_response>``), followed by the next assistant header (with Qwen3's empty think block
-    when ``enable_thinking`` is False).
+    in ``<tool_response>``), or with ``role="user"`` as the next user turn, followed by the next
+    assistant header (with Qwen3's empty think block when ``enable_thinking`` is False).
 
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template.
         observation: the environment's observation text.
         enable_thinking: as in :func:`render_prompt`.
+        role: ``"tool"`` (a tool result) or ``"user"`` (the next user message).
 
     Returns:
         The segment's token ids (all template/observation tokens: action mask 0).
+
+    Raises:
+        ValueError: an unknown ``role``.
     """
     return encode(
-        tokenizer, render_observation_text(tokenizer, observation, enable_thinking=enable_thinking)
+        tokenizer,
+        render_observation_text(tokenizer, observation, enable_thinking=enable_thinking, role=role),
     )
 
 

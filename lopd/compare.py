@@ -1,27 +1,32 @@
 """``python -m lopd.compare``: LOPD against its baselines and ablations at equal rollout budgets.
 
-Runs every method of :mod:`lopd.baselines` (and LOPD) on the embedded tool-use world over several
-seeds with the same model, tasks, optimizer, evaluation and rollout budget, then writes to
-``--out``:
+Runs every method of :data:`lopd.methods.METHODS` (LOPD, its ablations, the baselines) on the
+embedded tool-use world over several seeds with the same model, tasks, optimizer, evaluation and
+rollout budget, then writes to ``--out``:
 
 * ``report.md``: a table of held-out reward (mean +- stderr over seeds, per-seed values, n) per
   method and the answers to the paper's three claims in miniature: does LOPD beat each baseline at
-  equal budget; what fraction of GRPO's rollouts LOPD needs to reach GRPO's final reward; does
-  m = 0 fall below the frozen composer.
+  equal budget; what fraction of GRPO's (and Skill-SD's) rollouts LOPD needs to reach its final
+  reward; does m = 0 fall below the frozen composer.
 * ``learning_curve.png``: held-out reward against generated rollouts (mean over seeds).
 * ``results.json``: every run's summary and curve; ``runs/<method>-seed<k>/``: the run directories.
 
 Usage::
 
-    python -m lopd.compare                          # default comparison (6 methods x 3 seeds)
+    python -m lopd.compare                          # default comparison (8 methods x 3 seeds)
     python -m lopd.compare --quick                  # seconds-scale plumbing run (tests)
     python -m lopd.compare --seeds 0 1 --methods lopd grpo --out runs/cmp data.n_test=32
 
-Equal budgets. Every generated rollout counts (:attr:`lopd.trainer.Trainer.rollouts`), the
+Settings. The runs use the ``compare`` preset (``--quick``: ``compare-quick``) of
+:mod:`lopd.config` and its rollout budget :data:`lopd.config.COMPARE_BUDGETS`.
+
+Equal budgets. Every generated rollout counts (:attr:`lopd.engine.RolloutEngine.rollouts`), the
 experience bank's base-model rollouts included: methods that build a bank (LOPD and its
-ablations, OPSD) train for ``(budget - bank) / tasks_per_step`` steps, the others (GRPO, SDPO) for
-``budget / tasks_per_step`` steps, so all end at the same count. Evaluation rollouts (greedy, on
-the held-out split) do not count. Held-out rewards are measured, never used to pick anything.
+ablations, OPSD, SDFT) train for ``(budget - bank) / tasks_per_step`` steps, the others (GRPO,
+SDPO, Skill-SD) for ``budget / tasks_per_step`` steps, so all end at the same count. Skill-SD's
+skills are written from its own training rollouts (already counted); no other rollout is made.
+Evaluation rollouts (greedy, on the held-out split) do not count. Held-out rewards are measured,
+never used to pick anything.
 
 Shared phases. For one seed the bank, the composer cold start and the vanilla evaluation are the
 same computation for every method (same seed, base model and tasks), so they are run once (by the
@@ -46,14 +51,20 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from lopd.config import COMPARE_BUDGETS, BankTooSmallError, ConfigError, load_config
+from lopd.methods import METHODS
+from lopd.run_dir import RunDir
+
 __all__ = ["ALL_METHODS", "CompareSettings", "main", "run_method", "settings_for", "write_report"]
 
-ALL_METHODS = ("lopd", "grpo", "opsd", "sdpo", "lopd-frozen", "lopd-m0")
-"""Every comparable method; bank-building ones come first within a seed (they share the bank)."""
+ALL_METHODS = tuple(METHODS)
+"""Every comparable method, in the order the report lists them."""
 
-_RUN_ORDER = ("lopd", "lopd-frozen", "lopd-m0", "opsd", "grpo", "sdpo")
-_BANK_METHODS = {"lopd", "lopd-frozen", "lopd-m0", "opsd"}
-_COMPOSER_METHODS = {"lopd", "lopd-frozen", "lopd-m0"}
+# Within a seed, composer methods run first (they produce the bank, phi_0 and c_phi0 the others
+# reuse), then the other bank methods, then the bank-free ones.
+_RUN_ORDER = tuple(
+    sorted(ALL_METHODS, key=lambda m: (not METHODS[m].uses_composer, not METHODS[m].builds_bank))
+)
 
 
 @dataclass
@@ -61,67 +72,28 @@ class CompareSettings:
     """One comparison's shared configuration.
 
     Attributes:
-        preset: base preset of :mod:`lopd.config`.
+        preset: base preset of :mod:`lopd.config` (``compare`` or ``compare-quick``).
         overrides: ``section.field=value`` applied to every run (before the per-method ones).
         budget: generated rollouts per run (bank included).
-        eval_every: held-out evaluation every this many training steps (learning-curve points).
+        eval_every: held-out evaluation every this many training steps (learning-curve points);
+            ``None`` keeps the preset's ``eval.every``.
     """
 
     preset: str
     overrides: list[str] = field(default_factory=list)
     budget: int = 0
-    eval_every: int = 0
+    eval_every: int | None = None
 
 
 def settings_for(quick: bool) -> CompareSettings:
-    """The default comparison, or the ``--quick`` plumbing run.
-
-    Default (sized for <= 60 minutes for 6 methods x 3 seeds on 2 CPU cores): the ``default``
-    preset with 24 train / 16 held-out tasks, 4 environment steps of <= 32 tokens, one bank
-    rollout per train task (24), 30 cold-start steps, 8 rollouts per step and a budget of 120
-    rollouts (LOPD: 12 steps, GRPO: 15 steps), evaluated every 3 steps (every 24 rollouts).
-
-    Quick: the ``smoke`` preset with 8 train / 4 held-out tasks, 4 rollouts per step and a budget
-    of 16 (LOPD: 2 steps, GRPO: 4 steps); nothing converges, every code path runs.
-    """
-    if quick:
-        return CompareSettings(
-            preset="smoke",
-            overrides=[
-                "data.n_train=8",
-                "data.n_test=4",
-                "lopd.tasks_per_step=4",
-                "lopd.micro_batch=4",
-                "eval.with_composer=false",
-                "checkpoint_every=0",
-                "log_every=1000",
-            ],
-            budget=16,
-            eval_every=2,
-        )
-    return CompareSettings(
-        preset="default",
-        overrides=[
-            "data.n_train=24",
-            "data.n_test=16",
-            "gen.max_new_tokens=32",
-            "gen.max_steps=4",
-            "bank.rollouts_per_task=1",
-            "cold_start.steps=30",
-            "lopd.tasks_per_step=8",
-            "lopd.micro_batch=8",
-            "eval.with_composer=false",
-            "checkpoint_every=0",
-            "log_every=1000",
-        ],
-        budget=120,
-        eval_every=3,
-    )
+    """The default comparison (preset ``compare``), or the ``--quick`` plumbing run (preset
+    ``compare-quick``; nothing converges, every code path runs), at the preset's budget."""
+    preset = "compare-quick" if quick else "compare"
+    return CompareSettings(preset=preset, budget=COMPARE_BUDGETS[preset])
 
 
 def _config(settings: CompareSettings, method: str, seed: int, run_dir: Path, steps: int) -> Any:
-    from lopd.config import load_config
-
+    every = [] if settings.eval_every is None else [f"eval.every={settings.eval_every}"]
     cfg = load_config(
         settings.preset,
         overrides=[
@@ -130,7 +102,7 @@ def _config(settings: CompareSettings, method: str, seed: int, run_dir: Path, st
             f"seed={seed}",
             f"run_dir={json.dumps(str(run_dir))}",
             f"lopd.steps={steps}",
-            f"eval.every={settings.eval_every}",
+            *every,
         ],
     )
     cfg.validate()
@@ -141,7 +113,7 @@ def _steps_for(settings: CompareSettings, method: str) -> tuple[int, int]:
     """``(steps, bank_rollouts)`` that spend ``settings.budget`` rollouts with ``method``."""
     cfg = _config(settings, "lopd", 0, Path("."), 0)
     tps = cfg.lopd.tasks_per_step
-    bank = cfg.data.n_train * cfg.bank.rollouts_per_task if method in _BANK_METHODS else 0
+    bank = cfg.data.n_train * cfg.bank.rollouts_per_task if METHODS[method].builds_bank else 0
     if settings.budget <= bank:
         raise ValueError(
             f"budget={settings.budget} does not exceed the {bank} bank rollouts of {method!r}"
@@ -152,25 +124,17 @@ def _steps_for(settings: CompareSettings, method: str) -> tuple[int, int]:
 def _share(sources: Sequence[Path], dst: Path, method: str) -> None:
     """Copy the seed's shared phases from earlier run directories (see the module docstring)."""
     dst.mkdir(parents=True, exist_ok=True)
-    names = ["eval_vanilla.json"]
-    if method in _BANK_METHODS:
-        names.append("bank")
-    if method in _COMPOSER_METHODS:
-        names += ["phi0.pt", "latents0.pt"]
-    for name in names:
-        d = dst / name
-        # A directory (the bank) is complete only once its DONE marker exists.
-        done = [
-            s / name
-            for s in sources
-            if (s / name / "DONE" if name == "bank" else s / name).exists()
-        ]
-        if not done or d.exists():
+    spec = METHODS[method]
+    target = RunDir(dst)
+    for path in target.shared_phases(spec.builds_bank, spec.uses_composer):
+        name = path.relative_to(target.root)
+        done = [s / name for s in sources if RunDir(s).is_complete(s / name)]
+        if not done or path.exists():
             continue
         if done[0].is_dir():
-            shutil.copytree(done[0], d)
+            shutil.copytree(done[0], path)
         else:
-            shutil.copy2(done[0], d)
+            shutil.copy2(done[0], path)
 
 
 def run_method(
@@ -189,6 +153,7 @@ def run_method(
     from lopd.trainer import Trainer
 
     run_dir = out / "runs" / f"{method}-seed{seed}"
+    files = RunDir(run_dir)
     result: dict[str, Any] = {"method": method, "seed": seed, "run_dir": str(run_dir)}
     t0 = time.perf_counter()
     try:
@@ -201,12 +166,11 @@ def run_method(
         finally:
             trainer.close()
         bank = 0
-        done = run_dir / "bank" / "DONE"
-        if method in _BANK_METHODS and done.exists():
-            bank = int(json.loads(done.read_text())["rollouts"])
+        if METHODS[method].builds_bank and files.bank_done.exists():
+            bank = int(json.loads(files.bank_done.read_text())["rollouts"])
         vanilla = summary["vanilla"]["reward_mean"]
         curve = [[0, vanilla]] + ([[bank, vanilla]] if bank else [])
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        for line in files.metrics.read_text().splitlines():
             row = json.loads(line)
             if "eval_reward_mean" in row:
                 curve.append([int(row["rollouts"]), row["eval_reward_mean"]])
@@ -221,7 +185,7 @@ def run_method(
         )
     except Exception as err:  # a failed run is reported, the comparison goes on
         msg = f"{type(err).__name__}: {err}"
-        if "experience bank allows (0 entries" in msg:
+        if isinstance(err, BankTooSmallError) and err.bank_size == 0:
             msg += (
                 " [the base model had no rollout with reward >= bank.min_reward; "
                 "bank.min_reward=0.0 fills the bank with unsuccessful rollouts instead, which is "
@@ -236,7 +200,8 @@ def run_seed(
     settings: CompareSettings, methods: Sequence[str], seed: int, out: Path
 ) -> list[dict[str, Any]]:
     """All methods of one seed, sharing the seed's phases: composer methods first (they produce
-    the bank, phi_0 and c_phi0 the others reuse), then OPSD, then the bank-free methods."""
+    the bank, phi_0 and c_phi0 the others reuse), then OPSD and SDFT, then the bank-free
+    methods."""
     results, sources = [], []
     for method in sorted(methods, key=_RUN_ORDER.index):
         res = run_method(settings, method, seed, out, sources)
@@ -317,13 +282,40 @@ def _paired(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> tuple[f
     return mean, se, len(seeds)
 
 
+def _rollout_fraction(by: dict[str, list[dict[str, Any]]], ref: str, name: str) -> str:
+    """The fraction of ``ref``'s rollouts LOPD needs to reach ``ref``'s final held-out reward
+    (the paper's "less than 30% of the rollout budget of GRPO and Skill-SD")."""
+    if "lopd" not in by or ref not in by:
+        return f"- Fraction of {name}'s rollouts: needs both `lopd` and `{ref}` runs."
+    r_curve, l_curve = _mean_curve(by[ref]), _mean_curve(by["lopd"])
+    r_final_x, r_final, _ = r_curve[-1]
+    vanilla = r_curve[0][1]
+    reach = next((x for x, y, _ in l_curve if y >= r_final), None)
+    head = f"- **Rollouts LOPD needs to reach {name}'s final reward**"
+    if r_final <= vanilla:
+        return (
+            f"{head}: not meaningful here: {name}'s final held-out reward ({r_final:.3f}) does "
+            f"not exceed vanilla ({vanilla:.3f}), so any run 'reaches' it at 0 rollouts."
+        )
+    if reach is None:
+        return (
+            f"{head} ({r_final:.3f} after {r_final_x} rollouts): not reached within the budget "
+            f"(LOPD's mean curve peaks at {max(y for _, y, _ in l_curve):.3f})."
+        )
+    return (
+        f"{head} ({r_final:.3f} after {r_final_x} rollouts): {reach} rollouts (bank included) = "
+        f"{reach / r_final_x:.0%} of {name}'s (resolution: the evaluation interval; mean curves "
+        "over seeds)."
+    )
+
+
 def answers(results: Sequence[dict[str, Any]]) -> list[str]:
     """The three claims, answered from the numbers (markdown bullet lines)."""
     by = _by_method(results)
     lines = []
     if "lopd" in by:
-        for base in ("grpo", "opsd", "sdpo", "lopd-frozen", "lopd-m0"):
-            if base not in by:
+        for base in ALL_METHODS:
+            if base == "lopd" or base not in by:
                 continue
             d, se, n = _paired(by["lopd"], by[base])
             lines.append(
@@ -332,32 +324,8 @@ def answers(results: Sequence[dict[str, Any]]) -> list[str]:
             )
     else:
         lines.append("- LOPD vs baselines: LOPD was not run (or failed).")
-    if "lopd" in by and "grpo" in by:
-        g_curve, l_curve = _mean_curve(by["grpo"]), _mean_curve(by["lopd"])
-        g_final_x, g_final, _ = g_curve[-1]
-        vanilla = g_curve[0][1]
-        reach = next((x for x, y, _ in l_curve if y >= g_final), None)
-        if g_final <= vanilla:
-            lines.append(
-                f"- **Rollouts LOPD needs to reach GRPO's final reward**: not meaningful here: "
-                f"GRPO's final held-out reward ({g_final:.3f}) does not exceed vanilla "
-                f"({vanilla:.3f}), so any run 'reaches' it at 0 rollouts."
-            )
-        elif reach is None:
-            lines.append(
-                f"- **Rollouts LOPD needs to reach GRPO's final reward** ({g_final:.3f} after "
-                f"{g_final_x} rollouts): not reached within the budget (LOPD's mean curve peaks "
-                f"at {max(y for _, y, _ in l_curve):.3f})."
-            )
-        else:
-            lines.append(
-                f"- **Rollouts LOPD needs to reach GRPO's final reward** ({g_final:.3f} after "
-                f"{g_final_x} rollouts): {reach} rollouts (bank included) = "
-                f"{reach / g_final_x:.0%} of GRPO's (resolution: the evaluation interval; mean "
-                "curves over seeds)."
-            )
-    else:
-        lines.append("- Fraction of GRPO's rollouts: needs both `lopd` and `grpo` runs.")
+    for ref, name in (("grpo", "GRPO"), ("skill-sd", "Skill-SD")):
+        lines.append(_rollout_fraction(by, ref, name))
     if "lopd-m0" in by and "lopd-frozen" in by:
         d, se, n = _paired(by["lopd-m0"], by["lopd-frozen"])
         below = "yes" if d < 0 else ("no (equal)" if d == 0 else "no")
@@ -421,8 +389,10 @@ def write_report(
         "# LOPD vs baselines on the embedded tool-use world",
         "",
         f"Seeds: {meta['seeds']}. Budget: {meta['budget']} generated rollouts per run (bank "
-        f"included). Preset `{meta['preset']}` with overrides `{' '.join(meta['overrides'])}`. "
-        f"Total wall time {meta['wall_seconds'] / 60:.1f} min. Command: `{meta['command']}`.",
+        f"included). Preset `{meta['preset']}` (`lopd/configs/{meta['preset']}.yaml`)"
+        + (f" with overrides `{' '.join(meta['overrides'])}`" if meta["overrides"] else "")
+        + f". Total wall time {meta['wall_seconds'] / 60:.1f} min. "
+        f"Command: `{meta['command']}`.",
         "",
         "Held-out reward: greedy decoding, one rollout per held-out task, after training. "
         "Stderr is over seeds (sample std / sqrt(seeds)); with one seed none is given "
@@ -477,7 +447,8 @@ def _plot(by: dict[str, list[dict[str, Any]]], path: Path) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m lopd.compare",
-        description="LOPD vs GRPO, OPSD, SDPO and ablations at equal rollout budgets.",
+        description="LOPD vs GRPO, OPSD, SDPO, SDFT, Skill-SD and ablations at equal rollout "
+        "budgets.",
     )
     p.add_argument("--quick", action="store_true", help="seconds-scale plumbing run")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2 (quick: 0)")
@@ -503,16 +474,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     out = Path(args.out or ("runs/compare-quick" if args.quick else "runs/compare"))
     jobs = args.jobs if args.jobs is not None else min(2, len(seeds))
-    from lopd.config import ConfigError
-
     try:
         cfg = _config(settings, "lopd", seeds[0], out, 0)
-        group = 4
-        if cfg.lopd.tasks_per_step % group:
-            raise ConfigError(
-                f"lopd.tasks_per_step={cfg.lopd.tasks_per_step} must be a multiple of the group "
-                f"size {group} for equal per-step budgets"
-            )
+        for m in args.methods:
+            group = METHODS[m].group_size(cfg)
+            if cfg.lopd.tasks_per_step % group:
+                raise ConfigError(
+                    f"lopd.tasks_per_step={cfg.lopd.tasks_per_step} must be a multiple of the "
+                    f"group size {group} of {m} for equal per-step budgets"
+                )
         for m in args.methods:
             steps, bank = _steps_for(settings, m)
             print(f"[compare] {m}: {steps} steps (+ {bank} bank rollouts)", flush=True)

@@ -1,9 +1,14 @@
-"""Run configuration: dataclasses, presets, YAML files and ``key=value`` overrides.
+"""Run configuration: the config, its validation, presets, YAML files and ``key=value`` overrides.
+
+The sections (``model``, ``data``, ``gen``, ``bank``, ``composer``, ``cold_start``, ``lopd``,
+``grpo``, ``opsd``, ``sdpo``, ``sdft``, ``skill_sd``, ``eval``) are dataclasses in
+:mod:`lopd.config_sections`, importable from here.
 
 One :class:`Config` object describes a whole run and is saved as ``config.yaml`` in the run
 directory. It is built in three layers, later ones winning:
 
-1. a preset (``default``, ``smoke`` or ``paper``, see :data:`PRESETS`),
+1. a preset (``default``, ``smoke``, ``paper``, ``compare`` or ``compare-quick``, see
+   :data:`PRESETS`; written once here, ``lopd/configs/<name>.yaml`` are generated from them),
 2. an optional YAML file (``--config``) with the same nested layout as :class:`Config`,
 3. ``section.field=value`` overrides from the command line (values parsed as YAML scalars and
    type-checked against the field).
@@ -29,19 +34,43 @@ from typing import Any
 
 import yaml
 
+from lopd.config_sections import (
+    BankConfig,
+    ColdStartConfig,
+    ComposerConfig,
+    DataConfig,
+    EvalConfig,
+    GenConfig,
+    GRPOConfig,
+    LOPDConfig,
+    ModelConfig,
+    OPSDConfig,
+    SDFTConfig,
+    SDPOConfig,
+    SkillSDConfig,
+)
+
 __all__ = [
+    "COMPARE_BUDGETS",
     "PRESETS",
     "BankConfig",
+    "BankTooSmallError",
     "ColdStartConfig",
     "ComposerConfig",
     "Config",
     "ConfigError",
     "DataConfig",
     "EvalConfig",
+    "GRPOConfig",
     "GenConfig",
     "LOPDConfig",
     "ModelConfig",
+    "OPSDConfig",
+    "SDFTConfig",
+    "SDPOConfig",
+    "SkillSDConfig",
     "load_config",
+    "preset_yaml",
 ]
 
 
@@ -49,173 +78,17 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field (or file line)."""
 
 
-@dataclass
-class ModelConfig:
-    """The backbone shared by student, teacher and composer encoder.
+class BankTooSmallError(ConfigError):
+    """The experience bank cannot serve ``composer.num_retrieved`` experiences per task.
 
     Attributes:
-        path: a local Hugging Face checkpoint directory (Qwen3, Olmo, ...); ``None`` loads the
-            tiny Qwen3 model shipped in ``lopd/assets/tiny-qwen3``.
-        dtype: parameter dtype, ``float32``, ``bfloat16`` or ``float16``.
-        device: ``cpu``, ``cuda`` or ``auto`` (CUDA when available; under ``torchrun`` each rank
-            takes ``cuda:LOCAL_RANK``).
-        gradient_checkpointing: recompute transformer-layer activations in the backward of the
-            student and teacher forwards (less memory, about one more forward of compute).
+        bank_size: entries in the bank (0: the base model had no rollout with reward >=
+            ``bank.min_reward``).
     """
 
-    path: str | None = None
-    dtype: str = "float32"
-    device: str = "auto"
-    gradient_checkpointing: bool = False
-
-
-@dataclass
-class DataConfig:
-    """Where tasks come from.
-
-    Attributes:
-        domain: ``tool_use`` or ``coding`` (built-in task generators of ``lopd.envs``).
-        tasks_path: a JSONL file of tasks (one ``Task`` dict per line, with ``split`` ``train``
-            or ``test``); ``None`` uses the built-in generator.
-        n_train: number of training tasks (built-in generator; a cap for a JSONL file).
-        n_test: number of held-out evaluation tasks.
-    """
-
-    domain: str = "tool_use"
-    tasks_path: str | None = None
-    n_train: int = 48
-    n_test: int = 32
-
-
-@dataclass
-class GenConfig:
-    """Multi-turn sampling of the student (paper Table 4).
-
-    Attributes:
-        max_new_tokens: token budget of one assistant turn.
-        max_steps: environment steps (assistant turns) per episode.
-        temperature, top_p, top_k: sampling for training rollouts and the bank.
-    """
-
-    max_new_tokens: int = 48
-    max_steps: int = 6
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 20
-
-
-@dataclass
-class BankConfig:
-    """The experience bank: successful training rollouts of the base model (paper A.3).
-
-    Attributes:
-        rollouts_per_task: base-model rollouts sampled per training task to fill the bank.
-        min_reward: a rollout enters the bank when its reward is at least this.
-    """
-
-    rollouts_per_task: int = 2
-    min_reward: float = 1.0
-
-
-@dataclass
-class ComposerConfig:
-    """The latent composer (paper 3.2, A.1).
-
-    Attributes:
-        num_latents: K, latent tokens per retrieved experience.
-        num_retrieved: J, experiences retrieved per task; the teacher sees ``J * K`` latents.
-        qformer_layers: cross-attention layers of the QFormer (weights shared across layers).
-        ffn_mult: QFormer feed-forward width multiplier.
-        lora_r, lora_alpha, lora_dropout: the encoder's LoRA adapter (q, k, v, o, gate, up, down).
-        max_encoder_tokens: "Task to solve / Reference past trajectory" inputs are truncated to
-            this many tokens.
-    """
-
-    num_latents: int = 32
-    num_retrieved: int = 3
-    qformer_layers: int = 8
-    ffn_mult: int = 4
-    lora_r: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    max_encoder_tokens: int = 384
-
-
-@dataclass
-class ColdStartConfig:
-    """Composer cold start (paper eq. 14, A.2): NLL of bank trajectories given ``c_phi``.
-
-    Attributes:
-        steps: optimizer steps (0 skips the cold start: phi_0 is the random initialization).
-        batch_size: bank trajectories per step.
-        lr: AdamW learning rate of LoRA + QFormer.
-        grad_clip: global gradient-norm clip.
-    """
-
-    steps: int = 100
-    batch_size: int = 8
-    lr: float = 1e-5
-    grad_clip: float = 3.0
-
-
-@dataclass
-class LOPDConfig:
-    """Joint training (paper 3.3, Algorithm 1, eq. 10-13).
-
-    Attributes:
-        method: the training objective; ``lopd`` here, baselines register more in
-            ``lopd.trainer.METHODS``.
-        steps: training iterations.
-        tasks_per_step: training tasks sampled per iteration (one rollout each): the rollout
-            budget per step, across all data-parallel ranks.
-        micro_batch: trajectories per forward/backward (gradient accumulation inside a step).
-        lr: AdamW learning rate of the student theta.
-        composer_lr: AdamW learning rate of the composer phi.
-        weight_decay: AdamW weight decay for both.
-        grad_clip: global gradient-norm clip (student and composer separately).
-        top_m: M, teacher top-M support plus a tail bucket; ``None`` = full vocabulary.
-        temperature: distillation temperature applied to both logits.
-        divergence: ``reverse`` (paper) or ``forward`` KL.
-        margin: m, the privileged margin.
-        anchor_weight: lambda, weight of ``||c_phi - sg c_phi0||^2``.
-        dual_lr: eta_beta, step size of the dual ascent on beta.
-        beta_init: initial beta.
-        fused_linear: compute the KL from final hidden states and ``lm_head`` with
-            ``fused_linear_topk_tail_kl`` (no ``[N, V]`` logits) instead of ``topk_tail_kl``.
-    """
-
-    method: str = "lopd"
-    steps: int = 30
-    tasks_per_step: int = 8
-    micro_batch: int = 4
-    lr: float = 1e-5
-    composer_lr: float = 1e-5
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    top_m: int | None = 20
-    temperature: float = 1.0
-    divergence: str = "reverse"
-    margin: float = 0.05
-    anchor_weight: float = 0.2
-    dual_lr: float = 0.5
-    beta_init: float = 0.0
-    fused_linear: bool = False
-
-
-@dataclass
-class EvalConfig:
-    """Held-out evaluation (paper Table 3 metrics).
-
-    Attributes:
-        temperature: decoding temperature at evaluation (0 = greedy).
-        every: evaluate the student every this many training steps (0 = only at the end).
-        with_composer: also evaluate "base + composer": the frozen base model generating with
-            retrieved latent context.
-    """
-
-    temperature: float = 0.0
-    every: int = 0
-    with_composer: bool = True
+    def __init__(self, message: str, bank_size: int) -> None:
+        super().__init__(message)
+        self.bank_size = bank_size
 
 
 @dataclass
@@ -245,6 +118,11 @@ class Config:
     composer: ComposerConfig = field(default_factory=ComposerConfig)
     cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
     lopd: LOPDConfig = field(default_factory=LOPDConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    opsd: OPSDConfig = field(default_factory=OPSDConfig)
+    sdpo: SDPOConfig = field(default_factory=SDPOConfig)
+    sdft: SDFTConfig = field(default_factory=SDFTConfig)
+    skill_sd: SkillSDConfig = field(default_factory=SkillSDConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     # ------------------------------------------------------------------ (de)serialization
@@ -287,6 +165,20 @@ class Config:
         Raises:
             ConfigError: naming the field (or the tasks-file line) at fault.
         """
+
+        # Every number finite first: NaN passes every "< 0" / "<= 0" check below and would train
+        # on a NaN loss (or crash seconds later with a traceback).
+        def numbers(obj: Any, prefix: str) -> typing.Iterator[tuple[str, float]]:
+            for f in dataclasses.fields(obj):
+                value = getattr(obj, f.name)
+                if dataclasses.is_dataclass(value):
+                    yield from numbers(value, f"{prefix}{f.name}.")
+                elif isinstance(value, float):
+                    yield f"{prefix}{f.name}", value
+
+        for name, value in numbers(self, ""):
+            if not float("-inf") < value < float("inf"):
+                raise ConfigError(f"{name} must be a finite number, got {value}")
         positive = {
             "composer.num_latents": self.composer.num_latents,
             "composer.num_retrieved": self.composer.num_retrieved,
@@ -357,6 +249,7 @@ class Config:
             raise ConfigError(
                 f"model.device must be auto, cpu or cuda[:N], got {self.model.device!r}"
             )
+        self._validate_sections()
         if not check_paths:
             return
         if self.model.path is not None:
@@ -369,18 +262,69 @@ class Config:
         if self.data.tasks_path is not None:
             check_tasks_file(self.data.tasks_path)
 
+    def _validate_sections(self) -> None:
+        """The parallelism choice and the baselines' sections."""
+        if self.model.parallel not in ("ddp", "fsdp2"):
+            raise ConfigError(
+                f"model.parallel must be one of ('ddp', 'fsdp2'), got {self.model.parallel!r}"
+            )
+        for name, value in {
+            "grpo.group_size": self.grpo.group_size,
+            "sdpo.group_size": self.sdpo.group_size,
+            "skill_sd.group_size": self.skill_sd.group_size,
+            "skill_sd.teacher_sync_every": self.skill_sd.teacher_sync_every,
+            "skill_sd.summary_max_tokens": self.skill_sd.summary_max_tokens,
+            "skill_sd.max_skills": self.skill_sd.max_skills,
+        }.items():
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if not self.grpo.clip_eps > 0:
+            raise ConfigError(f"grpo.clip_eps must be > 0, got {self.grpo.clip_eps}")
+        if not 0.0 <= self.sdpo.ema_rate <= 1.0:
+            raise ConfigError(f"sdpo.ema_rate must be in [0, 1], got {self.sdpo.ema_rate}")
+        if not 0.0 <= self.sdft.ema_rate <= 1.0:
+            raise ConfigError(f"sdft.ema_rate must be in [0, 1], got {self.sdft.ema_rate}")
+        for name, value in {
+            "skill_sd.clip_eps_low": self.skill_sd.clip_eps_low,
+            "skill_sd.clip_eps_high": self.skill_sd.clip_eps_high,
+        }.items():
+            if not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        for name, value in {
+            "skill_sd.sdl_weight": self.skill_sd.sdl_weight,
+            "skill_sd.ucb_c": self.skill_sd.ucb_c,
+        }.items():
+            if value < 0:
+                raise ConfigError(f"{name} must be >= 0, got {value}")
+        if self.skill_sd.summarizer not in ("model", "rule"):
+            raise ConfigError(
+                f"skill_sd.summarizer must be one of ('model', 'rule'), got "
+                f"{self.skill_sd.summarizer!r}"
+            )
+        for name, value in (("opsd.top_m", self.opsd.top_m), ("sdft.top_m", self.sdft.top_m)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1 or null, got {value}")
+        for name, value in (
+            ("opsd.divergence", self.opsd.divergence),
+            ("sdpo.divergence", self.sdpo.divergence),
+            ("sdft.divergence", self.sdft.divergence),
+        ):
+            if value not in ("reverse", "forward"):
+                raise ConfigError(f"{name} must be one of ('reverse', 'forward'), got {value!r}")
+
     def check_bank_size(self, bank_size: int) -> None:
         """J must not exceed what the retriever can return (the bank minus the task itself).
 
         Raises:
-            ConfigError: naming ``composer.num_retrieved``.
+            BankTooSmallError: naming ``composer.num_retrieved``.
         """
         if self.composer.num_retrieved > bank_size - 1:
-            raise ConfigError(
+            raise BankTooSmallError(
                 f"composer.num_retrieved={self.composer.num_retrieved} is larger than the "
                 f"experience bank allows ({bank_size} entries; a task never retrieves itself, so "
                 f"at most {max(bank_size - 1, 0)}): lower composer.num_retrieved or collect a "
-                "larger bank (bank.rollouts_per_task, data.n_train)"
+                "larger bank (bank.rollouts_per_task, data.n_train)",
+                bank_size,
             )
 
 
@@ -397,8 +341,15 @@ def check_tasks_file(path: str | Path) -> None:
     if not path.is_file():
         raise ConfigError(f"data.tasks_path {str(path)!r} does not exist")
     n = 0
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ConfigError(
+                    f"data.tasks_path {str(path)!r} line {lineno}: not valid UTF-8 ({err.reason} "
+                    f"at byte {err.start})"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -439,6 +390,8 @@ def _default() -> Config:
     - lr 1e-4 (student) and 3e-4 (composer), 60 cold-start steps at 1e-3: a 1e-5 step barely
       moves a tiny model within the few dozen steps the time budget allows.
     - margin 0.05, lambda 0.2, eta_beta 0.5, M 20: the paper's values, which are scale-free.
+    - Skill-SD's skills come from the deterministic rule summarizer: the 1M-parameter tiny model
+      cannot write a skill summary (a stand-in, see :mod:`lopd.methods.skills`).
     """
     cfg = Config(run_dir="runs/default")
     cfg.data.n_train, cfg.data.n_test = 48, 32
@@ -450,6 +403,7 @@ def _default() -> Config:
     cfg.cold_start.steps, cfg.cold_start.batch_size, cfg.cold_start.lr = 60, 4, 1e-3
     cfg.lopd.steps, cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 30, 8, 4
     cfg.lopd.lr, cfg.lopd.composer_lr = 1e-4, 3e-4
+    cfg.skill_sd.summarizer = "rule"
     cfg.checkpoint_every = 10
     return cfg
 
@@ -495,11 +449,99 @@ def _paper() -> Config:
     return cfg
 
 
+def _compare() -> Config:
+    """One run of the default comparison (``python -m lopd.compare``, 6 methods x 3 seeds).
+
+    Sized for <= 60 minutes on 2 CPU cores: 24 train / 16 held-out tasks, 4 environment steps
+    of <= 32 tokens, one bank rollout per train task, 30 cold-start steps, 8 rollouts per step,
+    held-out evaluation every 3 steps; the budget is :data:`COMPARE_BUDGETS` (``lopd.steps`` is
+    set per method from it).
+    """
+    cfg = _default()
+    cfg.run_dir = "runs/compare"
+    cfg.data.n_train, cfg.data.n_test = 24, 16
+    cfg.gen.max_new_tokens, cfg.gen.max_steps = 32, 4
+    cfg.bank.rollouts_per_task = 1
+    cfg.cold_start.steps = 30
+    cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 8, 8
+    cfg.eval.with_composer = False
+    cfg.eval.every = 3
+    cfg.checkpoint_every = 0
+    cfg.log_every = 1000
+    return cfg
+
+
+def _compare_quick() -> Config:
+    """One run of ``python -m lopd.compare --quick``: seconds-scale plumbing, nothing converges.
+
+    The smoke preset with 8 train / 4 held-out tasks and 4 rollouts per step.
+    """
+    cfg = _smoke()
+    cfg.run_dir = "runs/compare-quick"
+    cfg.data.n_train, cfg.data.n_test = 8, 4
+    cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 4, 4
+    cfg.eval.with_composer = False
+    cfg.eval.every = 2
+    cfg.checkpoint_every = 0
+    cfg.log_every = 1000
+    return cfg
+
+
 PRESETS: dict[str, typing.Callable[[], Config]] = {
     "default": _default,
     "smoke": _smoke,
     "paper": _paper,
+    "compare": _compare,
+    "compare-quick": _compare_quick,
 }
+"""Named base configurations. ``lopd/configs/<name>.yaml`` are generated from them
+(:func:`preset_yaml`; ``python -m lopd.config --write-presets``)."""
+
+COMPARE_BUDGETS: dict[str, int] = {"compare": 120, "compare-quick": 16}
+"""Generated rollouts per run (bank included) of ``python -m lopd.compare`` for its presets:
+LOPD trains ``(budget - bank) / tasks_per_step`` steps (compare: 12), bank-free methods
+``budget / tasks_per_step`` (compare: 15)."""
+
+PRESET_DIR = Path(__file__).resolve().parent / "configs"
+"""Where the generated preset YAML files live."""
+
+
+def preset_yaml(name: str) -> str:
+    """The text of ``lopd/configs/<name>.yaml``: the preset's values with its docstring's
+    first paragraph as a header comment."""
+    make = PRESETS[name]
+    summary = (make.__doc__ or name).strip().split("\n\n")[0]
+    header = [f"# {line.strip()}".rstrip() for line in summary.splitlines()]
+    header += [
+        f"# Generated from lopd.config.PRESETS[{name!r}]; do not edit: change the preset and run",
+        "# `python -m lopd.config --write-presets` (tests check that this file is current).",
+    ]
+    return "\n".join(header) + "\n" + make().to_yaml()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lopd.config --write-presets``: regenerate ``lopd/configs/*.yaml``;
+    ``--check``: exit 1 if any of them is out of date."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m lopd.config")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--write-presets", action="store_true", help="regenerate the YAML files")
+    group.add_argument("--check", action="store_true", help="fail if a YAML file is stale")
+    args = p.parse_args(argv)
+    stale = []
+    for name in PRESETS:
+        path = PRESET_DIR / f"{name}.yaml"
+        text = preset_yaml(name)
+        if args.write_presets:
+            path.write_text(text)
+            print(f"wrote {path}")
+        elif not path.exists() or path.read_text() != text:
+            stale.append(str(path))
+    if stale:
+        print("stale (run python -m lopd.config --write-presets): " + ", ".join(stale))
+        return 1
+    return 0
 
 
 def load_config(
@@ -616,3 +658,7 @@ def _type_name(hint: Any) -> str:
     if args:
         return " or ".join("null" if a is type(None) else a.__name__ for a in args)
     return getattr(hint, "__name__", str(hint))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,5 +1,9 @@
 """Held-out evaluation: the student alone, and the frozen base model generating with latents.
 
+:class:`HeldOutEvaluator` is the trainer's evaluation phase (rank 0 evaluates, the other ranks
+wait): ``vanilla`` (the student before training), ``lopd`` (the trained student) and
+``base_composer`` (the frozen base model generating with retrieved latents).
+
 Metrics (paper Table 3) over one rollout per task: mean reward with its standard error, success
 rate (reward 1), interaction steps, tool calls per step, repeated tool calls and first-step
 length (tokens of the first assistant turn).
@@ -20,8 +24,9 @@ length (tokens of the first assistant turn).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,9 +34,16 @@ from torch import nn
 from lopd.injection import LATENT_SENTINEL, frame_user_message
 from lopd.types import Task, Trajectory
 
+if TYPE_CHECKING:
+    from lopd.distributed import Dist
+    from lopd.engine import RolloutEngine
+    from lopd.methods.base import Models
+
 __all__ = [
+    "HeldOutEvaluator",
     "LatentConditionedLM",
     "LatentPromptEnv",
+    "main",
     "summarize",
 ]
 
@@ -163,3 +175,140 @@ class LatentConditionedLM(nn.Module):
             past_key_values=past_key_values,
             **kwargs,
         )
+
+
+def find_run(ids: Sequence[int], value: int, n: int) -> int:
+    """Index of the first run of ``n`` consecutive ``value`` ids."""
+    run = 0
+    for i, x in enumerate(ids):
+        run = run + 1 if x == value else 0
+        if run == n:
+            return i - n + 1
+    raise ValueError(f"no run of {n} placeholder ids ({value}) in the rendered prompt")
+
+
+class HeldOutEvaluator:
+    """Evaluation on the held-out split (rank 0 generates; the other ranks wait).
+
+    Args:
+        models: the run's models.
+        engine: the rollout engine (evaluation rollouts do not count toward the budget).
+        tasks: the held-out tasks.
+        seed: the evaluation seed (the same for every evaluation of a run).
+        temperature: decoding temperature (``eval.temperature``; 0 = greedy).
+        dist: rank facts and the barrier.
+        log: progress messages.
+        progress: show a progress bar.
+        compose: ``tasks -> [B, J*K, d]`` latents for ``base_composer`` (``None`` without a
+            composer).
+        num_placeholders: ``J*K``.
+        chunk: tasks composed per forward (``lopd.micro_batch``).
+    """
+
+    def __init__(
+        self,
+        models: Models,
+        engine: RolloutEngine,
+        tasks: Sequence[Task],
+        seed: int,
+        temperature: float,
+        dist: Dist,
+        log: Callable[[str], None],
+        progress: bool = False,
+        compose: Callable[[Sequence[Task]], torch.Tensor] | None = None,
+        num_placeholders: int = 0,
+        chunk: int = 1,
+    ) -> None:
+        self.models, self.engine, self.tasks = models, engine, list(tasks)
+        self.seed, self.temperature = seed, temperature
+        self.dist, self.log, self.progress = dist, log, progress
+        self.compose, self.num_placeholders, self.chunk = compose, num_placeholders, chunk
+
+    def __call__(self, which: str) -> dict[str, float]:
+        """Summary metrics (:func:`summarize` and ``seconds``) of one evaluation on rank 0,
+        ``{}`` on the others.
+
+        Args:
+            which: ``vanilla`` or ``lopd`` (the student) or ``base_composer`` (the frozen base
+                model generating with retrieved latents).
+        """
+        result: dict[str, float] = {}
+        # Under FSDP2 every rank gathers the weights; rank 0 alone generates.
+        with self.models.sharding.gathered():
+            if self.dist.is_main:
+                t0 = time.perf_counter()
+                if which == "base_composer":
+                    trajs = self.rollout_with_latents()
+                else:
+                    trajs = self.engine.generate(
+                        self.models.student,
+                        self.tasks,
+                        self.seed,
+                        temperature=self.temperature,
+                        count=False,
+                        progress=self.progress,
+                    )
+                result = summarize(trajs)
+                result["seconds"] = time.perf_counter() - t0
+                self.log(
+                    f"eval {which}: reward {result['reward_mean']:.3f} ± "
+                    f"{result['reward_stderr']:.3f} (n={result['n']}), "
+                    f"success {result['success_rate']:.3f}"
+                )
+            self.dist.barrier()
+        return result
+
+    @torch.no_grad()
+    def rollout_with_latents(self) -> list[Trajectory]:
+        """The frozen base model rolled out on the held-out tasks with their c_phi injected."""
+        from lopd.chat import render_prompt
+        from lopd.envs import make_env
+
+        if self.compose is None or self.models.composer is None:
+            raise ValueError("base_composer evaluation needs a composer")
+        tokenizer, pad_id, n = self.models.tokenizer, self.models.pad_id, self.num_placeholders
+        ph = tokenizer.convert_ids_to_tokens(pad_id)
+        domain_of = {t.task_id: t.domain for t in self.tasks}
+
+        def env_factory(task: Task) -> LatentPromptEnv:
+            return LatentPromptEnv(make_env(task), domain_of[task.task_id], n, ph)
+
+        prompts, starts, latents = [], [], []
+        bs = max(1, self.chunk)
+        for i in range(0, len(self.tasks), bs):
+            chunk = self.tasks[i : i + bs]
+            lat = self.compose(chunk)
+            for task, lt in zip(chunk, lat):
+                env = env_factory(task)
+                ids = render_prompt(tokenizer, env.system_prompt(), env.reset(task), env.tools())
+                prompts.append(ids)
+                starts.append(find_run(ids, pad_id, n))
+                latents.append(lt)
+        with self.models.composer.teacher_mode() as backbone:
+            lm = LatentConditionedLM(backbone, prompts, latents, starts)
+            return self.engine.generate(
+                lm,
+                self.tasks,
+                self.seed,
+                temperature=self.temperature,
+                count=False,
+                make_env=env_factory,
+                progress=self.progress,
+            )
+
+
+# --------------------------------------------------------------------------------------- CLI
+# ``python -m lopd.evaluate --model PATH --bench bfcl-multi-turn | humaneval | builtin``: the
+# benchmark driver is lopd.bench_eval; this entry point stays a thin wrapper so the evaluation
+# helpers above can be reorganized freely.
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Benchmark evaluation CLI (see :mod:`lopd.bench_eval`)."""
+    from lopd.bench_eval import main as bench_main
+
+    return bench_main(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -140,6 +140,7 @@ class _Episode:
     truncated_turns: int = 0
     generated_tokens: int = 0
     stop_reason: str = ""
+    env_error: str | None = None
 
 
 @torch.inference_mode()
@@ -236,8 +237,10 @@ def rollout(
         end-of-turn token included when it was sampled), ``turn_spans`` the half-open
         ``(start, end)`` of each turn's sampled ids, ``prompt_len``, ``reward`` from the env's
         verifier, the env's ``trace`` and step statistics. ``info`` holds ``stop_reason``
-        (``"done"``, ``"max_steps"`` or ``"max_total_tokens"``), ``truncated_turns``,
-        ``generated_tokens``, ``repeated_tool_calls``.
+        (``"done"``, ``"max_steps"``, ``"max_total_tokens"`` or ``"env_error"``),
+        ``truncated_turns``, ``generated_tokens``, ``repeated_tool_calls``; an episode whose
+        ``env.step`` or ``env.reward`` raised has reward 0, ``info["env_error"]`` with the
+        exception, and a ``RuntimeWarning`` is issued (the other episodes go on).
 
     Raises:
         ValueError: bad ``batch_size``, or a task whose prompt alone exceeds
@@ -318,6 +321,22 @@ def rollout(
     trajectories = []
     for ep in episodes:
         env = ep.env
+        if ep.env_error is None:
+            try:
+                reward = float(env.reward())
+            except Exception as e:
+                _env_failed(ep, "reward", e)
+        if ep.env_error is not None:
+            reward = 0.0
+        info: dict[str, Any] = {
+            "stop_reason": ep.stop_reason,
+            "truncated_turns": ep.truncated_turns,
+            "generated_tokens": ep.generated_tokens,
+            "repeated_tool_calls": int(getattr(env, "repeated_tool_calls", 0)),
+            "rollout_seconds": elapsed,
+        }
+        if ep.env_error is not None:
+            info["env_error"] = ep.env_error
         trajectories.append(
             Trajectory(
                 task=ep.task,
@@ -326,20 +345,23 @@ def rollout(
                 action_mask=ep.mask,
                 turn_spans=ep.spans,
                 prompt_len=ep.prompt_len,
-                reward=float(env.reward()),
+                reward=reward,
                 trace=list(env.trace),
                 num_steps=int(env.num_steps),
                 num_tool_calls=int(env.num_tool_calls),
-                info={
-                    "stop_reason": ep.stop_reason,
-                    "truncated_turns": ep.truncated_turns,
-                    "generated_tokens": ep.generated_tokens,
-                    "repeated_tool_calls": int(getattr(env, "repeated_tool_calls", 0)),
-                    "rollout_seconds": elapsed,
-                },
+                info=info,
             )
         )
     return trajectories
+
+
+def _env_failed(ep: _Episode, what: str, error: Exception) -> None:
+    """Record an unexpected env exception: the episode ends with reward 0 and says why."""
+    ep.env_error = f"env.{what}() raised {type(error).__name__}: {str(error)[:500]}"
+    ep.stop_reason = "env_error"
+    warnings.warn(
+        f"task {ep.task.task_id!r}: {ep.env_error}; episode scored 0", RuntimeWarning, stacklevel=3
+    )
 
 
 def _advance(
@@ -367,19 +389,28 @@ def _advance(
         ep.truncated_turns += int(not stopped)
     text = tokenizer.decode(content_ids, skip_special_tokens=False)
     ep.messages.append({"role": "assistant", "content": text})
-    observation, done = ep.env.step(text)
+    try:
+        observation, done = ep.env.step(text)
+    except Exception as e:
+        # A verifier bug (or a program it failed to contain) fails this episode, not the run.
+        _env_failed(ep, "step", e)
+        return False
     if done:
         ep.stop_reason = "done"
         return False
     if ep.turns >= gen.max_steps:
         ep.stop_reason = "max_steps"
         return False
-    segment = render_observation(tokenizer, observation, enable_thinking=gen.enable_thinking)
+    # An env may feed the next user turn instead of a tool result (multi-turn benchmarks).
+    role = getattr(ep.env, "observation_role", "tool")
+    segment = render_observation(
+        tokenizer, observation, enable_thinking=gen.enable_thinking, role=role
+    )
     # Room for the observation, one generated token and a closing end-of-turn token.
     if len(ep.ids) + len(segment) + 2 > gen.max_total_tokens:
         ep.stop_reason = "max_total_tokens"
         return False
     ep.ids.extend(segment)
     ep.mask.extend([0] * len(segment))
-    ep.messages.append({"role": "tool", "content": observation})
+    ep.messages.append({"role": role, "content": observation})
     return True

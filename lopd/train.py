@@ -8,10 +8,12 @@ Usage::
     python -m lopd.train --config my.yaml lopd.margin=0.1 lopd.steps=50
     python -m lopd.train --run-dir runs/x --resume         # continue a killed run
     torchrun --nproc-per-node 2 -m lopd.train --preset smoke   # data parallel (gloo on CPU)
+    torchrun --nproc-per-node 8 -m lopd.train --preset paper --model M model.parallel=fsdp2
 
 Phases: experience bank (base-model rollouts, cached in the run directory), composer cold start,
 LOPD joint training, held-out evaluation of the vanilla and the trained student (and of the
-frozen base model with latents). See :mod:`lopd.trainer` and :mod:`lopd.config`.
+frozen base model with latents). Read on in :mod:`lopd.trainer` (``Trainer.train_step``) and
+:mod:`lopd.methods.lopd`; configuration in :mod:`lopd.config`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--method",
         default=None,
-        help="training objective (lopd.method): lopd, grpo, opsd, sdpo, lopd-frozen, lopd-m0",
+        help="training objective (lopd.method), a name in lopd.methods.METHODS: lopd, its "
+        "ablations or a baseline",
     )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

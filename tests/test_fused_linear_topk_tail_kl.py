@@ -23,7 +23,7 @@ from lopd_kernels.fused_linear_topk_tail_kl import (
     lm_head_topk_tail_kl,
 )
 from tests.triton_compile import assert_script_compiles
-from tests.utils import assert_close, triton_interpret
+from tests.utils import TRITON_DEVICE, assert_close, requires_cuda, triton_interpret
 
 NAMES = ("student_hidden", "student_weight", "teacher_hidden", "teacher_weight")
 OUTS = ("kl", "privilege", "student_logprob", "teacher_logprob")
@@ -47,6 +47,14 @@ def make_inputs(n, d, vocab, dtype=torch.float32, *, bias=False, tied=False, see
     target = torch.randint(0, vocab, (n,), generator=g)
     target[1::4] = -100
     return {k: v.to(dtype) for k, v in x.items()}, target
+
+
+def to_device(inputs, target, device):
+    """``make_inputs``' tensors on ``device``, a tied head still one tensor."""
+    moved = {k: v.to(device) for k, v in inputs.items()}
+    if inputs["teacher_weight"] is inputs["student_weight"]:
+        moved["teacher_weight"] = moved["student_weight"]
+    return moved, target.to(device)
 
 
 def run(inputs, target, backend, *, requires=None, seed=1, upcast=False, **kw):
@@ -79,6 +87,7 @@ def run(inputs, target, backend, *, requires=None, seed=1, upcast=False, **kw):
     )
     g = torch.Generator().manual_seed(seed)
     ups = [torch.randn(target.shape[0], generator=g, dtype=torch.float64) for _ in OUTS]
+    ups = [u.to(target.device) for u in ups]
     loss = sum((getattr(out, name).double() * u).sum() for name, u in zip(OUTS, ups))
     want = [v for v in leaves.values() if v.requires_grad]
     if loss.requires_grad:
@@ -192,6 +201,28 @@ def test_frozen_heads_with_emulated_cuda_epilogue(dtype, emulated_cuda_epilogue)
     inputs, target = make_inputs(11, 64, 2203, dtype, bias=True, seed=16)
     requires = {"student_hidden", "teacher_hidden"}
     check(inputs, target, "cpu", dtype, requires=requires, top_m=8, temperature=0.9, chunk_size=4)
+
+
+# The same on a GPU: the real CUDA kernels as the epilogue of cuBLAS logit blocks.
+@requires_cuda
+@pytest.mark.parametrize(
+    "case", [CASES[0], CASES[2], CASES[3], CASES[5]], ids=lambda c: "-".join(map(str, c))
+)
+def test_chunked_cuda_on_gpu(case):
+    n, d, vocab, top_m, temp, div, bias, chunk = case
+    inputs, target = to_device(*make_inputs(n, d, vocab, bias=bias), "cuda")
+    check(
+        inputs, target, "cuda", torch.float32,
+        top_m=top_m, temperature=temp, divergence=div, chunk_size=chunk,
+    )  # fmt: skip
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_heads_chunked_cuda_on_gpu(dtype):
+    inputs, target = to_device(*make_inputs(11, 64, 2203, dtype, bias=True, seed=16), "cuda")
+    requires = {"student_hidden", "teacher_hidden"}
+    check(inputs, target, "cuda", dtype, requires=requires, top_m=8, temperature=0.9, chunk_size=4)
 
 
 @pytest.mark.parametrize("divergence", ["reverse", "forward"])
@@ -359,6 +390,8 @@ def test_opcheck(impl, tail_proj):
     if impl == "triton" and not lk._backend.triton_available():
         pytest.skip("Triton cannot run here (no CUDA device and TRITON_INTERPRET unset)")
     inputs, target = make_inputs(6, 16, 37, bias=True, seed=11)
+    device = TRITON_DEVICE if impl == "triton" else "cpu"
+    inputs, target = to_device(inputs, target, device)
     leaves = {k: v.requires_grad_() for k, v in inputs.items()}
     args = (
         leaves["student_hidden"], leaves["student_weight"], leaves["student_bias"],
@@ -370,7 +403,7 @@ def test_opcheck(impl, tail_proj):
     torch.library.opcheck(fwd_op, args, test_utils=tests)
     kl, _, _, ids, lse, bucket, proj_s, proj_t = fwd_op(*args)
     assert proj_s.shape == ((6, 16) if tail_proj else (0,))
-    grads = [torch.randn(6) for _ in range(3)]
+    grads = [torch.randn(6).to(device) for _ in range(3)]
     bwd_args = (
         *grads, *(x.detach() for x in args[:7]), ids, kl.detach(), lse, bucket, proj_s, proj_t,
         0.9, True, -100, 2, impl, [True, True, False, True, False, True], False,
@@ -405,6 +438,7 @@ TRITON_CASES = [
 def test_triton_matches_reference(case):
     n, d, vocab, top_m, temp, div, bias, tied, dtype = case
     inputs, target = make_inputs(n, d, vocab, dtype, bias=bias, tied=tied, seed=12)
+    inputs, target = to_device(inputs, target, TRITON_DEVICE)
     check(inputs, target, "triton", dtype, top_m=top_m, temperature=temp, divergence=div)
 
 
@@ -418,6 +452,7 @@ def test_triton_partial_requires_grad_and_masked_vocab():
     for key in ("student_bias", "teacher_bias"):
         inputs[key][:5] = -math.inf
     target = torch.where((target >= 0) & (target < 5), target + 5, target)
+    inputs, target = to_device(inputs, target, TRITON_DEVICE)
     requires = {"student_hidden", "teacher_hidden"}
     _, grads = check(inputs, target, "triton", torch.float32, requires=requires, top_m=4)
     assert set(grads) == requires

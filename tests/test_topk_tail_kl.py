@@ -12,7 +12,7 @@ import torch
 import lopd_kernels as lk
 from lopd_kernels import _backend
 from lopd_kernels.topk_tail_kl import topk_tail_kl_reference
-from tests.utils import TOLERANCES, assert_close
+from tests.utils import TOLERANCES, TRITON_DEVICE, assert_close
 
 HAS_CPP = _backend.has_cpp_op("topk_tail_kl_fwd")
 requires_cpp = pytest.mark.skipif(not HAS_CPP, reason="lopd_kernels._C (C++ ops) is not built")
@@ -113,7 +113,7 @@ def assert_grad_close(actual, expected, dtype, msg):
 def check_against_reference(s, t, target, backend, **kw):
     """All five outputs and both gradients of ``backend`` vs the float64 reference."""
     n = target.numel()
-    up = random_upstream(n)
+    up = [u.to(target.device) for u in random_upstream(n)]
     out, gs, gt = run(lk.topk_tail_kl, s, t, target, up, backend=backend, **kw)
     ref, rgs, rgt = run(topk_tail_kl_reference, s.double(), t.double(), target, up, **kw)
     # The kernels compute in float32 on the (exactly widened) inputs: float32 tolerance for the
@@ -406,15 +406,15 @@ def test_trl_oracle(divergence):
 # --------------------------------------------------------------------------------- custom ops
 
 
-def _opcheck_samples(fwd, top_m):
-    s, t, target = make_inputs(3, 37, ignore_rows=(1,), pad=2, seed=9)
+def _opcheck_samples(fwd, top_m, device="cpu"):
+    s, t, target = (x.to(device) for x in make_inputs(3, 37, ignore_rows=(1,), pad=2, seed=9))
     s.requires_grad_(True)
     t.requires_grad_(True)
     fwd_args = (s, t, target, top_m, 0.9, True, -100)
     kl, _slp, _tlp, ids, lse, bucket = fwd(
         *(x.detach() if torch.is_tensor(x) else x for x in fwd_args)
     )
-    g = random_upstream(3)
+    g = [u.to(device) for u in random_upstream(3)]
     bwd_args = (
         g[0].float(),
         g[1].float(),
@@ -447,7 +447,7 @@ def test_opcheck_cpp(top_m):
 
 @requires_triton
 def test_opcheck_triton():
-    fwd_args, bwd_args = _opcheck_samples(torch.ops.lopd.topk_tail_kl_triton_fwd, 5)
+    fwd_args, bwd_args = _opcheck_samples(torch.ops.lopd.topk_tail_kl_triton_fwd, 5, TRITON_DEVICE)
     torch.library.opcheck(torch.ops.lopd.topk_tail_kl_triton_fwd, fwd_args)
     torch.library.opcheck(torch.ops.lopd.topk_tail_kl_triton_bwd, bwd_args)
 
@@ -460,6 +460,7 @@ def test_triton_backend_matches_reference(top_m, divergence):
     s, t, target = make_inputs(
         3, 40, s_dtype=torch.bfloat16, t_dtype=torch.float32, ignore_rows=(0,), pad=3
     )
+    s, t, target = s.to(TRITON_DEVICE), t.to(TRITON_DEVICE), target.to(TRITON_DEVICE)
     check_against_reference(
         s, t, target, "triton", top_m=top_m, temperature=1.3, divergence=divergence
     )

@@ -49,6 +49,12 @@ def _metrics(run_dir: Path) -> list[dict]:
         ("model.path=/nonexistent/ckpt", "model.path"),
         ("lopd.divergence=sideways", "lopd.divergence"),
         ("lopd.top_m=0", "lopd.top_m"),
+        ("model.parallel=zero3", "model.parallel"),
+        ("grpo.group_size=0", "grpo.group_size"),
+        ("grpo.clip_eps=0", "grpo.clip_eps"),
+        ("sdpo.ema_rate=1.5", "sdpo.ema_rate"),
+        ("opsd.divergence=up", "opsd.divergence"),
+        ("opsd.top_m=0", "opsd.top_m"),
     ],
 )
 def test_bad_config_values_stop_at_startup_naming_the_field(override, field):
@@ -79,12 +85,15 @@ def test_override_types_keys_and_yaml_are_checked(tmp_path):
     assert paper.composer.num_retrieved == 3
 
 
-def test_shipped_yaml_configs_equal_the_presets():
-    from lopd.config import PRESETS
+def test_shipped_yaml_configs_are_generated_from_the_presets():
+    from lopd.config import PRESETS, main, preset_yaml
 
     for name in PRESETS:
-        from_yaml = load_config("default", REPO / "lopd" / "configs" / f"{name}.yaml")
+        path = REPO / "lopd" / "configs" / f"{name}.yaml"
+        assert path.read_text() == preset_yaml(name), f"stale {path}: run python -m lopd.config"
+        from_yaml = load_config("default", path)
         assert from_yaml.to_dict() == load_config(name).to_dict(), name
+    assert main(["--check"]) == 0
 
 
 def test_malformed_tasks_line_and_oversized_j_are_named(tmp_path):
@@ -103,6 +112,11 @@ def test_malformed_tasks_line_and_oversized_j_are_named(tmp_path):
     with pytest.raises(ConfigError, match=r"composer\.num_retrieved=3 is larger than"):
         cfg.check_bank_size(3)
     cfg.check_bank_size(4)
+    from lopd.config import BankTooSmallError
+
+    with pytest.raises(BankTooSmallError) as info:  # compare tells an empty bank apart by type
+        cfg.check_bank_size(0)
+    assert info.value.bank_size == 0
 
 
 def test_cli_reports_a_bad_value_before_loading_anything(tmp_path):
@@ -138,32 +152,28 @@ def trainer(smoke_run):
     run_dir, _, _ = smoke_run
     cfg = load_config("smoke", overrides=[f"run_dir={run_dir}"])
     tr = Trainer(cfg, progress=False)
-    tr.setup()
-    tr.build_bank()
-    tr.build_composer()
-    tr.cold_start()
-    tr._make_optimizers()
+    tr.setup()  # loads the bank, phi_0 and c_phi0 from the smoke run's directory
     return tr
 
 
 def test_gradient_reaches_phi_and_student_never_the_teacher(trainer):
-    from lopd.trainer import LOPDMethod
-
     tr = trainer
-    trajs = tr.generate(tr.student, tr.train_tasks[:2], seed=0)
-    tr.beta = 1.0  # the margin term's gradient path (teacher log-probs) is live too
-    for p in (*tr.student.parameters(), *tr.composer.parameters()):
+    student, composer = tr.models.student, tr.models.composer
+    trajs = tr.engine.generate(student, tr.train_tasks[:2], seed=0)
+    tr.method.beta = 1.0  # the margin term's gradient path (teacher log-probs) is live too
+    for p in (*student.parameters(), *composer.parameters()):
         p.grad = None
-    loss, sums = LOPDMethod().loss(tr, trajs, num_total=len(trajs))
+    loss, sums = tr.method.loss(trajs, num_total=len(trajs))
+    tr.method.beta = 0.0
     loss.backward()
-    lora_b = [p for n, p in tr.composer.named_parameters() if "lora_B" in n]
-    qformer = list(tr.composer.compressor.parameters())
+    lora_b = [p for n, p in composer.named_parameters() if "lora_B" in n]
+    qformer = list(composer.compressor.parameters())
     assert lora_b and all(p.grad is not None for p in lora_b)
     assert sum(float(p.grad.abs().sum()) for p in lora_b) > 0
     assert sum(float(p.grad.abs().sum()) for p in qformer if p.grad is not None) > 0
-    assert all(p.grad is not None for p in tr.student.parameters())
+    assert all(p.grad is not None for p in student.parameters())
     # The frozen teacher (= the encoder's base weights) never gets a gradient.
-    for name, p in tr.composer.backbone.named_parameters():
+    for name, p in composer.backbone.named_parameters():
         if "lora_" not in name:
             assert not p.requires_grad and p.grad is None, name
     assert sums["action_tokens"] == sum(sum(t.action_mask) for t in trajs)
@@ -172,29 +182,25 @@ def test_gradient_reaches_phi_and_student_never_the_teacher(trainer):
 
 def test_fused_linear_path_gives_the_same_loss_and_gradients(trainer):
     """``lopd.fused_linear=true`` (KL straight from hidden states + LM heads) == logits path."""
-    import dataclasses
+    import copy
 
-    from lopd.trainer import LOPDMethod
+    from lopd.methods import METHODS
 
     tr = trainer
-    trajs = tr.bank_trajectories[:2]
-    tr.beta = 0.5
+    student, composer = tr.models.student, tr.models.composer
+    trajs = tr.experience.trajectories[:2]
     results = []
-    base_cfg = tr.cfg.lopd
-    try:
-        for fused in (False, True):
-            tr.cfg.lopd = dataclasses.replace(base_cfg, fused_linear=fused)
-            for p in (*tr.student.parameters(), *tr.composer.parameters()):
-                p.grad = None
-            loss, sums = LOPDMethod().loss(tr, trajs, num_total=len(trajs))
-            loss.backward()
-            lora = {
-                n: p.grad.clone() for n, p in tr.composer.named_parameters() if p.grad is not None
-            }
-            head = tr.student.get_output_embeddings().weight.grad.clone()
-            results.append((loss.detach(), sums, lora, head))
-    finally:
-        tr.cfg.lopd = base_cfg
+    for fused in (False, True):
+        cfg = copy.deepcopy(tr.cfg)
+        cfg.lopd.fused_linear, cfg.lopd.beta_init = fused, 0.5
+        method = METHODS["lopd"].build(tr.context, cfg)
+        for p in (*student.parameters(), *composer.parameters()):
+            p.grad = None
+        loss, sums = method.loss(trajs, num_total=len(trajs))
+        loss.backward()
+        lora = {n: p.grad.clone() for n, p in composer.named_parameters() if p.grad is not None}
+        head = student.get_output_embeddings().weight.grad.clone()
+        results.append((loss.detach(), sums, lora, head))
     (l0, s0, g0, h0), (l1, s1, g1, h1) = results
     torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-6)
     assert s1["teacher_top_m_mass"] == pytest.approx(s0["teacher_top_m_mass"], rel=1e-4)
@@ -207,16 +213,16 @@ def test_fused_linear_path_gives_the_same_loss_and_gradients(trainer):
 def test_teacher_mode_is_the_pure_base_model(trainer):
     from lopd.models import load_model
 
-    tr = trainer
+    composer = trainer.models.composer
     fresh, _ = load_model()
-    ids = torch.tensor([tr.bank_trajectories[0].input_ids[:64]])
+    ids = torch.tensor([trainer.experience.trajectories[0].input_ids[:64]])
     with torch.no_grad():
-        for n, p in tr.composer.named_parameters():
+        for n, p in composer.named_parameters():
             if "lora_B" in n:
                 p.add_(0.05)  # a trained adapter changes the encoder ...
-        with tr.composer.teacher_mode() as backbone:
+        with composer.teacher_mode() as backbone:
             teacher = backbone(input_ids=ids).logits
-        encoder = tr.composer.backbone(input_ids=ids).logits
+        encoder = composer.backbone(input_ids=ids).logits
         ref = fresh(input_ids=ids).logits
     torch.testing.assert_close(teacher, ref)  # ... but not the teacher
     assert not torch.allclose(encoder, ref, atol=1e-4)
@@ -224,26 +230,28 @@ def test_teacher_mode_is_the_pure_base_model(trainer):
 
 def test_checkpointed_teacher_recomputes_with_the_adapter_disabled(trainer):
     """The checkpointed teacher forward must re-enter teacher_mode in its recompute."""
-    from lopd.trainer import ActionRows, teacher_action_hidden
+    from lopd.methods.latent_teacher import compose, teacher_action_hidden
+    from lopd.methods.rows import ActionRows
 
     tr = trainer
-    trajs = tr.bank_trajectories[:2]
+    composer = tr.models.composer
+    trajs = tr.experience.trajectories[:2]
     where = ActionRows.of(trajs, tr.device)
-    seqs = [tr.teacher_sequence(t) for t in trajs]
+    seqs = [tr.method.teacher_sequence(t) for t in trajs]
     with torch.no_grad():
-        for n, p in tr.composer.named_parameters():
+        for n, p in composer.named_parameters():
             if "lora_B" in n:
                 p.add_(0.05)  # a non-zero adapter: recomputing with it on would change dK, dV
     results = []
     for checkpointed in (False, True):
-        for p in tr.composer.parameters():
+        for p in composer.parameters():
             p.grad = None
+        latents = compose(composer, tr.experience.retrieved, [t.task for t in trajs])
         h = teacher_action_hidden(
-            tr.composer, seqs, tr.compose([t.task for t in trajs]), where, tr.pad_id,
-            checkpointed=checkpointed,
-        )  # fmt: skip
+            composer, seqs, latents, where, tr.models.pad_id, checkpointed=checkpointed
+        )
         h.pow(2).mean().backward()
-        grads = {n: p.grad.clone() for n, p in tr.composer.named_parameters() if p.grad is not None}
+        grads = {n: p.grad.clone() for n, p in composer.named_parameters() if p.grad is not None}
         results.append((h.detach(), grads))
     (h0, g0), (h1, g1) = results
     torch.testing.assert_close(h1, h0)
@@ -333,3 +341,37 @@ def test_torchrun_two_processes_on_cpu(tmp_path):
     assert rows[-1]["rollouts"] == bank + 2 * cfg.lopd.tasks_per_step
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["lopd"]["n"] == cfg.data.n_test
+
+
+# ----------------------------------------------------------------------------- building blocks
+def test_seed_streams_are_fixed_and_distinct():
+    from lopd.seeds import Stream, mix_seed, seed_of
+
+    # The stream numbers are part of every run's identity (tests pin the default run's figures).
+    assert [int(s) for s in Stream] == [1, 2, 3, 4, 5, 6, 7]
+    assert seed_of(0, Stream.TRAIN_ROLLOUT, 3, 1) == mix_seed(0, 6, 3, 1)
+    seeds = {seed_of(0, s, 0) for s in Stream}
+    assert len(seeds) == len(Stream) and all(0 <= s < 2**31 for s in seeds)
+
+
+def test_task_sampler_shares_partition_the_one_process_draw():
+    from lopd.seeds import Stream
+    from lopd.tasks import TaskSampler
+
+    population = list(range(10))
+    whole = TaskSampler(seed=3).draw(population, 6, Stream.STEP_TASKS, step=5)
+    shares = [TaskSampler(3, r, 3).draw(population, 6, Stream.STEP_TASKS, 5) for r in range(3)]
+    assert sorted(x for s in shares for x in s) == sorted(whole) and len(set(whole)) == 6
+    assert whole == TaskSampler(seed=3).draw(population, 6, Stream.STEP_TASKS, step=5)
+    assert whole != TaskSampler(seed=3).draw(population, 6, Stream.STEP_TASKS, step=6)
+    # A population smaller than the draw is sampled with replacement.
+    assert len(TaskSampler(seed=0).draw([1, 2], 5, Stream.COLD_START_BATCH, 0)) == 5
+
+
+def test_run_dir_names_every_file_once():
+    from lopd.run_dir import RunDir
+
+    rd = RunDir("/r")
+    assert rd.bank_done == rd.bank / "DONE" and rd.metrics.name == "metrics.jsonl"
+    assert rd.shared_phases(builds_bank=False, uses_composer=False) == [rd.eval_vanilla]
+    assert rd.shared_phases(True, True) == [rd.eval_vanilla, rd.bank, rd.phi0, rd.latents0]

@@ -63,3 +63,7 @@ def triton_interpret() -> bool:
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# Where tests of the Triton kernels put their tensors: the GPU when there is one (real kernels),
+# else the CPU, where conftest.py has set TRITON_INTERPRET=1.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -60,14 +60,25 @@ def make_env(task: Task, max_steps: int | None = None) -> Env:
     """A fresh environment able to run ``task`` (call ``reset(task)`` on it).
 
     Args:
-        task: the task; its ``domain`` picks the env class.
-        max_steps: override the tool-use step cap (default 30; coding is always one turn).
+        task: the task; its ``domain`` picks the env class, and its ``world`` among the
+            benchmark envs (``"bfcl"``: :class:`lopd.envs.bfcl.BfclEnv`, ``"humaneval"``:
+            :class:`lopd.envs.humaneval.HumanEvalEnv`).
+        max_steps: override the tool-use step cap (default 30; BFCL: no cap beyond its per-turn
+            limit; coding is always one turn).
 
     Raises:
         ValueError: unknown ``task.domain``.
     """
+    if task.domain == "tool_use" and task.world == "bfcl":
+        from lopd.envs.bfcl import BfclEnv
+
+        return BfclEnv(max_steps=max_steps)
     if task.domain == "tool_use":
         return ToolUseEnv() if max_steps is None else ToolUseEnv(max_steps=max_steps)
+    if task.domain == "coding" and task.world == "humaneval":
+        from lopd.envs.humaneval import HumanEvalEnv
+
+        return HumanEvalEnv()
     if task.domain == "coding":
         return CodingEnv()
     raise ValueError(f"task {task.task_id}: unknown domain {task.domain!r}")
@@ -117,12 +128,17 @@ def builtin_tasks(
 def oracle_actions(task: Task) -> list[str]:
     """A correct sequence of assistant turns (model text) that earns reward 1.0.
 
-    Tool use: one Qwen3 ``<tool_call>`` turn per oracle call, then ``Task Completed``.
+    Tool use: one Qwen3 ``<tool_call>`` turn per oracle call, then ``Task Completed``; BFCL:
+    the ground truth of each user turn as parallel calls, then ``Task Completed``.
     Coding: one turn with the reference solution (``spec["solution"]``) in a python fence.
 
     Raises:
         ValueError: the task carries no oracle / reference solution.
     """
+    if task.domain == "tool_use" and task.world == "bfcl":
+        from lopd.envs.bfcl import oracle_actions as bfcl_oracle_actions
+
+        return bfcl_oracle_actions(task)
     if task.domain == "tool_use":
         return [format_tool_call(c) for c in oracle_calls(task)] + [TASK_COMPLETED]
     if task.domain == "coding":

@@ -1,18 +1,30 @@
-"""Trusted half of the sandbox: confines and supervises one untrusted Python run.
+"""Trusted half of the sandbox: confines and supervises untrusted Python runs.
 
-Run by :func:`lopd.envs.sandbox.run_sandboxed` as ``python -I -S _sandbox_launcher.py CONFIG``
-(stdlib only, no site-packages) in a new session. It
+Run by :mod:`lopd.envs.sandbox` as ``python -I -S _sandbox_launcher.py CONFIG`` (stdlib only, no
+site-packages) in a new session, with pipes on its stdin and stdout. It makes itself
+non-dumpable (a process of the same uid can then neither ptrace it, nor open its
+``/proc/PID/fd``, ``environ`` or ``mem``, nor take its descriptors with ``pidfd_getfd``) and a
+child subreaper (every orphaned descendant is re-parented here and can be killed), then executes
+the configured runs one after the other. For each run it
 
-1. makes itself a child subreaper, so every descendant of the untrusted process that loses its
-   parent (double fork, ``setsid``) is re-parented here and can be killed;
-2. forks the untrusted child, which: redirects stdin/stdout/stderr to files outside the sandbox,
-   enters new mount and network namespaces when allowed (private empty ``/tmp``, ``/var/tmp``,
-   ``/dev/shm`` with the work dir bind-mounted back; no network), sets resource limits, drops to an
-   unprivileged uid with no supplementary groups and ``no_new_privs``, and ``execve``s the
-   interpreter with the clean environment;
-3. waits with a wall-clock timer, then SIGKILLs the child's process group and every remaining
-   descendant (and, when it ran under a uid of its own, every process of that uid);
-4. writes a JSON report (exit status, timeout flag, isolation actually achieved).
+1. forks a child that redirects stdin/stdout/stderr to per-run files outside the work dir and,
+   when configured, enters new namespaces: mount, network, pid (and, when not root, a user
+   namespace mapping only the caller's own uid). In them the whole file system is read-only
+   except the work dir; ``/tmp``, ``/var/tmp``, ``/dev/shm`` are empty private tmpfs mounts;
+   there is no network; and a private ``/proc`` (``hidepid=invisible``) shows only the run's own
+   processes;
+2. with a pid namespace, the child forks a small trusted init (pid 1 of the namespace, which
+   reaps orphans and, when it exits, makes the kernel kill everything left in the namespace);
+   the init (or, without one, the child itself) forks the program's process, which sets resource
+   limits, drops to the unprivileged uid (root only) with no supplementary groups and
+   ``no_new_privs``, closes every other descriptor and ``execve``\\ s the interpreter with the
+   clean environment;
+3. waits with a wall-clock timer, then SIGKILLs the run's process group and every remaining
+   descendant (and, under a uid of its own, every process of that uid);
+4. writes one JSON line on stdout (exit status, timeout flag, isolation achieved) and reads one
+   line from stdin: ``next`` starts the next run, anything else (or EOF) stops.
+
+The program never holds a descriptor of these pipes, and the reports carry no secret.
 
 It must not import anything from ``lopd`` (it runs without site-packages).
 """
@@ -23,21 +35,31 @@ import json
 import os
 import resource
 import signal
+import struct
 import sys
 import time
 
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_NOSUID = 2
 MS_NODEV = 4
+MS_NOEXEC = 8
 MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
+SYS_MOUNT_SETATTR = 442  # same number on every architecture (added in Linux 5.12)
+AT_FDCWD = -100
+AT_RECURSIVE = 0x8000
+MOUNT_ATTR_RDONLY = 0x1
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
 
 
 def _check(ret: int, what: str) -> None:
@@ -51,25 +73,178 @@ def _mount(src, target, fstype, flags, data) -> None:
     _check(_libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]), f"mount {target}")
 
 
-def _private_namespaces(cwd: str, masked: list, want_net: bool) -> dict:
-    """Best effort: fresh mount (+ network) namespace, empty tmpfs over world-writable dirs."""
-    flags = CLONE_NEWNS | (CLONE_NEWNET if want_net else 0)
-    if _libc.unshare(flags) != 0:
-        return {"private_tmp": False, "no_network": False}
+def _mount_setattr(path: str, recursive: bool, set_: int, clear: int) -> None:
+    attr = ctypes.create_string_buffer(struct.pack("QQQQ", set_, clear, 0, 0), 32)
+    flags = AT_RECURSIVE if recursive else 0
+    ret = _libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), flags, attr, 32)
+    _check(0 if ret == 0 else -1, f"mount_setattr {path}")
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _enter_namespaces(cfg: dict) -> dict:
+    """In the run's child: new namespaces, read-only file system but the work dir, private tmp.
+
+    Returns:
+        What was achieved (``private_tmp``, ``no_network``, ``read_only_root``, ``pid_namespace``,
+        ``user_namespace``); all False when namespaces are not configured for this mode.
+
+    Raises:
+        OSError: a configured step failed (the run then does not start).
+    """
+    info = {
+        "private_tmp": False,
+        "no_network": False,
+        "read_only_root": False,
+        "pid_namespace": False,
+        "user_namespace": False,
+    }
+    mode = cfg["namespaces"]
+    if mode is None:
+        return info
+    flags = CLONE_NEWNS | CLONE_NEWPID | (CLONE_NEWNET if cfg["no_network"] else 0)
+    if mode == "user":
+        # The uid/gid maps are written through /proc/self, which a non-dumpable process cannot
+        # open; nothing untrusted runs yet (the previous run's processes are all dead).
+        uid, gid = os.getuid(), os.getgid()
+        _check(_libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "dumpable")
+        _check(_libc.unshare(flags | CLONE_NEWUSER), "unshare")
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", f"{uid} {uid} 1")
+        _write("/proc/self/gid_map", f"{gid} {gid} 1")
+        _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "dumpable")
+        info["user_namespace"] = True
+    else:
+        _check(_libc.unshare(flags), "unshare")
+    info["pid_namespace"] = True
+    info["no_network"] = bool(cfg["no_network"])
     _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
+    cwd = cfg["cwd"]
     cwd_fd = os.open(cwd, os.O_RDONLY | os.O_DIRECTORY)
-    for d in masked:
+    _mount_setattr("/", True, MOUNT_ATTR_RDONLY, 0)
+    for d in cfg["masked_dirs"]:
         if os.path.isdir(d):
             _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
-            if cwd.startswith(d.rstrip("/") + "/"):
-                # The work dir lived under the masked dir: bind the original back at its path.
-                os.makedirs(cwd, mode=0o755, exist_ok=True)
-                _mount(f"/proc/self/fd/{cwd_fd}", cwd, None, MS_BIND, None)
+    # The work dir (under a masked dir, or on the now read-only rest) is bound back writable.
+    os.makedirs(cwd, mode=0o755, exist_ok=True)
+    _mount(f"/proc/self/fd/{cwd_fd}", cwd, None, MS_BIND, None)
+    _mount_setattr(cwd, False, 0, MOUNT_ATTR_RDONLY)
     os.close(cwd_fd)
-    return {"private_tmp": True, "no_network": want_net}
+    info["private_tmp"] = True
+    info["read_only_root"] = True
+    return info
+
+
+def _mount_private_proc() -> bool:
+    """As pid 1 of the new pid namespace: a /proc that lists only this namespace's processes."""
+    for options in ("hidepid=invisible", "hidepid=2", None):
+        try:
+            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, options)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _exec_program(cfg: dict, run: dict) -> None:
+    """In the program's process: limits, uid drop, exec. Never returns."""
+    try:
+        lim = cfg["limits"]
+        os.chdir(cfg["cwd"])
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (lim["memory_bytes"], lim["memory_bytes"]))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (lim["file_size_bytes"], lim["file_size_bytes"]))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lim["open_files"], lim["open_files"]))
+        resource.setrlimit(resource.RLIMIT_NPROC, (lim["nproc"], lim["nproc"]))
+        uid = cfg["uid"]
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+        _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+        # Die with the parent even if it is SIGKILLed (set after setuid, which clears it).
+        _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+        os.closerange(3, 1 << 16)
+        os.umask(0o077)
+        os.execve(cfg["python"], [cfg["python"], "-I", "-B", *run["argv"]], cfg["env"])
+    except BaseException as e:
+        try:
+            os.write(2, f"sandbox: could not start: {e!r}\n".encode())
+        finally:
+            os._exit(125)
+
+
+def _init(cfg: dict, run: dict, status_fd: int) -> None:
+    """Pid 1 of the run's pid namespace: start the program, reap, report its status. No return."""
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            # Init ignores default-action signals sent from inside its namespace: the program
+            # cannot kill its init (and so lose its status) with kill(1, ...).
+            signal.signal(sig, signal.SIG_DFL)
+        private_proc = _mount_private_proc()
+        os.write(status_fd, (json.dumps({"private_proc": private_proc}) + "\n").encode())
+        pid = os.fork()
+        if pid == 0:
+            _exec_program(cfg, run)
+        while True:
+            got, status = os.wait()
+            if got == pid:
+                break
+        code = os.waitstatus_to_exitcode(status)
+        os.write(status_fd, (json.dumps({"returncode": code}) + "\n").encode())
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.write(2, f"sandbox: init failed: {e!r}\n".encode())
+    os._exit(0)
+
+
+def _run_child(cfg: dict, run: dict, status_fd: int) -> None:
+    """In the forked child: redirect, confine, then exec (or start the init). Never returns."""
+    try:
+        os.setpgid(0, 0)
+        fds = [
+            os.open(run["stdin"], os.O_RDONLY),
+            os.open(run["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+            os.open(run["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+        ]
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        try:
+            info = _enter_namespaces(cfg)
+        except OSError as e:
+            os.write(2, f"sandbox: namespace setup failed: {e}\n".encode())
+            os._exit(125)
+        os.write(status_fd, (json.dumps(info) + "\n").encode())
+        if not info["pid_namespace"]:
+            _exec_program(cfg, run)
+        pid = os.fork()
+        if pid == 0:
+            _init(cfg, run, status_fd)
+        os.close(status_fd)
+        while True:
+            try:
+                got, _ = os.waitpid(pid, 0)
+            except ChildProcessError:
+                break
+            if got == pid:
+                break
+        os._exit(0)
+    except BaseException as e:
+        try:
+            os.write(2, f"sandbox: could not start: {e!r}\n".encode())
+        finally:
+            os._exit(125)
 
 
 def _children_of(pid: int) -> list:
+    """Live (not zombie) children of ``pid``."""
     kids = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -81,7 +256,7 @@ def _children_of(pid: int) -> list:
             continue
         # comm may contain spaces or parentheses: fields resume after the last ')'.
         fields = stat[stat.rindex(b")") + 2 :].split()
-        if int(fields[1]) == pid:
+        if int(fields[1]) == pid and fields[0] != b"Z":
             kids.append(int(name))
     return kids
 
@@ -95,6 +270,8 @@ def _pids_of_uid(uid: int) -> list:
         try:
             with open(f"/proc/{name}/status", "rb") as f:
                 for line in f:
+                    if line.startswith(b"State:") and line.split()[1] == b"Z":
+                        break  # dead already; reaped by whoever is its parent
                     if line.startswith(b"Uid:"):
                         if int(line.split()[1]) == uid:
                             pids.append(int(name))
@@ -143,53 +320,6 @@ def _kill_all(child_pgid: int, uid) -> int:
     return len(killed)
 
 
-def _run_child(cfg: dict) -> None:
-    """In the forked child: confine, then exec. Never returns."""
-    try:
-        os.setpgid(0, 0)
-        fds = [
-            os.open(cfg["stdin"], os.O_RDONLY),
-            os.open(cfg["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
-            os.open(cfg["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
-        ]
-        # Opened before the namespace setup: io/ may live under a dir that gets masked.
-        report_fd = os.open(cfg["isolation_report"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-        info = {"private_tmp": False, "no_network": False}
-        uid = cfg["uid"]
-        if uid is not None and cfg["isolate"]:
-            try:
-                info = _private_namespaces(cfg["cwd"], cfg["masked_dirs"], cfg["no_network"])
-            except OSError as e:
-                os.write(2, f"sandbox: namespace setup failed: {e}\n".encode())
-                os._exit(125)
-        os.write(report_fd, json.dumps(info).encode())
-        os.closerange(3, 1 << 16)
-        os.chdir(cfg["cwd"])
-        lim = cfg["limits"]
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (lim["memory_bytes"], lim["memory_bytes"]))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (lim["file_size_bytes"], lim["file_size_bytes"]))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (lim["open_files"], lim["open_files"]))
-        resource.setrlimit(resource.RLIMIT_NPROC, (lim["nproc"], lim["nproc"]))
-        if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-        _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-        # Die with the launcher even if it is SIGKILLed (set after setuid, which clears it).
-        _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
-        os.umask(0o077)
-        os.execve(cfg["python"], [cfg["python"], *cfg["argv"]], cfg["env"])
-    except BaseException as e:
-        try:
-            os.write(2, f"sandbox: could not start: {e!r}\n".encode())
-        finally:
-            os._exit(125)
-
-
 class _Timeout(Exception):
     pass
 
@@ -198,35 +328,73 @@ def _on_alarm(signum, frame):
     raise _Timeout
 
 
-def main() -> None:
-    with open(sys.argv[1]) as f:
-        cfg = json.load(f)
-    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _one_run(cfg: dict, run: dict) -> dict:
+    status_r, status_w = os.pipe()
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
-        _run_child(cfg)
+        os.close(status_r)
+        _run_child(cfg, run, status_w)
+    os.close(status_w)
     timed_out = False
-    signal.signal(signal.SIGALRM, _on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, cfg["wall_time_s"])
+    status = None
+    signal.setitimer(signal.ITIMER_REAL, run["wall_time_s"])
     try:
         _, status = os.waitpid(pid, 0)
-        signal.setitimer(signal.ITIMER_REAL, 0)
     except _Timeout:
         timed_out = True
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    if status is None:
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:  # reaped just as the timer fired
+            status = signal.SIGKILL
     wall = time.monotonic() - t0
     killed = _kill_all(pid, cfg["uid"] if cfg["own_uid"] else None)
-    report = {
-        "returncode": os.waitstatus_to_exitcode(status),
+    # Every writer of the status pipe is dead now: reading to EOF cannot block.
+    info: dict = {"private_proc": False}
+    returncode = os.waitstatus_to_exitcode(status)
+    for line in _read_all(status_r).splitlines():
+        with contextlib.suppress(ValueError):
+            info.update(json.loads(line))
+    os.close(status_r)
+    if info.pop("pid_namespace", False):
+        # The child only waited for the init; the program's status came through the pipe.
+        returncode = info.pop("returncode", -signal.SIGKILL)
+    info.pop("returncode", None)
+    return {
+        "returncode": returncode,
         "timed_out": timed_out,
         "wall_time_s": wall,
         "stray_processes_killed": killed,
+        "isolation": info,
     }
-    with open(cfg["report"], "w") as f:
-        json.dump(report, f)
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        cfg = json.load(f)
+    _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "dumpable")
+    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")
+    signal.signal(signal.SIGALRM, _on_alarm)
+    for i, run in enumerate(cfg["runs"]):
+        report = _one_run(cfg, run)
+        sys.stdout.write(json.dumps(report) + "\n")
+        sys.stdout.flush()
+        if i + 1 < len(cfg["runs"]) and sys.stdin.readline().strip() != "next":
+            break
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ Native format: one :class:`~lopd.types.Task` per line, as ``Task.to_dict()`` wri
 For tool use, ``world`` must be a registered world (:func:`lopd.envs.register_world`) and the spec
 holds the initial database (``"db"``, or a ``"seed"`` for the world's generator) and the
 final-state ``"checks"`` (see :mod:`lopd.envs.tool_use`): that is how EnvScaler-derived tasks are
-brought in, with a world class implementing their tools. For coding, see :mod:`lopd.envs.coding`.
+brought in, with a world class implementing their tools; or ``world`` is ``"bfcl"`` and the spec
+is a BFCL multi-turn entry (:func:`lopd.envs.bfcl_data.task_from_entry`). For coding, see
+:mod:`lopd.envs.coding` (``world`` ``"humaneval"``: :mod:`lopd.envs.humaneval`).
 
 :func:`load_tasks_jsonl` also accepts, line by line,
 
@@ -32,6 +34,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from lopd.envs.tool_use import evaluate_checks, get_world
 from lopd.types import Task
 
 _TASK_KEYS = {"task_id", "domain", "world", "instruction", "spec"}
@@ -61,23 +64,34 @@ def _validate(task: Task, where: str) -> Task:
         for t in tests:
             if not isinstance(t, dict) or "input" not in t or "output" not in t:
                 raise TaskFormatError(f"{where}: each test needs 'input' and 'output'")
+    elif task.world == "bfcl":
+        from lopd.envs.bfcl_data import validate_spec
+
+        try:
+            validate_spec(task.spec)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise TaskFormatError(f"{where}: {e}") from None
     else:
         if not isinstance(task.spec.get("checks"), list) or not task.spec["checks"]:
             raise TaskFormatError(f"{where}: tool-use spec needs a non-empty 'checks' list")
         if "db" not in task.spec and not isinstance(task.spec.get("seed"), int):
             raise TaskFormatError(f"{where}: tool-use spec needs 'db' or an integer 'seed'")
+        try:
+            get_world(task.world)
+        except KeyError as e:
+            raise TaskFormatError(
+                f"{where}: {e.args[0]} (register the world before loading)"
+            ) from None
+        try:
+            # On an empty database: catches unknown ops and checks missing their keys.
+            evaluate_checks(task.spec["checks"], {}, {})
+        except Exception as e:
+            raise TaskFormatError(f"{where}: invalid check ({type(e).__name__}: {e})") from None
         if "conventions" in task.spec:
-            from lopd.envs.tool_use import get_world
-
             try:
-                world = get_world(task.world)
-            except KeyError:
-                world = None  # an unregistered world is reported when the task runs
-            if world is not None:
-                try:
-                    world({}, task.spec["conventions"])
-                except ValueError as e:
-                    raise TaskFormatError(f"{where}: {e}") from None
+                get_world(task.world)({}, task.spec["conventions"])
+            except ValueError as e:
+                raise TaskFormatError(f"{where}: {e}") from None
     return task
 
 
@@ -219,17 +233,26 @@ def task_from_record(record: dict[str, Any], where: str = "record") -> Task:
 def load_tasks_jsonl(path: str | os.PathLike[str]) -> list[Task]:
     """Load tasks from a JSONL file (blank lines ignored; formats in the module docstring).
 
+    Tool-use tasks must name a registered world (register custom worlds before loading) and
+    use known check ops.
+
     Raises:
         FileNotFoundError: no such file.
         TaskFormatError: a bad line (the message gives ``path:line``), or duplicate task ids.
     """
     tasks: list[Task] = []
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TaskFormatError(
+                    f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:

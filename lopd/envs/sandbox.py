@@ -1,42 +1,84 @@
 """A subprocess sandbox for untrusted Python (model-written solutions).
 
-:func:`run_sandboxed` runs ``python -I -B <argv>`` in a fresh temporary work dir under a trusted
-supervisor (``_sandbox_launcher.py``) that:
+:func:`run_sandboxed` runs ``python -I -B <argv>`` (and :func:`run_sequence` several such runs
+one after the other) in a fresh temporary work dir under a trusted supervisor
+(``_sandbox_launcher.py``, a separate non-dumpable process). It
 
-* starts it in its own session and process group, as a child subreaper, and on wall-clock timeout
-  (or normal exit) SIGKILLs the group and every remaining descendant, including ones that called
-  ``setsid()`` or double-forked;
+* starts each run in its own session and process group, as a child subreaper, and on wall-clock
+  timeout (or normal exit) SIGKILLs the group and every remaining descendant, including ones that
+  called ``setsid()`` or double-forked;
 * sets ``RLIMIT_CPU`` (CPU seconds), ``RLIMIT_AS`` (address space), ``RLIMIT_FSIZE`` (file
   size), ``RLIMIT_NOFILE``, ``RLIMIT_CORE=0`` and ``RLIMIT_NPROC`` (fork-bomb defence);
 * passes a clean environment (``PATH``, ``HOME``/``TMPDIR`` = the work dir, ``LANG``): nothing
   of the caller's environment (tokens, keys) is inherited, and ``-I`` ignores ``PYTHON*``
   variables and the user site dir;
-* captures stdout/stderr in files outside the work dir (capped by ``RLIMIT_FSIZE``).
+* captures stdout/stderr in files outside the work dir (capped by ``RLIMIT_FSIZE``); the program
+  inherits no other descriptor, and its argv and environment hold no secret.
 
-When the caller is root (the usual container), the run is further confined:
+Three modes, picked automatically (``SandboxResult.isolation`` says which one a run got):
 
-* it executes under a fresh, otherwise unused uid/gid (no supplementary groups,
-  ``no_new_privs``). ``RLIMIT_NPROC`` counts processes per *real uid* and is ignored for root, so
-  a uid of its own is what makes the process cap exact and lets the supervisor kill every process
-  of that uid afterwards. The uid cannot write anything owned by root (the repo, ``$HOME``, other
-  work dirs: they are mode 0700) nor read other processes' ``/proc/PID/environ``;
-* it runs in new mount and network namespaces: ``/tmp``, ``/var/tmp`` and ``/dev/shm`` (the
-  world-writable places) are replaced by empty private tmpfs mounts, with only the work dir bound
-  back, and there is no network (not even loopback).
+* **root** (the usual container; root with ``CAP_SETUID``): the program runs under a fresh,
+  otherwise unused uid/gid (no supplementary groups, ``no_new_privs``), in new mount, network
+  and pid namespaces. ``RLIMIT_NPROC`` counts processes per real uid and is ignored for root, so a
+  uid of its own is what makes the process cap exact and lets the supervisor kill every process
+  of that uid afterwards.
+* **user namespace** (not root, and the kernel allows unprivileged user namespaces): the same
+  namespaces inside a new user namespace that maps only the caller's uid; the program keeps the
+  caller's uid and has no capabilities.
+* **plain** (not root and no user namespaces, or ``isolate=False``): limits, clean environment
+  and the process-tree kill only. A warning is issued once when a non-root caller has no user
+  namespaces. (Root that cannot switch uid, or ``drop_privileges=False``, runs the program *as
+  root* without namespaces or a process cap: only the limits, the clean environment and the
+  tree kill hold; a warning is issued once when root cannot switch uid.)
 
-What is **not** prevented: reading world-readable files (the Python stdlib, ``/etc/passwd``, the
-repo if it is world-readable), CPU contention with the host (the CPU limit bounds the total), and,
-when not root, writes to any place the calling user can write besides ``/tmp``-style dirs being
-private (no namespaces without root). This is process-level hygiene for RL on model-written code,
-not a security boundary against a determined attacker: use a container or VM for that.
+In both namespace modes the whole file system is read-only except the work dir; ``/tmp``,
+``/var/tmp`` and ``/dev/shm`` are empty private tmpfs mounts (the work dir is bound back at its
+path); there is no network (not even loopback); and ``/proc`` is a private procfs of the run's pid
+namespace (``hidepid=invisible``): it lists the run's own processes only, so the caller, the
+trainer and the supervisor have no pid the program could read, signal, ptrace or ``pidfd_open``.
+The namespace's init is trusted: when the program exits, the kernel kills whatever it left.
+The supervisor is non-dumpable in every mode, so a same-uid program can neither ptrace it nor
+take its descriptors (``pidfd_getfd``) nor read its ``/proc/PID/fd``/``environ``.
+
+What each mode contains ("yes" = prevented; every row is checked in
+``tests/test_sandbox_containment.py``, the root-only ones in ``tests/test_sandbox.py``):
+
+==========================================================  ====  ==============  =====
+the program tries to ...                                     root  user namespace  plain
+==========================================================  ====  ==============  =====
+run forever, exhaust memory, fork-bomb, leave orphans        yes   yes             yes
+read environment variables of the caller (inherited)         yes   yes             yes
+read the caller's ``/proc/PID/environ`` or ``cmdline``       yes   yes             no
+signal the caller or take its descriptors (``pidfd_getfd``)  yes   yes             no [1]
+take the supervisor's descriptors                            yes   yes             yes
+write outside the work dir (repo, ``$HOME``, checkpoints)    yes   yes             no
+see the host's ``/tmp`` (other runs' files)                  yes   yes             no
+use the network (loopback included)                          yes   yes             no
+start more than ``max_processes`` processes                  yes   no [2]          no [2]
+read world-readable files (stdlib, ``/etc/passwd``)          no    no              no
+fill the disk with many files under the size cap             no    no [3]          no
+==========================================================  ====  ==============  =====
+
+[1] in plain mode the program runs as the caller's uid: it can signal and (without
+``kernel.yama.ptrace_scope`` >= 1) ptrace every process of that uid, the trainer included, and
+so read or alter anything in it, rewards too. Use root or user namespaces for RL.
+[2] ``RLIMIT_NPROC`` counts all processes of the caller's uid; the cap is set to their current
+count plus the budget, so concurrent runs share it. [3] the private ``/tmp`` tmpfs holds at most
+64 MiB; the work dir has no quota (each file is capped by ``RLIMIT_FSIZE``).
+
+CPU contention with the host is not prevented (the CPU limit bounds the total). This is
+process-level hygiene for RL on model-written code, not a security boundary against a
+determined attacker with a kernel exploit: use a container or VM for that.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import random
+import select
 import shutil
 import signal
 import stat
@@ -44,6 +86,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,8 +136,11 @@ class SandboxResult:
         stderr: captured standard error.
         timed_out: the wall-clock limit was hit.
         wall_time_s: seconds from start to exit/kill of the main process.
-        isolation: what confinement was actually in effect (``uid``, ``private_tmp``,
-            ``no_network``), plus ``stray_processes_killed``.
+        isolation: what confinement was actually in effect: ``uid`` (``None``: the caller's),
+            ``user_namespace``, ``private_tmp``, ``read_only_root``, ``no_network``,
+            ``private_proc``, plus ``stray_processes_killed``.
+        stdout_truncated: stdout reached ``SandboxLimits.file_size_bytes`` (the program could
+            not write more; ``stdout`` holds the first ``file_size_bytes``).
     """
 
     returncode: int
@@ -103,6 +149,7 @@ class SandboxResult:
     timed_out: bool
     wall_time_s: float
     isolation: dict[str, Any] = field(default_factory=dict)
+    stdout_truncated: bool = False
 
     @property
     def ok(self) -> bool:
@@ -250,11 +297,7 @@ def run_sandboxed(
     files: dict[str, str | bytes] | None = None,
     stdin: str | bytes = "",
     limits: SandboxLimits | None = None,
-    *,
-    python: str | None = None,
-    drop_privileges: bool | None = None,
-    isolate: bool = True,
-    no_network: bool = True,
+    **kw: Any,
 ) -> SandboxResult:
     """Run ``python -I -B *argv`` confined, in a fresh work dir holding ``files``.
 
@@ -263,12 +306,8 @@ def run_sandboxed(
         files: relative path -> content, written into the work dir before the run.
         stdin: the program's standard input.
         limits: resource limits (defaults: 10 s wall, 10 s CPU, 1 GiB, 32 processes).
-        python: interpreter path (default: :func:`sandbox_python`).
-        drop_privileges: run under a fresh unprivileged uid; default: when running as root and
-            the uid switch works (probed once; a warning is issued if root cannot switch).
-        isolate: with dropped privileges, also use private ``/tmp``-style mounts and, if
-            ``no_network``, a network namespace without interfaces (when the kernel allows).
-        no_network: see ``isolate``.
+        **kw: ``python``, ``drop_privileges``, ``isolate``, ``no_network``: see
+            :func:`run_sequence`.
 
     Returns:
         The :class:`SandboxResult`.
@@ -277,25 +316,91 @@ def run_sandboxed(
         ValueError: a file path escaping the work dir.
         RuntimeError: the supervisor itself failed (not the sandboxed program).
     """
+    return run_sequence([(argv, stdin)], files, limits, **kw)[0]
+
+
+def run_sequence(
+    runs: Sequence[tuple[Sequence[str], str | bytes]],
+    files: dict[str, str | bytes] | None = None,
+    limits: SandboxLimits | None = None,
+    *,
+    keep_going: Callable[[int, SandboxResult], bool] | None = None,
+    python: str | None = None,
+    drop_privileges: bool | None = None,
+    isolate: bool = True,
+    no_network: bool = True,
+) -> list[SandboxResult]:
+    """Several confined runs, one after the other, sharing one work dir and one supervisor.
+
+    Each run is a fresh ``python -I -B *argv`` process with its own stdin, wall clock and
+    namespaces; nothing it started survives into the next run. This is how a program is run
+    once per test without paying the supervisor's start-up per test.
+
+    Args:
+        runs: ``(argv, stdin)`` per run.
+        files: relative path -> content, written into the work dir before the first run.
+        limits: resource limits of every run (``wall_time_s`` is per run).
+        keep_going: called with ``(index, result)`` after each run (the last one too);
+            ``False`` skips the remaining runs.
+        python: interpreter path (default: :func:`sandbox_python`).
+        drop_privileges: run under a fresh unprivileged uid; default: when running as root and
+            the uid switch works (probed once; a warning is issued if root cannot switch).
+        isolate: use the namespaces of the root / user-namespace modes (module docstring) when
+            they work here (probed once per mode).
+        no_network: with ``isolate``, also a network namespace without interfaces.
+
+    Returns:
+        One :class:`SandboxResult` per run that was started.
+
+    Raises:
+        ValueError: a file path escaping the work dir, or no runs.
+        RuntimeError: the supervisor itself failed (not the sandboxed program).
+    """
+    if not runs:
+        raise ValueError("runs must not be empty")
     limits = limits or SandboxLimits()
+    root = os.geteuid() == 0
     if drop_privileges is None:
         drop_privileges = _privilege_drop_available()
-        if not drop_privileges and os.geteuid() == 0:
+        if not drop_privileges and root:
             _warn_once(
                 "lopd sandbox: running as root but cannot switch to an unprivileged uid "
                 "(no CAP_SETUID, or no interpreter readable by other users): sandboxed code runs "
                 "as root without a process cap; see lopd.envs.sandbox"
             )
-    if drop_privileges and os.geteuid() != 0:
+    if drop_privileges and not root:
         raise ValueError("drop_privileges=True needs root (euid 0)")
+    namespaces = None
+    if isolate and (drop_privileges or not root):
+        mode = "root" if root else "user"
+        if _namespaces_work(mode, no_network):
+            namespaces = mode
+        elif not root:
+            _warn_once(
+                "lopd sandbox: not root and no unprivileged user namespaces: sandboxed code runs "
+                "with your uid and can see, signal and write to what you can; see "
+                "lopd.envs.sandbox"
+            )
     python = python or sandbox_python(drop_privileges)
     uid = _pick_uid() if drop_privileges else None
+    return _launch(runs, files, limits, keep_going, python, uid, namespaces, no_network)
+
+
+def _launch(
+    runs: Sequence[tuple[Sequence[str], str | bytes]],
+    files: dict[str, str | bytes] | None,
+    limits: SandboxLimits,
+    keep_going: Callable[[int, SandboxResult], bool] | None,
+    python: str,
+    uid: int | None,
+    namespaces: str | None,
+    no_network: bool,
+) -> list[SandboxResult]:
     # Without a uid of our own, RLIMIT_NPROC counts every process of the calling user: allow the
     # current count plus the budget, so the run may start max_processes processes.
     nproc = (
         limits.max_processes if uid is not None else _tasks_of_current_user() + limits.max_processes
     )
-
     base = Path(tempfile.mkdtemp(prefix="lopd-sbx-"))
     try:
         # base: traversable but not listable; io/: supervisor only; work/: the sandboxed uid's.
@@ -311,14 +416,27 @@ def run_sandboxed(
             if isinstance(content, bytes):
                 target.write_bytes(content)
             else:
-                target.write_text(content, encoding="utf-8")
+                target.write_bytes(content.encode("utf-8", errors="surrogatepass"))
         if uid is not None:
             for p in [work, *work.rglob("*")]:
                 os.chown(p, uid, uid)
-        (io / "stdin").write_bytes(stdin.encode() if isinstance(stdin, str) else stdin)
+        run_cfgs = []
+        for i, (argv, stdin) in enumerate(runs):
+            data = (
+                stdin.encode("utf-8", errors="surrogatepass") if isinstance(stdin, str) else stdin
+            )
+            (io / f"stdin{i}").write_bytes(data)
+            run_cfgs.append(
+                {
+                    "argv": [str(a) for a in argv],
+                    "stdin": str(io / f"stdin{i}"),
+                    "stdout": str(io / f"stdout{i}"),
+                    "stderr": str(io / f"stderr{i}"),
+                    "wall_time_s": limits.wall_time_s,
+                }
+            )
         cfg = {
             "python": python,
-            "argv": ["-I", "-B", *argv],
             "env": {
                 "PATH": "/usr/local/bin:/usr/bin:/bin",
                 "HOME": str(work),
@@ -326,17 +444,11 @@ def run_sandboxed(
                 "LANG": "C.UTF-8",
             },
             "cwd": str(work),
-            "stdin": str(io / "stdin"),
-            "stdout": str(io / "stdout"),
-            "stderr": str(io / "stderr"),
-            "report": str(io / "report.json"),
-            "isolation_report": str(io / "isolation.json"),
             "uid": uid,
             "own_uid": uid is not None and uid != 65534,
-            "isolate": isolate,
+            "namespaces": namespaces,
             "no_network": no_network,
             "masked_dirs": _MASKED_DIRS,
-            "wall_time_s": limits.wall_time_s,
             "limits": {
                 "cpu_s": limits.cpu_time_s,
                 "memory_bytes": limits.memory_bytes,
@@ -344,42 +456,100 @@ def run_sandboxed(
                 "open_files": limits.open_files,
                 "nproc": nproc,
             },
+            "runs": run_cfgs,
         }
         (io / "config.json").write_text(json.dumps(cfg))
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(_LAUNCHER), str(io / "config.json")],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env={"PATH": "/usr/bin:/bin"},
-            start_new_session=True,
-        )
+        with open(io / "supervisor.log", "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", str(_LAUNCHER), str(io / "config.json")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env={"PATH": "/usr/bin:/bin"},
+                start_new_session=True,
+            )
         try:
-            _, err = proc.communicate(timeout=limits.wall_time_s + 30)
-        except subprocess.TimeoutExpired:
-            # Backstop only: the supervisor enforces the wall clock itself.
-            os.killpg(proc.pid, signal.SIGKILL)
-            _, err = proc.communicate()
-            raise RuntimeError("sandbox supervisor did not finish; killed it") from None
-        if proc.returncode != 0 or not (io / "report.json").exists():
-            msg = err.decode(errors="replace")[-2000:]
-            raise RuntimeError(f"sandbox supervisor failed (exit {proc.returncode}): {msg}")
-        report = json.loads((io / "report.json").read_text())
-        isolation: dict[str, Any] = {"uid": uid, "private_tmp": False, "no_network": False}
-        if (io / "isolation.json").exists():
-            isolation.update(json.loads((io / "isolation.json").read_text()))
+            results = _supervise(proc, io, limits, len(run_cfgs), uid, keep_going)
+        finally:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                with contextlib.suppress(OSError):
+                    stream.close()
+        return results
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _supervise(
+    proc: subprocess.Popen,
+    io: Path,
+    limits: SandboxLimits,
+    n: int,
+    uid: int | None,
+    keep_going: Callable[[int, SandboxResult], bool] | None,
+) -> list[SandboxResult]:
+    """Read one report line per run from the supervisor; answer ``next`` or ``stop``."""
+    assert proc.stdin is not None and proc.stdout is not None
+    results: list[SandboxResult] = []
+    cap = limits.file_size_bytes
+    for i in range(n):
+        # Backstop only: the supervisor enforces the wall clock itself.
+        ready, _, _ = select.select([proc.stdout], [], [], limits.wall_time_s + 30)
+        line = proc.stdout.readline() if ready else b""
+        if not line:
+            if not ready:
+                raise RuntimeError("sandbox supervisor did not finish; killed it")
+            proc.wait()
+            log = (io / "supervisor.log").read_bytes()[-2000:].decode(errors="replace")
+            raise RuntimeError(f"sandbox supervisor failed (exit {proc.returncode}): {log}")
+        report = json.loads(line)
+        isolation: dict[str, Any] = {"uid": uid, **report["isolation"]}
         isolation["stray_processes_killed"] = report["stray_processes_killed"]
-        cap = limits.file_size_bytes
-        return SandboxResult(
+        out_path, err_path = io / f"stdout{i}", io / f"stderr{i}"
+        result = SandboxResult(
             returncode=report["returncode"],
-            stdout=_read_capped(io / "stdout", cap),
-            stderr=_read_capped(io / "stderr", cap),
+            stdout=_read_capped(out_path, cap),
+            stderr=_read_capped(err_path, cap),
             timed_out=report["timed_out"],
             wall_time_s=report["wall_time_s"],
             isolation=isolation,
+            stdout_truncated=_size(out_path) >= cap,
         )
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+        results.append(result)
+        go = keep_going is None or keep_going(i, result)
+        if i + 1 == n:
+            break
+        proc.stdin.write(b"next\n" if go else b"stop\n")
+        proc.stdin.flush()
+        if not go:
+            break
+    return results
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+@functools.cache
+def _namespaces_work(mode: str, no_network: bool) -> bool:
+    """Whether the namespace mode ``"root"`` / ``"user"`` sets up here (probed once per mode).
+
+    A throwaway run (``pass``) with the full setup: unprivileged user namespaces may be disabled
+    (sysctl, AppArmor) and containers may lack ``CAP_SYS_ADMIN``.
+    """
+    try:
+        python = sandbox_python(mode == "root")
+        uid = _pick_uid() if mode == "root" else None
+        probe = SandboxLimits(wall_time_s=30, cpu_time_s=10)
+        r = _launch([(["-c", "pass"], "")], None, probe, None, python, uid, mode, no_network)[0]
+    except (RuntimeError, OSError):
+        return False
+    return r.returncode == 0 and bool(r.isolation.get("private_proc"))
 
 
 def run_python(

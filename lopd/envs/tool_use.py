@@ -52,11 +52,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from lopd.envs.base import (
+    MAX_OBSERVATION_CHARS,
     TASK_COMPLETED,
     TOOL_USE_SYSTEM_PROMPT,
     Env,
     ToolCall,
     ToolCallParseError,
+    clean_text,
     is_task_completed,
     parse_tool_calls,
 )
@@ -440,6 +442,10 @@ class ToolUseEnv(Env):
         except TypeError as e:
             # A tool implementation rejecting its arguments: report it, never crash the rollout.
             obs = f"Error: bad arguments for {call.name} ({e})"
+        except Exception as e:
+            obs = f"Error: {call.name} failed ({type(e).__name__})"
+        # Errors may echo what the model wrote: keep the observation tokenizable and bounded.
+        obs = clean_text(obs, MAX_OBSERVATION_CHARS)
         self.trace.append(TraceStep(action=call.render(), result=obs))
         return obs
 

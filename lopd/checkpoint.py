@@ -1,0 +1,229 @@
+"""Checkpoints: everything a killed run needs to continue exactly where it stopped.
+
+A checkpoint holds (this module is the one place that lists it): the student's weights, the
+composer's phi, both optimizers' states, the method's own state (LOPD's beta, SDPO's EMA teacher),
+the global rollout count, the wall time of earlier sessions, the RNG states and the data position
+(the step: a step's data is a pure function of seed and step, :mod:`lopd.tasks`). The newest
+``keep`` checkpoints are kept.
+
+Two formats, chosen by ``model.parallel``:
+
+* one process or ``ddp``: ``checkpoints/step_NNNNNN.pt``, one ``torch.save`` file written by
+  rank 0 (every rank holds the same weights);
+* ``fsdp2``: ``checkpoints/step_NNNNNN/``, a ``torch.distributed.checkpoint`` directory in which
+  every rank writes its shards of the weights and optimizer states, plus ``meta.pt`` (the rest)
+  from rank 0. The directory is written under a temporary name and renamed once complete.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from lopd.distributed import Dist
+from lopd.methods.base import Method
+from lopd.optim import Optimizers
+from lopd.run_dir import atomic_torch_save
+
+__all__ = ["Checkpoints", "Resumed", "TrainState"]
+
+
+@dataclass
+class TrainState:
+    """The live objects a checkpoint saves and restores.
+
+    Attributes:
+        student: the student model.
+        composer: the latent composer (only its phi is saved), or ``None``.
+        optimizers: both optimizers.
+        method: the training method (its ``state_dict``).
+    """
+
+    student: nn.Module
+    composer: nn.Module | None
+    optimizers: Optimizers
+    method: Method
+
+
+@dataclass
+class Resumed:
+    """What a loaded checkpoint tells the trainer.
+
+    Attributes:
+        step: finished training steps.
+        rollouts: this rank's share of the rollout count (the global count on rank 0, else 0).
+        wall_seconds: wall time of the earlier sessions of the run.
+        name: the checkpoint's file or directory name.
+    """
+
+    step: int
+    rollouts: int
+    wall_seconds: float
+    name: str
+
+
+def _rng_state() -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def _set_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"].cpu())
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
+
+
+class Checkpoints:
+    """Saves and restores checkpoints in one directory.
+
+    Args:
+        directory: ``run_dir/checkpoints``.
+        dist: rank facts and collectives.
+        sharded: ``model.parallel=fsdp2`` (``torch.distributed.checkpoint`` directories).
+        keep: how many of the newest checkpoints to keep.
+    """
+
+    def __init__(self, directory: Path, dist: Dist, sharded: bool = False, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.directory = directory
+        self.dist = dist
+        self.sharded = sharded
+        self.keep = keep
+
+    # ------------------------------------------------------------------ contents
+    @staticmethod
+    def _meta(step: int, state: TrainState, rollouts: int, wall_seconds: float) -> dict[str, Any]:
+        """Everything but the (possibly sharded) weights and optimizer states."""
+        return {
+            "step": step,
+            "method": state.method.state_dict(),
+            "rollouts": rollouts,  # global count; restored on rank 0
+            "wall_seconds": wall_seconds,
+            "rng": _rng_state(),
+            "data_position": step,  # a step's data is a pure function of (seed, step)
+        }
+
+    @staticmethod
+    def _weights(state: TrainState) -> dict[str, Any]:
+        """Student, phi and both optimizers, unsharded (one-process format)."""
+        return {
+            "student": state.student.state_dict(),
+            "composer": state.composer.phi_state_dict() if state.composer is not None else None,
+            **state.optimizers.state_dict(),
+        }
+
+    def _restore(self, state: TrainState, meta: dict[str, Any], name: str) -> Resumed:
+        method_state = dict(meta.get("method") or {})
+        if "beta" in meta:  # checkpoints written before the method owned beta
+            method_state.setdefault("beta", meta["beta"])
+        state.method.load_state_dict(method_state)
+        _set_rng_state(meta["rng"])
+        rollouts = int(meta["rollouts"]) if self.dist.is_main else 0
+        return Resumed(int(meta["step"]), rollouts, float(meta["wall_seconds"]), name)
+
+    # ------------------------------------------------------------------ save / load
+    def save(self, step: int, state: TrainState, rollouts: int, wall_seconds: float) -> None:
+        """Write the checkpoint of ``step`` finished steps (every rank calls it)."""
+        meta = self._meta(step, state, rollouts, wall_seconds)
+        if self.sharded:
+            self._save_dcp(step, state, meta)
+        elif self.dist.is_main:
+            atomic_torch_save({**meta, **self._weights(state)}, self._path(step))
+        if self.dist.is_main:
+            for old in self._existing()[: -self.keep]:
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+        self.dist.barrier()
+
+    def load_latest(self, state: TrainState) -> Resumed | None:
+        """Restore the newest checkpoint into ``state``; ``None`` when there is none."""
+        existing = self._existing()
+        if not existing:
+            return None
+        path = existing[-1]
+        if self.sharded:
+            return self._load_dcp(path, state)
+        device = next(state.student.parameters()).device
+        ckpt = torch.load(path, map_location=device, weights_only=False)
+        state.student.load_state_dict(ckpt["student"])
+        if ckpt["composer"] is not None:
+            state.composer.load_phi_state_dict(ckpt["composer"])
+        state.optimizers.load_state_dict(ckpt)
+        return self._restore(state, ckpt, path.name)
+
+    def _path(self, step: int) -> Path:
+        return self.directory / (f"step_{step:06d}" if self.sharded else f"step_{step:06d}.pt")
+
+    def _existing(self) -> list[Path]:
+        if self.sharded:
+            return sorted(p for p in self.directory.glob("step_*") if (p / "meta.pt").exists())
+        return sorted(self.directory.glob("step_*.pt"))
+
+    # ------------------------------------------------------------------ FSDP2
+    def _dcp_state(self, state: TrainState) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opts = state.optimizers
+        model_sd, optim_sd = get_state_dict(state.student, opts.student)
+        out = {"student": model_sd, "opt_student": optim_sd}
+        if state.composer is not None and opts.composer is not None:
+            phi_sd, phi_optim_sd = get_state_dict(
+                state.composer, opts.composer, options=StateDictOptions(ignore_frozen_params=True)
+            )
+            # phi only (a tied frozen weight survives ignore_frozen_params).
+            phi = {n for n, p in state.composer.named_parameters() if p.requires_grad}
+            phi_sd = {k: v for k, v in phi_sd.items() if k in phi}
+            out.update(composer=phi_sd, opt_composer=phi_optim_sd)
+        return out
+
+    def _save_dcp(self, step: int, state: TrainState, meta: dict[str, Any]) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        final = self._path(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.dist.is_main and tmp.exists():
+            shutil.rmtree(tmp)
+        self.dist.barrier()
+        dcp.save(self._dcp_state(state), checkpoint_id=str(tmp))
+        self.dist.barrier()
+        if self.dist.is_main:
+            torch.save(meta, tmp / "meta.pt")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+
+    def _load_dcp(self, path: Path, state: TrainState) -> Resumed:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        sd = self._dcp_state(state)
+        dcp.load(sd, checkpoint_id=str(path))
+        opts = state.optimizers
+        set_state_dict(
+            state.student, opts.student, model_state_dict=sd["student"],
+            optim_state_dict=sd["opt_student"],
+        )  # fmt: skip
+        if "composer" in sd:
+            set_state_dict(
+                state.composer,
+                opts.composer,
+                model_state_dict=sd["composer"],
+                optim_state_dict=sd["opt_composer"],
+                options=StateDictOptions(ignore_frozen_params=True, strict=False),
+            )
+        meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
+        return self._restore(state, meta, path.name)

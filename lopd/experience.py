@@ -1,0 +1,144 @@
+"""Phase 1, the experience bank (paper A.3), and every task's retrieved experiences.
+
+Base-model rollouts on the train split; successes enter an :class:`~lopd.memory.ExperienceBank`
+in ``run_dir/bank`` with a FAISS retriever. The trajectories themselves are kept too
+(``bank/trajectories.jsonl``): they are the cold start's data. Retrieval is fixed once the bank is
+frozen, so the ``J`` experiences of every task (train and held-out) are looked up once and cached
+(``retrieval.json``). A finished bank (its ``DONE`` marker) is loaded, not rebuilt; a bank left
+half-built by a killed run is rebuilt from scratch with the same seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from lopd.config import Config, ConfigError
+from lopd.distributed import Dist
+from lopd.engine import RolloutEngine
+from lopd.run_dir import RunDir, atomic_write_text
+from lopd.seeds import Stream, seed_of
+from lopd.types import Task, TraceStep, Trajectory
+
+__all__ = ["Experience", "build_experience", "trajectory_from_dict", "trajectory_to_dict"]
+
+
+@dataclasses.dataclass
+class Experience:
+    """What the bank phase gives the later phases.
+
+    Attributes:
+        bank_rollouts: base-model rollouts generated to fill the bank (they count toward the
+            rollout budget once).
+        trajectories: every successful bank trajectory (duplicated traces included): the cold
+            start's data.
+        retrieved: ``task_id -> `` the ``composer.num_retrieved`` formatted experiences of every
+            train and held-out task (never the task's own).
+    """
+
+    bank_rollouts: int
+    trajectories: list[Trajectory]
+    retrieved: dict[str, list[str]]
+
+
+def trajectory_to_dict(t: Trajectory) -> dict[str, Any]:
+    d = dataclasses.asdict(t)
+    d["task"] = t.task.to_dict()
+    return d
+
+
+def trajectory_from_dict(d: dict[str, Any]) -> Trajectory:
+    d = dict(d)
+    d["task"] = Task.from_dict(d["task"])
+    d["trace"] = [TraceStep(**s) for s in d.get("trace", [])]
+    d["turn_spans"] = [tuple(s) for s in d.get("turn_spans", [])]
+    return Trajectory(**d)
+
+
+def build_experience(
+    cfg: Config,
+    run_dir: RunDir,
+    backbone: nn.Module,
+    tokenizer: Any,
+    train_tasks: Sequence[Task],
+    test_tasks: Sequence[Task],
+    engine: RolloutEngine,
+    dist: Dist,
+    log: Callable[[str], None],
+    progress: bool = False,
+) -> Experience:
+    """Fill (or load) the experience bank, index it, and retrieve every task's experiences.
+
+    Rank 0 collects the bank; the others wait and load it. Must run before peft injects the
+    composer's LoRA into ``backbone``: the retriever embeds with the frozen base model.
+
+    Raises:
+        BankTooSmallError: the bank cannot serve ``composer.num_retrieved`` experiences.
+        ConfigError: a task has fewer than ``composer.num_retrieved`` entries to retrieve.
+    """
+    from lopd.memory import ExperienceBank, HiddenStateEmbedder, Retriever, format_experience
+
+    if dist.is_main and not run_dir.bank_done.exists():
+        # A bank left half-built by a killed run is rebuilt from scratch (same seed, same
+        # rollouts), so the bank and its trajectory file never mix two sessions.
+        if run_dir.bank.exists():
+            shutil.rmtree(run_dir.bank)
+        from lopd.collect import collect_bank
+
+        reps = len(train_tasks) * cfg.bank.rollouts_per_task
+        log(f"bank: {reps} base-model rollouts on the train split")
+        res = collect_bank(
+            backbone,
+            tokenizer,
+            list(train_tasks),
+            run_dir.bank,
+            engine.generation_config(),
+            min_reward=cfg.bank.min_reward,
+            rollouts_per_task=cfg.bank.rollouts_per_task,
+            seed=seed_of(cfg.seed, Stream.BANK),
+            embedder=HiddenStateEmbedder(backbone, tokenizer),
+            query_tasks=list(train_tasks) + list(test_tasks),
+            index="cpu",
+            progress=progress,
+        )
+        # Every successful trajectory (duplicated traces included) is cold-start data.
+        with run_dir.bank_trajectories.open("w") as f:
+            for t in res.successes:
+                f.write(json.dumps(trajectory_to_dict(t)) + "\n")
+        atomic_write_text(run_dir.bank_done, json.dumps(res.summary()))
+    dist.barrier()
+    bank = ExperienceBank(run_dir.bank, min_reward=cfg.bank.min_reward)
+    info = json.loads(run_dir.bank_done.read_text())
+    bank_rollouts = int(info["rollouts"])
+    trajectories = [
+        trajectory_from_dict(json.loads(line))
+        for line in run_dir.bank_trajectories.read_text().splitlines()
+    ]
+    log(
+        f"bank: {len(bank)} entries from {bank_rollouts} rollouts "
+        f"({len(trajectories)} successful, mean reward {info['mean_reward']:.3f})"
+    )
+    cfg.check_bank_size(len(bank))
+    retriever = Retriever.load_or_build(
+        bank, HiddenStateEmbedder(backbone, tokenizer), index="cpu", save=False
+    )
+    j = cfg.composer.num_retrieved
+    tasks = list(train_tasks) + list(test_tasks)
+    hits = retriever.retrieve_batch(tasks, k=j)
+    retrieved: dict[str, list[str]] = {}
+    for task, entries in zip(tasks, hits):
+        if len(entries) < j:
+            raise ConfigError(
+                f"composer.num_retrieved={j} but task {task.task_id!r} has only "
+                f"{len(entries)} bank entries of other tasks to retrieve: lower "
+                "composer.num_retrieved or collect a larger bank"
+            )
+        retrieved[task.task_id] = [format_experience(e) for e in entries]
+    if dist.is_main:
+        atomic_write_text(run_dir.retrieval, json.dumps(retrieved))
+    return Experience(bank_rollouts, trajectories, retrieved)

@@ -1,0 +1,220 @@
+"""What a training method is, and what it is built from.
+
+A method is one training objective run by :class:`~lopd.trainer.Trainer`: it draws a step's
+rollouts, computes the loss of a micro-batch of them, and reacts to the finished optimizer step.
+Everything the objective itself must remember across steps (LOPD's dual variable beta, SDPO's EMA
+teacher) lives in the method and is saved through its ``state_dict`` in every checkpoint.
+
+A method is built by its :class:`MethodSpec` from a :class:`MethodContext` (the models, the
+rollout engine, the task sampler, the bank's retrievals) and the run's config, of which it reads
+its own section. The registry of specs is :data:`lopd.methods.METHODS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from lopd.seeds import Stream, seed_of
+from lopd.types import Task, Trajectory
+
+if TYPE_CHECKING:
+    from lopd.composer import LatentComposer
+    from lopd.config import Config, LOPDConfig
+    from lopd.engine import RolloutEngine
+    from lopd.experience import Experience
+    from lopd.fsdp import Sharding
+    from lopd.tasks import TaskSampler
+
+__all__ = [
+    "DistillSpec",
+    "Method",
+    "MethodBase",
+    "MethodContext",
+    "MethodSpec",
+    "Models",
+]
+
+
+@dataclass(frozen=True)
+class DistillSpec:
+    """How the distillation kernel compares student and teacher on the action rows.
+
+    Attributes:
+        top_m: M, teacher top-M support plus a tail bucket; ``None`` = the full vocabulary.
+        temperature: applied to both logits.
+        divergence: ``reverse`` (KL(student || teacher)) or ``forward``.
+        fused_linear: compute from final hidden states and the LM heads
+            (``fused_linear_topk_tail_kl``, no ``[N, V]`` logits) instead of ``topk_tail_kl``.
+    """
+
+    top_m: int | None
+    temperature: float
+    divergence: str
+    fused_linear: bool
+
+    @classmethod
+    def of(cls, lopd: LOPDConfig, **changes: Any) -> DistillSpec:
+        """The ``lopd`` section's kernel settings, with ``changes`` applied."""
+        spec = cls(lopd.top_m, lopd.temperature, lopd.divergence, lopd.fused_linear)
+        return dataclasses.replace(spec, **changes)
+
+
+@dataclass
+class Models:
+    """The run's models.
+
+    Attributes:
+        student: the trained ``*ForCausalLM`` (theta).
+        backbone: the frozen base ``*ForCausalLM``: the teacher, and the composer encoder's base
+            (with peft's LoRA injected when there is a composer).
+        composer: the latent composer (phi), or ``None`` for methods without one.
+        tokenizer: the backbone's tokenizer.
+        pad_id: padding id (also the latent placeholder id).
+        device: where the models live.
+        sharding: FSDP2 sharding of the models (a no-op unless ``model.parallel=fsdp2``).
+    """
+
+    student: nn.Module
+    backbone: nn.Module
+    composer: LatentComposer | None
+    tokenizer: Any
+    pad_id: int
+    device: torch.device
+    sharding: Sharding
+
+    def hidden_states(self, model: nn.Module, **kwargs: Any) -> torch.Tensor:
+        """Final hidden states ``[B, L, d]`` of ``model``'s decoder (never ``[B, L, V]`` logits);
+        ``kwargs`` are the decoder's (``input_ids`` or ``inputs_embeds``, ``attention_mask``)."""
+        return self.sharding.hidden_states(model, **kwargs)
+
+
+@dataclass
+class MethodContext:
+    """What a method is built from.
+
+    Attributes:
+        models: the models.
+        engine: generates (and counts) rollouts.
+        sampler: this rank's share of a step's seeded draws.
+        train_tasks: the training split.
+        experience: the bank's trajectories and every task's retrieved experiences (methods
+            that build a bank), else ``None``.
+        latents0: ``task_id -> [J*K, d]`` c_phi0 from the cold start (composer methods).
+        seed: the run seed.
+        rank: this process's rank.
+    """
+
+    models: Models
+    engine: RolloutEngine
+    sampler: TaskSampler
+    train_tasks: list[Task]
+    experience: Experience | None = None
+    latents0: dict[str, torch.Tensor] | None = None
+    seed: int = 0
+    rank: int = 0
+
+    def step_tasks(self, step: int, size: int) -> list[Task]:
+        """This rank's share of ``size`` training tasks drawn for step ``step``."""
+        return self.sampler.draw(self.train_tasks, size, Stream.STEP_TASKS, step)
+
+    def rollout_seed(self, step: int) -> int:
+        """The sampling seed of this rank's training rollouts at ``step``."""
+        return seed_of(self.seed, Stream.TRAIN_ROLLOUT, step, self.rank)
+
+
+class Method(Protocol):
+    """One training objective (see the module docstring)."""
+
+    def rollouts(self, step: int) -> list[Trajectory]:
+        """This rank's training rollouts of step ``step``."""
+        ...
+
+    def loss(
+        self, trajectories: Sequence[Trajectory], num_total: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss of one micro-batch, already divided by ``num_total`` (the step's trajectories on
+        this rank), and metric *sums over trajectories* (the trainer averages them globally;
+        every micro-batch returns the same keys)."""
+        ...
+
+    def after_step(self, means: dict[str, float]) -> dict[str, float]:
+        """Called after the optimizer step with the step's global metric means; returns extra
+        metrics to log."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The objective's own state a resumed run needs (saved in every checkpoint)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` (after the trainer restored the student)."""
+        ...
+
+
+class MethodBase:
+    """Defaults for :class:`Method`: one student rollout per drawn task, nothing after the
+    step, no state of its own.
+
+    Args:
+        ctx: what the method is built from.
+        tasks_per_step: rollouts per step across all ranks (``lopd.tasks_per_step``).
+    """
+
+    def __init__(self, ctx: MethodContext, tasks_per_step: int) -> None:
+        self.ctx = ctx
+        self.models = ctx.models
+        self.tasks_per_step = tasks_per_step
+
+    def rollouts(self, step: int) -> list[Trajectory]:
+        """One student rollout of each of this rank's share of ``tasks_per_step`` tasks."""
+        ctx = self.ctx
+        tasks = ctx.step_tasks(step, self.tasks_per_step)
+        return ctx.engine.generate(self.models.student, tasks, seed=ctx.rollout_seed(step))
+
+    def loss(
+        self, trajectories: Sequence[Trajectory], num_total: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError(f"{type(self).__name__} does not define loss()")
+
+    def after_step(self, means: dict[str, float]) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registered method: how to build it and which phases it needs.
+
+    Attributes:
+        name: the ``lopd.method`` value.
+        build: ``(ctx, cfg) -> Method``.
+        summary: one line for listings.
+        uses_composer: the trainer builds the bank, the composer and its cold start.
+        uses_bank: the trainer builds the experience bank (implied by ``uses_composer``).
+        group_size: ``cfg -> G`` for methods that roll each task out G times (1 otherwise).
+        supports_fsdp2: whether it runs under ``model.parallel=fsdp2``.
+    """
+
+    name: str
+    build: Callable[[MethodContext, Config], Method]
+    summary: str
+    uses_composer: bool = False
+    uses_bank: bool = False
+    group_size: Callable[[Config], int] = lambda cfg: 1
+    supports_fsdp2: bool = True
+
+    @property
+    def builds_bank(self) -> bool:
+        """Whether the run collects the experience bank (its rollouts count toward the budget)."""
+        return self.uses_bank or self.uses_composer

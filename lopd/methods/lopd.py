@@ -1,0 +1,196 @@
+"""LOPD (paper 3.3, Algorithm 1): one training step, top to bottom.
+
+Per step the student rolls out without latents; the teacher (the frozen base model) reads the
+same tokens with the latent context ``c_phi`` of the task's retrieved experiences; both score the
+student's action tokens, and eq. 13 trains the student theta and the composer phi together:
+
+    KL_n      = KL_topM+tail(pS(.|s_n) || pT(.|s_n, c_phi))        per action token (eq. 9-10)
+    delta_n   = log pT(a_n | c_phi) - sg log pS(a_n)               privilege (eq. 11)
+    Delta     = mean_i A_i mean_{n in i} delta_n,  A_i = 2 r_i - 1 (eq. 12)
+    loss      = mean_i mean_{n in i} KL_n + beta (m - Delta)
+                + lambda mean_i ||c_phi[i] - sg c_phi0[i]||^2      (eq. 13)
+    beta     <- max(0, beta + eta_beta (m - Delta))                 after the optimizer step
+
+The method owns its state: the dual variable beta (in :meth:`LOPDMethod.state_dict`, so a
+resumed run continues with it) and the anchor's c_phi0 (computed once by the cold start and kept
+in ``latents0.pt`` of the run directory). The ablations are the same class:
+``lopd-frozen`` keeps the composer at phi_0 (the teacher reads c_phi0, no gradient reaches phi),
+``lopd-m0`` uses m = 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lopd.config import Config
+from lopd.injection import TeacherSequence
+from lopd.loss import advantages_from_rewards, dual_update, lopd_loss
+from lopd.methods.base import DistillSpec, MethodBase, MethodContext
+from lopd.methods.latent_teacher import compose, latent_teacher_sequence, teacher_action_hidden
+from lopd.methods.rows import (
+    ActionRows,
+    distill_metric_sums,
+    distill_rows,
+    lm_head,
+    student_action_hidden,
+)
+from lopd.types import Task, Trajectory
+
+__all__ = ["LOPDMethod", "LOPDSettings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LOPDSettings:
+    """LOPD's hyper-parameters (the ``lopd`` config section).
+
+    Attributes:
+        margin: m, the privileged margin.
+        anchor_weight: lambda, weight of the latent anchor.
+        dual_lr: eta_beta, the dual ascent step.
+        beta_init: beta before the first step.
+        spec: the distillation kernel settings.
+        frozen_composer: the teacher reads the cached c_phi0 (ablation ``lopd-frozen``).
+        checkpointed_teacher: recompute the teacher forward in the backward
+            (``model.gradient_checkpointing``).
+        num_placeholders: J*K latent positions in the teacher prompt.
+    """
+
+    margin: float
+    anchor_weight: float
+    dual_lr: float
+    beta_init: float
+    spec: DistillSpec
+    frozen_composer: bool = False
+    checkpointed_teacher: bool = False
+    num_placeholders: int = 1
+
+    @classmethod
+    def of(cls, cfg: Config, **changes: Any) -> LOPDSettings:
+        """The settings of ``cfg`` (``changes`` override fields, e.g. ``margin=0.0``)."""
+        c = cfg.lopd
+        settings = cls(
+            margin=c.margin,
+            anchor_weight=c.anchor_weight,
+            dual_lr=c.dual_lr,
+            beta_init=c.beta_init,
+            spec=DistillSpec.of(c),
+            checkpointed_teacher=cfg.model.gradient_checkpointing,
+            num_placeholders=cfg.composer.num_latents * cfg.composer.num_retrieved,
+        )
+        return dataclasses.replace(settings, **changes)
+
+
+class LOPDMethod(MethodBase):
+    """Eq. 13: top-M + tail reverse KL on action tokens + beta (m - Delta) + latent anchor.
+
+    Args:
+        ctx: needs ``models.composer``, ``experience`` (retrievals) and ``latents0``.
+        settings: the hyper-parameters.
+        tasks_per_step: rollouts per step across ranks.
+
+    Attributes:
+        beta: the dual variable of the privilege constraint ``Delta >= m``.
+    """
+
+    def __init__(self, ctx: MethodContext, settings: LOPDSettings, tasks_per_step: int) -> None:
+        super().__init__(ctx, tasks_per_step)
+        if ctx.models.composer is None or ctx.experience is None or ctx.latents0 is None:
+            raise ValueError("LOPD needs the composer, the bank's retrievals and c_phi0")
+        self.settings = settings
+        self.composer = ctx.models.composer
+        self.retrieved = ctx.experience.retrieved
+        self.latents0 = ctx.latents0
+        self.beta = settings.beta_init
+
+    @classmethod
+    def from_config(cls, ctx: MethodContext, cfg: Config, **changes: Any) -> LOPDMethod:
+        """Built from ``cfg.lopd`` (and the composer's J*K); ``changes`` as in
+        :meth:`LOPDSettings.of`."""
+        return cls(ctx, LOPDSettings.of(cfg, **changes), cfg.lopd.tasks_per_step)
+
+    # ---------------------------------------------------------------- 1. rollouts
+    def rollouts(self, step: int) -> list[Trajectory]:
+        """Algorithm 1, line 4: one student rollout (no latents) per drawn training task; each
+        trajectory carries its reward r_i in [0, 1]."""
+        return super().rollouts(step)
+
+    # ---------------------------------------------------------------- 2. loss
+    def loss(
+        self, trajectories: Sequence[Trajectory], num_total: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Eq. 13 on one micro-batch (divided by ``num_total``) and its metric sums."""
+        s, models = self.settings, self.models
+        tasks = [t.task for t in trajectories]
+        where = ActionRows.of(trajectories, models.device)  # the N action tokens a_n
+        latents = self.latents(tasks)  # c_phi  [B, J*K, d]
+        latents0 = self.cached_latents0(tasks)  # sg c_phi0  [B, J*K, d]
+        sequences = [self.teacher_sequence(t) for t in trajectories]
+        # Teacher pT(.|s_n, c_phi) and student pS(.|s_n) at the same tokens, as hidden states.
+        h_t = teacher_action_hidden(
+            self.composer,
+            sequences,
+            latents,
+            where,
+            models.pad_id,
+            checkpointed=s.checkpointed_teacher,
+        )
+        h_s = student_action_hidden(models, trajectories, where)
+        head_s, head_t = lm_head(models.student), lm_head(self.composer.backbone)
+        # KL_n (eq. 9-10) and delta_n (eq. 11) from the LM heads, on the N rows only.
+        out = distill_rows(h_s, head_s, h_t, head_t, where.targets, s.spec)
+        rewards = torch.tensor([t.reward for t in trajectories], device=models.device)
+        terms = lopd_loss(  # eq. 12-13
+            out.kl,
+            out.privilege,
+            where.batch,
+            advantages_from_rewards(rewards),  # A_i = 2 r_i - 1
+            latents,
+            latents0,
+            beta=self.beta,
+            margin=s.margin,
+            anchor_weight=s.anchor_weight,
+            num_total=num_total,
+        )
+        with torch.no_grad():
+            b = len(trajectories)
+            kl, delta, anchor = torch.stack(
+                [terms.distill.sum(), terms.delta.sum(), terms.anchor.sum()]
+            ).tolist()
+            sums = {"kl": kl, "delta": delta, "anchor": anchor}
+            sums.update(distill_metric_sums(out, where, b))
+        return terms.loss, sums
+
+    def latents(self, tasks: Sequence[Task]) -> torch.Tensor:
+        """The teacher's latent context, ``[B, J*K, d]``: c_phi, or c_phi0 for ``lopd-frozen``."""
+        if self.settings.frozen_composer:
+            return self.cached_latents0(tasks)
+        return compose(self.composer, self.retrieved, tasks)
+
+    def cached_latents0(self, tasks: Sequence[Task]) -> torch.Tensor:
+        """c_phi0 of ``tasks`` from the cold start's cache, ``[B, J*K, d]``."""
+        return torch.stack([self.latents0[t.task_id] for t in tasks]).to(self.models.device)
+
+    def teacher_sequence(self, traj: Trajectory) -> TeacherSequence:
+        """The teacher's input for a trajectory (A.4): framing, J*K placeholders, continuation."""
+        models = self.models
+        return latent_teacher_sequence(
+            models.tokenizer, traj, self.settings.num_placeholders, models.pad_id
+        )
+
+    # ---------------------------------------------------------------- 3. after the step
+    def after_step(self, means: dict[str, float]) -> dict[str, float]:
+        """Dual ascent on beta with the step's global Delta (every rank gets the same value)."""
+        s = self.settings
+        before = self.beta
+        self.beta = dual_update(before, s.margin, means["delta"], s.dual_lr)
+        return {"beta": before, "beta_next": self.beta}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"beta": self.beta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.beta = float(state["beta"])

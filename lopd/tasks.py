@@ -1,0 +1,72 @@
+"""The run's tasks and the one seeded sampler every phase draws from.
+
+:func:`load_tasks` gives the train and held-out splits (a tasks JSONL file or the built-in
+generator). :class:`TaskSampler` draws a step's items (training tasks, rollout groups, cold-start
+trajectories): the draw is a pure function of ``(seed, stream, step)``, identical on every rank,
+and each rank keeps its share ``draw[rank::world]``, so the data position of a resumed run is the
+step number alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+import numpy as np
+
+from lopd.config import Config, ConfigError
+from lopd.seeds import Stream, seed_of
+from lopd.types import Task
+
+__all__ = ["TaskSampler", "load_tasks"]
+
+T = TypeVar("T")
+
+
+def load_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
+    """The ``(train, held-out)`` tasks of ``cfg.data``.
+
+    Raises:
+        ConfigError: the tasks file has no task of one of the splits.
+    """
+    d = cfg.data
+    if d.tasks_path is not None:
+        from lopd.envs import load_tasks_jsonl
+
+        tasks = load_tasks_jsonl(d.tasks_path)
+        train = [t for t in tasks if t.split == "train"][: d.n_train]
+        test = [t for t in tasks if t.split == "test"][: d.n_test]
+        if not train:
+            raise ConfigError(f"data.tasks_path {d.tasks_path!r} holds no split='train' task")
+        if not test:
+            raise ConfigError(f"data.tasks_path {d.tasks_path!r} holds no split='test' task")
+        return train, test
+    from lopd.envs import builtin_tasks
+
+    return (
+        builtin_tasks(d.domain, "train", n=d.n_train, seed=cfg.seed),
+        builtin_tasks(d.domain, "test", n=d.n_test, seed=cfg.seed),
+    )
+
+
+class TaskSampler:
+    """Seeded draws of a step's items, split across data-parallel ranks.
+
+    Args:
+        seed: the run seed.
+        rank: this process's rank.
+        world: the number of ranks.
+    """
+
+    def __init__(self, seed: int, rank: int = 0, world: int = 1) -> None:
+        self.seed, self.rank, self.world = seed, rank, world
+
+    def draw(self, population: Sequence[T], size: int, stream: Stream, step: int) -> list[T]:
+        """This rank's share of ``size`` items drawn from ``population`` at ``step``.
+
+        The draw is without replacement unless the population is smaller than ``size``.
+        """
+        rng = np.random.default_rng(seed_of(self.seed, stream, step))
+        n = len(population)
+        idx = rng.choice(n, size=size, replace=n < size)
+        return [population[i] for i in idx[self.rank :: self.world]]
