@@ -26,6 +26,9 @@ T = TypeVar("T")
 def load_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
     """The ``(train, held-out)`` tasks of ``cfg.data``.
 
+    The held-out tasks are those of ``data.eval_split``; the built-in generator uses task-set
+    seed ``data.task_seed`` (the run seed when ``None``).
+
     Raises:
         ConfigError: the tasks file has no task of one of the splits.
     """
@@ -35,17 +38,20 @@ def load_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
 
         tasks = load_tasks_jsonl(d.tasks_path)
         train = [t for t in tasks if t.split == "train"][: d.n_train]
-        test = [t for t in tasks if t.split == "test"][: d.n_test]
+        heldout = [t for t in tasks if t.split == d.eval_split][: d.n_test]
         if not train:
             raise ConfigError(f"data.tasks_path {d.tasks_path!r} holds no split='train' task")
-        if not test:
-            raise ConfigError(f"data.tasks_path {d.tasks_path!r} holds no split='test' task")
-        return train, test
+        if not heldout:
+            raise ConfigError(
+                f"data.tasks_path {d.tasks_path!r} holds no split={d.eval_split!r} task"
+            )
+        return train, heldout
     from lopd.envs import builtin_tasks
 
+    seed = cfg.seed if d.task_seed is None else d.task_seed
     return (
-        builtin_tasks(d.domain, "train", n=d.n_train, seed=cfg.seed),
-        builtin_tasks(d.domain, "test", n=d.n_test, seed=cfg.seed),
+        builtin_tasks(d.domain, "train", n=d.n_train, seed=seed),
+        builtin_tasks(d.domain, d.eval_split, n=d.n_test, seed=seed),
     )
 
 
