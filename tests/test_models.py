@@ -71,9 +71,9 @@ def test_tokenizer_makes_copying_one_token_per_value():
         tok(text, add_special_tokens=False)["input_ids"]
     )
     assert all(pieces(str(n)) == [str(n)] for n in range(0, 1000, 37))
-    instruction = pieces("Ship order #482 to 60 Elm Rd. Set the ER limit of policy PN-7 to $450.")
-    call = pieces('{"number": "#482", "address": "60 Elm Rd", "number": "PN-7", "limit": "$450"}')
-    for value in (["#", "482"], ["60", " Elm", " Rd"], ["PN-", "7"], ["$", "450"]):
+    instruction = pieces("Ship order #482 to Elm Rd 60. Set the ER limit of policy PN-7 to $450.")
+    call = pieces('{"number": "#482", "address": "Elm Rd 60", "number": "PN-7", "limit": "$450"}')
+    for value in (["#", "482"], ["Elm", " Rd", " ", "60"], ["PN-", "7"], ["$", "450"]):
         for seq in (instruction, call):
             assert any(seq[i : i + len(value)] == value for i in range(len(seq))), (value, seq)
     before, after = FRAMING["tool_use"]
