@@ -29,7 +29,10 @@ from lopd.envs.loaders import TaskFormatError
 from lopd.envs.tool_use import (
     NO_TOOL_CALL_MESSAGE,
     SPLITS,
+    Param,
     TemplateNotApplicable,
+    ToolError,
+    ToolSpec,
     initial_db,
     make_task,
     score_checks,
@@ -328,14 +331,23 @@ def test_parallel_calls_execute_nothing_and_count_each():
 
 
 def test_type_checks_bool_is_not_a_number_and_enum():
+    spec = ToolSpec("f", "x", {"n": Param("integer", "n"), "p": Param("string", "p", ("a", "b"))})
+    for args, message in [
+        ({"n": True, "p": "a"}, "argument 'n' must be an integer"),
+        ({"n": 1.5, "p": "a"}, "argument 'n' must be an integer"),
+        ({"n": 1, "p": "c"}, "argument 'p' must be one of: a, b"),
+    ]:
+        with pytest.raises(ToolError, match=message):
+            spec.validate(args)
+    spec.validate({"n": 3, "p": "b"})
     t = first("insurance", "file_claim")
     env = make_env(t)
     env.reset(t)
-    obs, _ = env.step(call("file_claim", policy_id="PL-1", amount=True))
-    assert obs == "Error: argument 'amount' must be an integer"
-    obs, _ = env.step(call("file_claim", policy_id="PL-1", amount=12.5))
-    assert obs == "Error: argument 'amount' must be an integer"
-    obs, _ = env.step(call("file_claim", policy_id="PL-1", amount=-5))
+    obs, _ = env.step(call("file_claim", policy_id="PL-1", amount=450))
+    assert obs == "Error: argument 'amount' must be a string"
+    obs, _ = env.step(call("file_claim", policy_id="PL-1", amount="450"))
+    assert obs == "Error: amount must be written like '$500', got '450'"
+    obs, _ = env.step(call("file_claim", policy_id="PL-1", amount="$0"))
     assert obs.startswith("Error: amount must be between")
     lt = first("logistics", "expedite")
     env = make_env(lt)

@@ -18,10 +18,10 @@ from lopd.envs.tool_use import (
 )
 from lopd.envs.world_kit import (
     COVERAGES,
-    INT,
     NUMBER_RANGE,
     STR,
     Step,
+    dollars,
     draft,
     eq,
     find_id,
@@ -70,7 +70,7 @@ class InsuranceWorld(World):
             {
                 "policy_id": Param(STR, "Policy id."),
                 "coverage": Param(STR, "Coverage name, e.g. 'Dental'."),
-                "limit": Param(INT, "Limit in dollars."),
+                "limit": Param(STR, "Limit in dollars, e.g. '$500'."),
             },
             kind="modify",
         ),
@@ -80,7 +80,7 @@ class InsuranceWorld(World):
             {
                 "policy_id": Param(STR, "Policy id."),
                 "coverage": Param(STR, "Coverage name."),
-                "limit": Param(INT, "Limit in dollars."),
+                "limit": Param(STR, "Limit in dollars, e.g. '$500'."),
             },
             kind="modify",
         ),
@@ -93,7 +93,10 @@ class InsuranceWorld(World):
         ToolSpec(
             "file_claim",
             "File a new claim on a policy.",
-            {"policy_id": Param(STR, "Policy id."), "amount": Param(INT, "Amount in dollars.")},
+            {
+                "policy_id": Param(STR, "Policy id."),
+                "amount": Param(STR, "Amount in dollars, e.g. '$250'."),
+            },
             kind="modify",
         ),
         ToolSpec(
@@ -181,7 +184,7 @@ class InsuranceWorld(World):
         get_record(self.db, "policies", policy_id, "policy")
         for k, c in self.db["claims"].items():
             if c["policy_id"] == policy_id and c["status"] == "open":
-                return {"claim_id": k, "amount": c["amount"]}
+                return {"claim_id": k, "amount": f"${c['amount']}"}
         raise ToolError(f"policy {policy_id} has no open claim")
 
     def _changeable(self, policy_id: str) -> dict[str, Any]:
@@ -190,27 +193,21 @@ class InsuranceWorld(World):
             raise ToolError(f"policy {policy_id} has no open review")
         return p
 
-    @staticmethod
-    def _check_amount(what: str, value: int) -> None:
-        if not 0 < value <= 100_000:
-            raise ToolError(f"{what} must be between 1 and 100000")
-
-    def tool_set_limit(self, policy_id: str, coverage: str, limit: int) -> dict[str, Any]:
+    def tool_set_limit(self, policy_id: str, coverage: str, limit: str) -> dict[str, Any]:
         p = get_record(self.db, "policies", policy_id, "policy")
         if coverage not in p["coverages"]:
             raise ToolError(f"policy {policy_id} has no {coverage} coverage")
-        self._check_amount("limit", limit)
-        self._changeable(policy_id)["coverages"][coverage] = limit
+        self._changeable(policy_id)["coverages"][coverage] = dollars(limit, "limit")
         return {"policy_id": policy_id, "coverage": coverage, "limit": limit}
 
-    def tool_add_coverage(self, policy_id: str, coverage: str, limit: int) -> dict[str, Any]:
+    def tool_add_coverage(self, policy_id: str, coverage: str, limit: str) -> dict[str, Any]:
         p = get_record(self.db, "policies", policy_id, "policy")
         if coverage not in COVERAGES[p["type"]]:
             raise ToolError(f"coverage '{coverage}' is not offered for {p['type']} policies")
         if coverage in p["coverages"]:
             raise ToolError(f"policy {policy_id} already has {coverage} coverage")
-        self._check_amount("limit", limit)
-        self._changeable(policy_id)["coverages"][coverage] = limit
+        value = dollars(limit, "limit")
+        self._changeable(policy_id)["coverages"][coverage] = value
         return {"policy_id": policy_id, "coverage": coverage, "limit": limit}
 
     def tool_remove_coverage(self, policy_id: str, coverage: str) -> dict[str, Any]:
@@ -220,13 +217,13 @@ class InsuranceWorld(World):
         del self._changeable(policy_id)["coverages"][coverage]
         return {"policy_id": policy_id, "removed": coverage}
 
-    def tool_file_claim(self, policy_id: str, amount: int) -> dict[str, Any]:
+    def tool_file_claim(self, policy_id: str, amount: str) -> dict[str, Any]:
         get_record(self.db, "policies", policy_id, "policy")
-        self._check_amount("amount", amount)
+        value = dollars(amount, "amount")
         cid = self.new_id("claims", "CL")
         self.db["claims"][cid] = {
             "policy_id": policy_id,
-            "amount": amount,
+            "amount": value,
             "status": "open",
             "verified": False,
         }
@@ -291,7 +288,7 @@ class InsuranceWorld(World):
         cov = rng.choice(sorted(p["coverages"]))
         limit = self._new_limit(rng, p["coverages"][cov])
         main = Step(
-            ToolCall("set_limit", {"policy_id": pid, "coverage": cov, "limit": limit}),
+            ToolCall("set_limit", {"policy_id": pid, "coverage": cov, "limit": f"${limit}"}),
             # The whole coverage map: the policy's other coverages must survive untouched.
             [eq("policies", pid, "coverages", {**p["coverages"], cov: limit})],
             {"policies": {pid: ["coverages"]}},
@@ -325,7 +322,7 @@ class InsuranceWorld(World):
         cov = rng.choice([c for c in COVERAGES[p["type"]] if c not in p["coverages"]])
         limit = self._new_limit(rng, None)
         main = Step(
-            ToolCall("add_coverage", {"policy_id": pid, "coverage": cov, "limit": limit}),
+            ToolCall("add_coverage", {"policy_id": pid, "coverage": cov, "limit": f"${limit}"}),
             [eq("policies", pid, "coverages", {**p["coverages"], cov: limit})],
             {"policies": {pid: ["coverages"]}},
         )
@@ -347,7 +344,7 @@ class InsuranceWorld(World):
         verify = self.convention("claim_rule") == "verify"
         where = {"policy_id": pid, "amount": amount, "status": "open", "verified": verify}
         main = Step(
-            ToolCall("file_claim", {"policy_id": pid, "amount": amount}),
+            ToolCall("file_claim", {"policy_id": pid, "amount": f"${amount}"}),
             [{"op": "count_new", "table": "claims", "where": where, "count": 1}],
             {},
         )

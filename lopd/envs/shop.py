@@ -49,7 +49,7 @@ class ShopWorld(World):
         ToolSpec(
             "find_order",
             "Look up an order by its order number.",
-            {"number": Param(STR, "Order number, e.g. '482'.")},
+            {"number": Param(STR, "Order number, e.g. '#482'.")},
         ),
         ToolSpec(
             "find_product",
@@ -139,7 +139,7 @@ class ShopWorld(World):
                 oid = f"O-{len(orders) + 1}"
                 orders[oid] = {
                     "customer_id": cid,
-                    "number": str(next(numbers)),
+                    "number": f"#{next(numbers)}",
                     "status": st,
                     "address": random_address(rng),
                     "items": rng.sample(sorted(products), rng.randint(1, 2)),
@@ -293,7 +293,7 @@ class ShopWorld(World):
             {"orders": {oid: ["address"]}},
         )
         return draft(
-            f"Ship order #{o['number']} to {address}.",
+            f"Ship order {o['number']} to {address}.",
             {"number": o["number"], "address": address},
             [ToolCall("find_order", {"number": o["number"]})],
             [main],
@@ -324,7 +324,7 @@ class ShopWorld(World):
                 {"orders": {oid: ["restocked"]}, "products": {pid: ["stock"] for pid in stock}},
             )
         return draft(
-            f"Cancel order #{o['number']}.",
+            f"Cancel order {o['number']}.",
             {"number": o["number"]},
             [ToolCall("find_order", {"number": o["number"]})],
             [main, follow],
@@ -347,7 +347,7 @@ class ShopWorld(World):
             {"orders": {oid: ["items"]}, "products": {pid: ["stock"]}},
         )
         return draft(
-            f"Add a {p['name']} to order #{o['number']}.",
+            f"Add a {p['name']} to order {o['number']}.",
             {"number": o["number"], "product": p["name"]},
             [
                 ToolCall("find_order", {"number": o["number"]}),

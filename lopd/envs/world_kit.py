@@ -38,9 +38,25 @@ COVERAGES = {
 }
 
 # Every number a task shows (order, policy and tracking numbers, amounts, limits) has three
-# digits: the tiny model's tokenizer has one token per number below 1000, so copying a number is
-# copying one token.
+# digits: the tiny model's tokenizer has one token per number below 1000. Every value an agent
+# copies starts with a frequent token (a word, or a prefix: "#482", "PN-482", "TRK-482", "$450",
+# "Elm Rd 60", "O-7"), written the same way in the instruction, the tool results and the tool
+# calls, so copying it is matching that first token and continuing from there.
 NUMBER_RANGE = range(100, 1000)
+
+
+def dollars(value: str, what: str) -> int:
+    """Parse a dollar amount written ``"$450"`` (how tasks and tools write money).
+
+    Raises:
+        ToolError: not ``$`` followed by digits, or outside 1..100000.
+    """
+    if not (value.startswith("$") and value[1:].isdigit()):
+        raise ToolError(f"{what} must be written like '$500', got '{value}'")
+    amount = int(value[1:])
+    if not 0 < amount <= 100_000:
+        raise ToolError(f"{what} must be between $1 and $100000")
+    return amount
 
 
 def random_names(rng: random.Random, k: int) -> list[str]:
@@ -49,7 +65,7 @@ def random_names(rng: random.Random, k: int) -> list[str]:
 
 
 def random_address(rng: random.Random) -> str:
-    return f"{rng.randint(2, 98)} {rng.choice(STREETS)}"
+    return f"{rng.choice(STREETS)} {rng.randint(2, 98)}"
 
 
 def find_id(table: dict[str, dict[str, Any]], field: str, value: Any) -> str | None:
