@@ -147,6 +147,8 @@ def sft(
     context_weight: float = 0.0,
     log_every: int = 50,
     on_step: Callable[[int], None] | None = None,
+    copy_source: Iterator[tuple[torch.Tensor, ...]] | None = None,
+    copy_weight: float = 0.0,
 ) -> list[float]:
     """Fine-tune ``model`` in place on ``steps`` batches from ``batches``.
 
@@ -167,6 +169,10 @@ def sft(
             reference, the instruction, tool results); actions weigh 1.
         log_every: print the mean loss every this many steps (``0``: silent).
         on_step: called with the step number after each step (evaluation hooks).
+        copy_source: batches of :func:`copy_batches`; with ``copy_weight > 0`` every step adds
+            ``copy_weight`` times the mean loss of one of them (see :func:`copy_batches` for
+            why).
+        copy_weight: weight of that auxiliary copy loss (``0``: episodes only).
 
     Returns:
         The loss of every step.
@@ -198,6 +204,10 @@ def sft(
             loss = lm_loss(model, ids, attn, labels, w, stats=stats) / total
             loss.backward()
             step_loss += float(loss.detach())
+        if copy_weight and copy_source is not None:
+            c_ids, c_attn, c_labels, c_w = next(copy_source)
+            c_loss = lm_loss(model, c_ids, c_attn, c_labels, c_w, min_prefix=c_ids.shape[1])
+            (copy_weight * c_loss / c_w[:, 1:].sum()).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
