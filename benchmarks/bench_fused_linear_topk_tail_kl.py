@@ -15,10 +15,25 @@ Recorded per variant via :func:`benchmarks.common.record` into
 process beyond its inputs, parameters and their gradients (``peak - after_setup - grads``; the
 targets: fused <= 1/10 of materialized in memory, <= 1.3x in time).
 
-    pytest benchmarks/bench_fused_linear_topk_tail_kl.py --benchmark-only   # ~15 min, 2 cores
+    pytest benchmarks/bench_fused_linear_topk_tail_kl.py --benchmark-only -k "not trl"  # ~15 min
 
 Each pass is ~2 TFLOP of GEMMs: on a small machine set ``LOPD_BENCH_FL_N=256`` (and/or
-``LOPD_BENCH_FL_V``) for a quick look; ``LOPD_BENCH_THREADS`` sets the thread count (default 2).
+``LOPD_BENCH_FL_V``) for a quick look; ``LOPD_BENCH_THREADS`` sets the thread count (default 2,
+set for the run and restored).
+
+**Against TRL's chunked divergence** (``-k trl``, ~3 min): TRL's ``DistillationTrainer`` ships
+``trl.kernels.chunked_divergence.ChunkedDivergenceFunction`` (Triton on GPU, a torch tile
+fallback elsewhere), the tool a TRL user already has. Its setting: N = 1,024, d = 256,
+V = 151,936 fp32, reverse KL over the full vocabulary, gradients to the student's hidden states
+and head, a frozen teacher (TRL differentiates only the student). Variants, all
+backpropagating ``sum(kl)`` and each measured for peak RSS in its own fresh process:
+
+* ``materialized``: both logits, then ``lk.topk_tail_kl(top_m=None)`` (C++ kernel);
+* ``fused``: ``lk.fused_linear_topk_tail_kl(top_m=None)``; ``fused_top20``: the same at M = 20
+  (the paper's setting, a different loss);
+* ``trl_chunked``: ``ChunkedDivergenceFunction.apply(..., beta=1.0)`` (beta = 1: reverse KL).
+
+The full-vocabulary variants must agree on the mean KL (recorded next to the times).
 """
 
 from __future__ import annotations
@@ -26,9 +41,8 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
-from benchmarks.common import peak_rss_bytes, record
+from benchmarks.common import peak_rss_bytes, record, torch_threads
 
 N = int(os.environ.get("LOPD_BENCH_FL_N", "2048"))
 D = int(os.environ.get("LOPD_BENCH_FL_D", "1024"))
@@ -103,10 +117,10 @@ def peak_extra() -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def env(peak_extra):
-    torch.set_num_threads(THREADS)
-    ns: dict = {}
-    exec(SETUP, ns)
-    return ns
+    with torch_threads(THREADS):
+        ns: dict = {}
+        exec(SETUP, ns)
+        yield ns
 
 
 _medians: dict[str, float] = {}
@@ -127,5 +141,134 @@ def test_fused_linear_topk_tail_kl_fwd_bwd(benchmark, peak_extra, env, variant):
         fields["memory_vs_materialized"] = extra / max(1, peak_extra["materialized"])
     backend = "cpu" if variant == "fused" else variant
     record("fused_linear_topk_tail_kl", backend, SHAPES, median, extra, **fields)
+    print(f"\n{variant}: {median:.2f} s, peak RSS beyond inputs/params/grads "
+          f"{extra / 2**20:.0f} MiB", fields)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Against TRL's chunked divergence kernel (its setting: frozen teacher, full-vocabulary reverse KL)
+# ---------------------------------------------------------------------------------------------
+
+TRL_N = int(os.environ.get("LOPD_BENCH_TRL_N", "1024"))
+TRL_D = int(os.environ.get("LOPD_BENCH_TRL_D", "256"))
+TRL_SHAPES = {"N": TRL_N, "d": TRL_D, "V": V, "dtype": "float32", "pass": "fwd+bwd",
+              "grads": "h_s, W_s (frozen teacher)", "divergence": "reverse"}  # fmt: skip
+# What the caller holds after the backward: the student's hidden-state and head gradients.
+TRL_GRAD_BYTES = (TRL_N * TRL_D + V * TRL_D) * 4
+
+TRL_SETUP = f"""
+import torch
+import lopd_kernels as lk
+from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+N, D, V = {TRL_N}, {TRL_D}, {V}
+_g = torch.Generator().manual_seed(0)
+# In place only (see SETUP above).
+ws = torch.empty(V, D).normal_(generator=_g).mul_(D**-0.5).requires_grad_(True)
+wt = torch.empty(V, D).normal_(generator=_g).mul_(0.1 * D**-0.5).add_(ws.detach())
+hs = torch.empty(N, D).normal_(generator=_g).mul_(2).requires_grad_(True)
+ht = torch.empty(N, D).normal_(generator=_g).mul_(0.5).add_(hs.detach())
+a = torch.randint(0, V, (N,), generator=_g)
+kl_mean = {{}}
+
+
+def run_materialized():
+    kl = lk.topk_tail_kl(hs @ ws.T, ht @ wt.T, a, top_m=None).kl
+    kl.sum().backward()
+    kl_mean["materialized"] = kl.mean().item()
+
+
+def run_fused():
+    kl = lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=None, backend="cpu").kl
+    kl.sum().backward()
+    kl_mean["fused"] = kl.mean().item()
+
+
+def run_fused_top20():
+    kl = lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=20, backend="cpu").kl
+    kl.sum().backward()
+    kl_mean["fused_top20"] = kl.mean().item()
+
+
+def run_trl_chunked():
+    # beta = 1: KL(student || teacher), the reverse KL; gradients to the student only.
+    kl, _entropy = ChunkedDivergenceFunction.apply(hs, ws, None, ht, wt, None, 1.0, 1.0)
+    kl.sum().backward()
+    kl_mean["trl_chunked"] = kl.mean().item()
+
+
+def clear_grads():
+    hs.grad = ws.grad = None
+
+
+# Lazy initialization on a tiny problem, outside the measurement.
+_x = torch.randn(4, 8, requires_grad=True)
+_w = torch.randn(64, 8, requires_grad=True)
+_a = torch.randint(0, 64, (4,))
+lk.fused_linear_topk_tail_kl(_x, _w, _x.detach(), _w.detach(), _a, top_m=None).kl.sum().backward()
+_kl, _ = ChunkedDivergenceFunction.apply(_x, _w, None, _x.detach(), _w.detach(), None, 1.0, 1.0)
+_kl.sum().backward()
+"""
+
+TRL_RUNS = {
+    name: f"run_{name}()" for name in ("materialized", "fused", "fused_top20", "trl_chunked")
+}
+
+
+def _has_trl_kernel() -> bool:
+    try:
+        import trl.kernels.chunked_divergence  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def trl_peak_extra() -> dict[str, int]:
+    """Peak RSS beyond inputs, parameters and gradients, each variant in a fresh process."""
+    if not _has_trl_kernel():
+        pytest.skip("trl.kernels.chunked_divergence is not installed")
+    extra = {}
+    for variant, run in TRL_RUNS.items():
+        before, peak = peak_rss_bytes(TRL_SETUP, f"{run}\n", threads=THREADS)
+        extra[variant] = max(0, peak - before - TRL_GRAD_BYTES)
+    return extra
+
+
+@pytest.fixture(scope="module")
+def trl_env(trl_peak_extra):
+    with torch_threads(THREADS):
+        ns: dict = {}
+        exec(TRL_SETUP, ns)
+        yield ns
+
+
+_trl_medians: dict[str, float] = {}
+
+
+@pytest.mark.parametrize("variant", list(TRL_RUNS))
+def test_vs_trl_chunked_divergence(benchmark, trl_peak_extra, trl_env, variant):
+    benchmark.group = f"vs TRL chunked_divergence N={TRL_N} d={TRL_D} V={V} fp32 fwd+bwd"
+    code = compile(TRL_RUNS[variant], "<bench>", "exec")
+    benchmark.pedantic(
+        lambda: exec(code, trl_env), setup=trl_env["clear_grads"], rounds=2, iterations=1,
+        warmup_rounds=1,
+    )  # fmt: skip
+    trl_env["clear_grads"]()
+    median = benchmark.stats.stats.median
+    _trl_medians[variant] = median
+    extra = trl_peak_extra[variant]
+    fields = {"threads": THREADS, "kl_mean": trl_env["kl_mean"][variant]}
+    if variant != "materialized" and "materialized" in _trl_medians:
+        fields["time_vs_materialized"] = median / _trl_medians["materialized"]
+        fields["memory_vs_materialized"] = extra / max(1, trl_peak_extra["materialized"])
+    if variant == "trl_chunked":
+        for ours in ("fused", "fused_top20"):
+            if ours in _trl_medians:
+                fields[f"{ours}_speedup"] = median / _trl_medians[ours]
+        # Same loss as ours at the full vocabulary: the KL means agree to ~5 digits.
+        full = [trl_env["kl_mean"][k] for k in ("materialized", "fused", "trl_chunked")]
+        assert max(full) - min(full) <= 1e-4 * max(1.0, abs(full[0])), trl_env["kl_mean"]
+    record("fused_linear_vs_trl", variant, TRL_SHAPES, median, extra, **fields)
     print(f"\n{variant}: {median:.2f} s, peak RSS beyond inputs/params/grads "
           f"{extra / 2**20:.0f} MiB", fields)  # fmt: skip

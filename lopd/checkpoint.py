@@ -1,10 +1,17 @@
 """Checkpoints: everything a killed run needs to continue exactly where it stopped.
 
 A checkpoint holds (this module is the one place that lists it): the student's weights, the
-composer's phi, both optimizers' states, the method's own state (LOPD's beta, SDPO's EMA teacher),
-the global rollout count, the wall time of earlier sessions, the RNG states and the data position
-(the step: a step's data is a pure function of seed and step, :mod:`lopd.tasks`). The newest
-``keep`` checkpoints are kept.
+composer's phi, both optimizers' states (and the float16 loss scaler's), the method's own state
+(LOPD's beta, SDPO's EMA teacher), the global rollout count, the wall time of earlier sessions,
+the RNG states and the data position (the step: a step's data is a pure function of seed and
+step, :mod:`lopd.tasks`). The newest ``keep`` checkpoints are kept (``checkpoint_keep``).
+
+Sizes: the student and phi are float32 master weights, AdamW holds two float32 moments per
+trained parameter, so a checkpoint is about 12 bytes per student parameter (4 for the weights,
+8 for AdamW), ~48 GB for a 4B student. ``checkpoint_final_optimizer=false`` writes the final
+step's checkpoint without optimizer states (4 bytes per parameter); a run resumed from it to
+train further restarts AdamW (and says so). The deployable student is written separately in
+the compute dtype as safetensors (``run_dir/student``, 2 bytes per parameter in bf16).
 
 Two formats, chosen by ``model.parallel``:
 
@@ -17,6 +24,7 @@ Two formats, chosen by ``model.parallel``:
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -33,7 +41,7 @@ from lopd.methods.base import Method
 from lopd.optim import Optimizers
 from lopd.run_dir import atomic_torch_save
 
-__all__ = ["Checkpoints", "Resumed", "TrainState"]
+__all__ = ["Checkpoints", "Resumed", "TrainState", "save_deployable"]
 
 
 @dataclass
@@ -62,12 +70,14 @@ class Resumed:
         rollouts: this rank's share of the rollout count (the global count on rank 0, else 0).
         wall_seconds: wall time of the earlier sessions of the run.
         name: the checkpoint's file or directory name.
+        optimizer_restored: the checkpoint held optimizer states (``False``: AdamW restarts).
     """
 
     step: int
     rollouts: int
     wall_seconds: float
     name: str
+    optimizer_restored: bool = True
 
 
 def _rng_state() -> dict[str, Any]:
@@ -85,6 +95,35 @@ def _set_rng_state(rng: dict[str, Any]) -> None:
     np.random.set_state(rng["numpy"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
+
+
+def save_deployable(
+    model: nn.Module,
+    directory: Path,
+    dtype: torch.dtype,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """The deployable student: a Hugging Face directory with ``model.safetensors`` (sharded
+    above 50 GB), ``config.json``, in ``dtype`` (``model.dtype``: the float32 master weights are
+    rounded to the compute dtype a real checkpoint ships in; float32 runs save float32).
+
+    Args:
+        model: the student (``*ForCausalLM``).
+        directory: ``run_dir/student``.
+        dtype: the dtype to save in.
+        state_dict: the full state dict (FSDP2 gathers it); ``None``: ``model.state_dict()``.
+    """
+    if dtype != torch.float32:
+        sd = state_dict if state_dict is not None else model.state_dict()
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+    model.save_pretrained(directory, state_dict=state_dict)
+    if dtype != torch.float32:
+        # save_pretrained writes the in-memory (float32) dtype into config.json; say what the
+        # file holds, so from_pretrained(dtype=None) loads it as saved.
+        config = directory / "config.json"
+        data = json.loads(config.read_text())
+        data["dtype"] = str(dtype).removeprefix("torch.")
+        config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 class Checkpoints:
@@ -119,31 +158,48 @@ class Checkpoints:
         }
 
     @staticmethod
-    def _weights(state: TrainState) -> dict[str, Any]:
-        """Student, phi and both optimizers, unsharded (one-process format)."""
+    def _weights(state: TrainState, optimizer: bool) -> dict[str, Any]:
+        """Student, phi and (``optimizer``) both optimizers, unsharded (one-process format)."""
         return {
             "student": state.student.state_dict(),
             "composer": state.composer.phi_state_dict() if state.composer is not None else None,
-            **state.optimizers.state_dict(),
+            **(state.optimizers.state_dict() if optimizer else {}),
         }
 
-    def _restore(self, state: TrainState, meta: dict[str, Any], name: str) -> Resumed:
+    def _restore(
+        self, state: TrainState, meta: dict[str, Any], name: str, optimizer: bool = True
+    ) -> Resumed:
         method_state = dict(meta.get("method") or {})
         if "beta" in meta:  # checkpoints written before the method owned beta
             method_state.setdefault("beta", meta["beta"])
         state.method.load_state_dict(method_state)
         _set_rng_state(meta["rng"])
         rollouts = int(meta["rollouts"]) if self.dist.is_main else 0
-        return Resumed(int(meta["step"]), rollouts, float(meta["wall_seconds"]), name)
+        return Resumed(int(meta["step"]), rollouts, float(meta["wall_seconds"]), name, optimizer)
 
     # ------------------------------------------------------------------ save / load
-    def save(self, step: int, state: TrainState, rollouts: int, wall_seconds: float) -> None:
-        """Write the checkpoint of ``step`` finished steps (every rank calls it)."""
-        meta = self._meta(step, state, rollouts, wall_seconds)
+    def save(
+        self,
+        step: int,
+        state: TrainState,
+        rollouts: int,
+        wall_seconds: float,
+        optimizer: bool = True,
+    ) -> None:
+        """Write the checkpoint of ``step`` finished steps (every rank calls it).
+
+        Args:
+            step: finished training steps.
+            state: the live objects.
+            rollouts: the global rollout count.
+            wall_seconds: wall time of the run so far.
+            optimizer: include the optimizer states (needed to continue training exactly).
+        """
+        meta = {**self._meta(step, state, rollouts, wall_seconds), "has_optimizer": optimizer}
         if self.sharded:
-            self._save_dcp(step, state, meta)
+            self._save_dcp(step, state, meta, optimizer)
         elif self.dist.is_main:
-            atomic_torch_save({**meta, **self._weights(state)}, self._path(step))
+            atomic_torch_save({**meta, **self._weights(state, optimizer)}, self._path(step))
         if self.dist.is_main:
             for old in self._existing()[: -self.keep]:
                 shutil.rmtree(old) if old.is_dir() else old.unlink()
@@ -162,8 +218,10 @@ class Checkpoints:
         state.student.load_state_dict(ckpt["student"])
         if ckpt["composer"] is not None:
             state.composer.load_phi_state_dict(ckpt["composer"])
-        state.optimizers.load_state_dict(ckpt)
-        return self._restore(state, ckpt, path.name)
+        has_optimizer = "opt_student" in ckpt
+        if has_optimizer:
+            state.optimizers.load_state_dict(ckpt)
+        return self._restore(state, ckpt, path.name, has_optimizer)
 
     def _path(self, step: int) -> Path:
         return self.directory / (f"step_{step:06d}" if self.sharded else f"step_{step:06d}.pt")
@@ -174,7 +232,7 @@ class Checkpoints:
         return sorted(self.directory.glob("step_*.pt"))
 
     # ------------------------------------------------------------------ FSDP2
-    def _dcp_state(self, state: TrainState) -> dict[str, Any]:
+    def _dcp_state(self, state: TrainState, optimizer: bool = True) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         opts = state.optimizers
@@ -188,9 +246,13 @@ class Checkpoints:
             phi = {n for n, p in state.composer.named_parameters() if p.requires_grad}
             phi_sd = {k: v for k, v in phi_sd.items() if k in phi}
             out.update(composer=phi_sd, opt_composer=phi_optim_sd)
+        if not optimizer:
+            out = {k: v for k, v in out.items() if not k.startswith("opt_")}
         return out
 
-    def _save_dcp(self, step: int, state: TrainState, meta: dict[str, Any]) -> None:
+    def _save_dcp(
+        self, step: int, state: TrainState, meta: dict[str, Any], optimizer: bool = True
+    ) -> None:
         import torch.distributed.checkpoint as dcp
 
         final = self._path(step)
@@ -198,7 +260,7 @@ class Checkpoints:
         if self.dist.is_main and tmp.exists():
             shutil.rmtree(tmp)
         self.dist.barrier()
-        dcp.save(self._dcp_state(state), checkpoint_id=str(tmp))
+        dcp.save(self._dcp_state(state, optimizer), checkpoint_id=str(tmp))
         self.dist.barrier()
         if self.dist.is_main:
             torch.save(meta, tmp / "meta.pt")
@@ -208,22 +270,31 @@ class Checkpoints:
 
     def _load_dcp(self, path: Path, state: TrainState) -> Resumed:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_state_dict,
+        )
 
-        sd = self._dcp_state(state)
+        meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
+        has_optimizer = bool(meta.get("has_optimizer", True))
+        sd = self._dcp_state(state, has_optimizer)
         dcp.load(sd, checkpoint_id=str(path))
         opts = state.optimizers
-        set_state_dict(
-            state.student, opts.student, model_state_dict=sd["student"],
-            optim_state_dict=sd["opt_student"],
-        )  # fmt: skip
-        if "composer" in sd:
+        phi_options = StateDictOptions(ignore_frozen_params=True, strict=False)
+        if has_optimizer:
             set_state_dict(
-                state.composer,
-                opts.composer,
-                model_state_dict=sd["composer"],
-                optim_state_dict=sd["opt_composer"],
-                options=StateDictOptions(ignore_frozen_params=True, strict=False),
-            )
-        meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
-        return self._restore(state, meta, path.name)
+                state.student, opts.student, model_state_dict=sd["student"],
+                optim_state_dict=sd["opt_student"],
+            )  # fmt: skip
+        else:
+            set_model_state_dict(state.student, sd["student"])
+        if "composer" in sd:
+            if has_optimizer:
+                set_state_dict(
+                    state.composer, opts.composer, model_state_dict=sd["composer"],
+                    optim_state_dict=sd["opt_composer"], options=phi_options,
+                )  # fmt: skip
+            else:
+                set_model_state_dict(state.composer, sd["composer"], options=phi_options)
+        return self._restore(state, meta, path.name, has_optimizer)

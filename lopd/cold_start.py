@@ -8,6 +8,7 @@ directory already holds them (a resumed run, or ``lopd.compare`` sharing them be
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from lopd.injection import TeacherSequence
 from lopd.loss import segment_mean
 from lopd.methods.latent_teacher import compose, latent_teacher_sequence, teacher_action_hidden
 from lopd.methods.rows import ActionRows, lm_head
+from lopd.precision import Precision
 from lopd.run_dir import RunDir, atomic_torch_save
 from lopd.seeds import Stream
 from lopd.tasks import TaskSampler
@@ -75,10 +77,15 @@ def cold_start(
     sampler: TaskSampler,
     log: Callable[[str], None],
     bar: Callable[..., Iterable[int]] = lambda it, **kw: it,
+    precision: Precision | None = None,
+    activations: Callable[..., Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run (or load) the cold start; returns ``task_id -> [J*K, d]`` c_phi0 of the train tasks.
 
-    Every rank trains on its share of each step's batch; phi's gradients are averaged.
+    Every rank trains on its share of each step's batch; phi's gradients are averaged. Forwards
+    run under ``precision``'s autocast (phi is float32; float16 scales the loss); the AdamW
+    state and the last step's gradients are freed before returning. ``activations`` is the
+    memory account's saved-tensor counter (:meth:`lopd.memory_account.MemoryAccount.activations`).
     """
     if run_dir.phi0.exists() and run_dir.latents0.exists():
         composer.load_phi_state_dict(torch.load(run_dir.phi0, map_location=device))
@@ -96,33 +103,43 @@ def cold_start(
             sequences[i] = latent_teacher_sequence(tokenizer, data[i], num_placeholders, pad_id)
         return sequences[i]
 
+    precision = precision or Precision.of(cfg.model.dtype, device)
+    activations = activations or (lambda *modules: contextlib.nullcontext())
     if c.steps > 0 and data:
         opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=0.0)
+        scaler = precision.grad_scaler()
         for step in bar(range(c.steps), desc="cold start", unit="step"):
             mine = sampler.draw(range(len(data)), c.batch_size, Stream.COLD_START_BATCH, step)
             opt.zero_grad(set_to_none=True)
             loss = None
             if mine:
-                loss = cold_start_loss(
-                    composer,
-                    experience.retrieved,
-                    [data[i] for i in mine],
-                    [sequence(i) for i in mine],
-                    c.batch_size,
-                    pad_id,
-                    device,
-                    checkpointed=cfg.model.gradient_checkpointing,
-                )
-                loss.backward()
+                with activations([composer]), precision.autocast():
+                    loss = cold_start_loss(
+                        composer,
+                        experience.retrieved,
+                        [data[i] for i in mine],
+                        [sequence(i) for i in mine],
+                        c.batch_size,
+                        pad_id,
+                        device,
+                        checkpointed=cfg.model.gradient_checkpointing,
+                    )
+                scaler.scale(loss).backward()
             dist.average_gradients(params)
+            scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             if loss is not None and step % max(1, c.steps // 10) == 0:
                 nll = loss.item() * c.batch_size / len(mine)
                 log(f"cold start step {step}: nll {nll:.4f}")
+        # Neither the cold start's AdamW moments nor phi's last gradients are needed again:
+        # joint training builds its own optimizer (and would keep them alive otherwise).
+        opt.zero_grad(set_to_none=True)
+        del opt, loss
     elif not data:
         log("cold start: the bank holds no trajectory; phi_0 is the initialization")
-    with torch.no_grad():
+    with torch.no_grad(), precision.autocast():
         latents0 = {}
         bs = max(1, cfg.lopd.micro_batch)
         for i in range(0, len(train_tasks), bs):

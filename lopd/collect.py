@@ -102,6 +102,7 @@ def collect_bank(
     build_index: bool = True,
     query_tasks: Sequence[Task] | None = None,
     index: str = "auto",
+    index_batch_size: int = 256,
     progress: bool = True,
 ) -> CollectResult:
     """Roll ``model`` out on ``tasks``, add the successes to the bank, index it.
@@ -126,6 +127,8 @@ def collect_bank(
         query_tasks: tasks whose query embeddings to precompute (default: ``tasks``); add the
             held-out split here to evaluate with retrieval without loading the embedder.
         index: FAISS placement, ``"auto"``, ``"cpu"`` or ``"gpu"``.
+        index_batch_size: bank entries / query tasks per embedder call while indexing
+            (:class:`~lopd.memory.Retriever`'s ``doc_batch_size``).
         progress: show a tqdm bar over episodes.
 
     Returns:
@@ -185,9 +188,13 @@ def collect_bank(
     if build_index:
         if embedder is None:
             embedder = HiddenStateEmbedder(model, tokenizer)
-        retriever = Retriever.load_or_build(bank, embedder, index=index, save=False)
+        retriever = Retriever.load_or_build(
+            bank, embedder, index=index, save=False, doc_batch_size=index_batch_size
+        )
         retriever.sync()
-        retriever.precompute_queries(query_tasks if query_tasks is not None else tasks)
+        retriever.precompute_queries(
+            query_tasks if query_tasks is not None else tasks, batch_size=index_batch_size
+        )
         retriever.save()
     return CollectResult(
         num_tasks=len(tasks),

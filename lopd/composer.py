@@ -15,6 +15,7 @@ roles. phi = (LoRA parameters, QFormer parameters); nothing else is trainable he
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -22,6 +23,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from lopd.injection import pad_batch
+from lopd_kernels.hf import decoder_of
 
 __all__ = ["ENCODER_TEMPLATE", "LORA_TARGETS", "LatentComposer", "decoder_of"]
 
@@ -30,17 +32,6 @@ ENCODER_TEMPLATE = "Task to solve:\n{task}\n\nReference past trajectory:\n{exper
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The seven linear projections per block that carry the encoder's LoRA (paper A.1)."""
-
-
-def decoder_of(model: nn.Module) -> nn.Module:
-    """The transformer body of a ``*ForCausalLM`` (returns hidden states, no ``[L, V]`` logits)."""
-    getter = getattr(model, "get_decoder", None)
-    decoder = getter() if callable(getter) else None
-    if decoder is None:
-        decoder = getattr(model, "model", None)
-    if decoder is None:
-        raise TypeError(f"{type(model).__name__} exposes no decoder (get_decoder() or .model)")
-    return decoder
 
 
 class LatentComposer(nn.Module):
@@ -80,16 +71,24 @@ class LatentComposer(nn.Module):
         if num_retrieved < 1:
             raise ValueError(f"num_retrieved must be >= 1, got {num_retrieved}")
         backbone.requires_grad_(False)
-        self.encoder = get_peft_model(
-            backbone,
-            LoraConfig(
-                r=lora_r,
-                lora_alpha=lora_alpha,
-                lora_dropout=lora_dropout,
-                target_modules=list(LORA_TARGETS),
-                bias="none",
-            ),
-        )
+        with warnings.catch_warnings():
+            # peft 0.21 reads transformers' deprecated ``is_gradient_checkpointing`` alias in
+            # PeftModel.__init__; the deprecated call is peft's, not one lopd can change.
+            warnings.filterwarnings(
+                "ignore",
+                message=r"`is_gradient_checkpointing` is deprecated",
+                category=FutureWarning,
+            )
+            self.encoder = get_peft_model(
+                backbone,
+                LoraConfig(
+                    r=lora_r,
+                    lora_alpha=lora_alpha,
+                    lora_dropout=lora_dropout,
+                    target_modules=list(LORA_TARGETS),
+                    bias="none",
+                ),
+            )
         cfg = backbone.config
         param = next(backbone.parameters())
         self.compressor = QFormerCompressor(

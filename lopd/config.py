@@ -49,6 +49,7 @@ from lopd.config_sections import (
     SDPOConfig,
     SkillSDConfig,
 )
+from lopd_kernels import DIVERGENCES
 
 __all__ = [
     "COMPARE_BUDGETS",
@@ -99,6 +100,12 @@ class Config:
         seed: seeds tasks, rollouts, initialization and data order.
         run_dir: output directory (config, metrics.jsonl, TensorBoard, checkpoints, summary).
         checkpoint_every: save a checkpoint every this many LOPD steps (0 = only at the end).
+        checkpoint_keep: how many of the newest checkpoints to keep (older ones are deleted).
+        checkpoint_final_optimizer: the final step's checkpoint holds the optimizer states too
+            (``false``: student, phi and the method's state only, about a quarter of the size
+            under mixed precision; a run resumed from it to train further restarts AdamW).
+        profile_memory: log a memory account per phase (weights, gradients, optimizer state,
+            activations, allocator; :mod:`lopd.memory_account`) to ``memory.jsonl``.
         log_every: print a progress line every this many steps.
         threads: torch CPU threads per process; 0 = 1 on CPU. One thread is the default because
             small models gain little from intra-op threads while OpenMP spin-waiting on a shared
@@ -109,6 +116,9 @@ class Config:
     seed: int = 0
     run_dir: str = "runs/lopd"
     checkpoint_every: int = 10
+    checkpoint_keep: int = 2
+    checkpoint_final_optimizer: bool = True
+    profile_memory: bool = False
     log_every: int = 1
     threads: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -244,7 +254,7 @@ class Config:
         if not 0.0 <= self.bank.min_reward <= 1.0:
             raise ConfigError(f"bank.min_reward must be in [0, 1], got {self.bank.min_reward}")
         choices = {
-            "lopd.divergence": (self.lopd.divergence, ("reverse", "forward")),
+            "lopd.divergence": (self.lopd.divergence, DIVERGENCES),
             "data.domain": (self.data.domain, ("tool_use", "coding")),
             "data.eval_split": (self.data.eval_split, ("test", "val")),
             "model.dtype": (self.model.dtype, ("float32", "bfloat16", "float16")),
@@ -259,6 +269,7 @@ class Config:
                 f"model.device must be auto, cpu or cuda[:N], got {self.model.device!r}"
             )
         self._validate_sections()
+        self._validate_budgets_and_precision()
         if not check_paths:
             return
         if self.model.path is not None:
@@ -318,8 +329,61 @@ class Config:
             ("sdpo.divergence", self.sdpo.divergence),
             ("sdft.divergence", self.sdft.divergence),
         ):
-            if value not in ("reverse", "forward"):
-                raise ConfigError(f"{name} must be one of ('reverse', 'forward'), got {value!r}")
+            if value not in DIVERGENCES:
+                raise ConfigError(f"{name} must be one of {DIVERGENCES}, got {value!r}")
+
+    def _validate_budgets_and_precision(self) -> None:
+        """Token budgets (:mod:`lopd.budget` checks them against the model at start-up), fixed
+        batch sizes, checkpoints, the attention backend and the precision."""
+        g = self.gen
+        for name, value in {
+            "gen.rollout_batch_size": g.rollout_batch_size,
+            "bank.embed_batch_size": self.bank.embed_batch_size,
+            "bank.embed_max_length": self.bank.embed_max_length,
+            "bank.index_batch_size": self.bank.index_batch_size,
+            "checkpoint_keep": self.checkpoint_keep,
+        }.items():
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if g.max_new_tokens >= g.max_total_tokens:
+            raise ConfigError(
+                f"gen.max_new_tokens={g.max_new_tokens} must be below gen.max_total_tokens="
+                f"{g.max_total_tokens} (the trajectory holds the prompt too)"
+            )
+        if g.max_prompt_tokens is not None and not (
+            1 <= g.max_prompt_tokens <= g.max_total_tokens - 2
+        ):
+            raise ConfigError(
+                f"gen.max_prompt_tokens must be null or in [1, gen.max_total_tokens - 2 = "
+                f"{g.max_total_tokens - 2}] (room for a generated token and the end of turn), "
+                f"got {g.max_prompt_tokens}"
+            )
+        for name, value, allowed in (
+            ("gen.prompt_overflow", g.prompt_overflow, ("error", "drop")),
+            (
+                "model.attn_implementation",
+                self.model.attn_implementation,
+                ("auto", "eager", "sdpa", "flash_attention_2"),
+            ),
+        ):
+            if value not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {value!r}")
+        if self.model.attn_implementation == "flash_attention_2":
+            if self.model.dtype == "float32":
+                raise ConfigError(
+                    "model.attn_implementation=flash_attention_2 needs model.dtype bfloat16 or "
+                    "float16 (flash-attn has no float32 kernels)"
+                )
+            if self.model.device == "cpu":
+                raise ConfigError(
+                    "model.attn_implementation=flash_attention_2 needs a CUDA device, got "
+                    "model.device=cpu"
+                )
+        if self.model.dtype == "float16" and self.model.parallel == "fsdp2":
+            raise ConfigError(
+                "model.dtype=float16 with model.parallel=fsdp2 is not supported (the loss "
+                "scaler does not unscale sharded gradients); use bfloat16"
+            )
 
     def check_bank_size(self, bank_size: int) -> None:
         """J must not exceed what the retriever can return (the bank minus the task itself).
@@ -435,12 +499,21 @@ def _smoke() -> Config:
 
 
 def _paper() -> Config:
-    """The paper's setting for real checkpoints (Qwen3-4B/8B): pass ``--model PATH``."""
+    """The paper's setting for real checkpoints (Qwen3-4B/8B): pass ``--model PATH`` and
+    ``--tasks FILE`` (2349 train / 200 test tasks; the built-in generator has 600 / 120).
+
+    bf16 compute over float32 master weights (:mod:`lopd.precision`), checkpoints every 20
+    steps, the last one without optimizer state (the deployable student and phi are saved
+    separately).
+    """
     cfg = Config(run_dir="runs/paper")
     cfg.model.dtype = "bfloat16"
     cfg.model.gradient_checkpointing = True
     cfg.data.n_train, cfg.data.n_test = 2349, 200
     cfg.gen.max_new_tokens, cfg.gen.max_steps = 2048, 30
+    # Qwen3's 40,960-token context (the paper's budget) less 512 for the latent teacher's
+    # framing text and J*K=96 placeholders, which it reads on top of a whole trajectory.
+    cfg.gen.max_total_tokens = 40_960 - 512
     cfg.gen.temperature, cfg.gen.top_p, cfg.gen.top_k = 0.7, 0.95, 20
     cfg.bank.rollouts_per_task, cfg.bank.min_reward = 4, 1.0
     cfg.composer.num_latents, cfg.composer.num_retrieved = 32, 3
@@ -455,6 +528,7 @@ def _paper() -> Config:
     cfg.lopd.fused_linear = True
     cfg.eval.every = 20
     cfg.checkpoint_every = 20
+    cfg.checkpoint_final_optimizer = False
     return cfg
 
 

@@ -42,6 +42,10 @@ class ModelConfig:
             whole and gradients are averaged (data parallel). ``fsdp2``: student, teacher and
             encoder backbone are sharded across ranks with FSDP2 (:mod:`lopd.fsdp`). Without
             ``torchrun`` both are a single process.
+        attn_implementation: the transformers attention backend of every model: ``eager``,
+            ``sdpa``, ``flash_attention_2`` (CUDA, 16-bit ``dtype``, ``pip install
+            'lopd[gpu]'``) or ``auto``: ``flash_attention_2`` on CUDA with a 16-bit dtype when
+            flash-attn is installed, else ``sdpa``.
     """
 
     path: str | None = None
@@ -49,6 +53,7 @@ class ModelConfig:
     device: str = "auto"
     gradient_checkpointing: bool = False
     parallel: str = "ddp"
+    attn_implementation: str = "auto"
 
 
 @dataclass
@@ -64,8 +69,9 @@ class DataConfig:
             sets the defaults were not tuned on.
         eval_split: the held-out split evaluated: ``test`` (reported figures) or ``val`` (what
             every choice of a default is tuned on).
-        n_train: number of training tasks (built-in generator; a cap for a JSONL file).
-        n_test: number of held-out evaluation tasks.
+        n_train: number of training tasks: the first ``n_train`` of the source; a source with
+            fewer is a start-up error naming both numbers.
+        n_test: number of held-out evaluation tasks of ``eval_split`` (the same rule).
     """
 
     domain: str = "tool_use"
@@ -78,12 +84,23 @@ class DataConfig:
 
 @dataclass
 class GenConfig:
-    """Multi-turn sampling of the student (paper Table 4).
+    """Multi-turn sampling of the student (paper Table 4) and its token budgets.
+
+    The budgets are checked against the model's context length and every task's prompt at
+    start-up (:mod:`lopd.budget`).
 
     Attributes:
         max_new_tokens: token budget of one assistant turn.
         max_steps: environment steps (assistant turns) per episode.
         temperature, top_p, top_k: sampling for training rollouts and the bank.
+        max_total_tokens: token budget of a whole trajectory (prompt, turns, observations);
+            the episode ends when the next turn or observation would not fit.
+        max_prompt_tokens: token budget of a rendered prompt (system message, tool schemas,
+            first user message); ``null`` = ``max_total_tokens - max_new_tokens``.
+        prompt_overflow: a task whose prompt exceeds its budget: ``error`` (stop at start-up,
+            naming the count and the longest) or ``drop`` (skip it, counted in the log and
+            ``summary.json``).
+        rollout_batch_size: episodes generated together (rows of one forward).
     """
 
     max_new_tokens: int = 48
@@ -91,6 +108,10 @@ class GenConfig:
     temperature: float = 0.7
     top_p: float = 0.95
     top_k: int = 20
+    max_total_tokens: int = 2048
+    max_prompt_tokens: int | None = None
+    prompt_overflow: str = "error"
+    rollout_batch_size: int = 32
 
 
 @dataclass
@@ -100,10 +121,20 @@ class BankConfig:
     Attributes:
         rollouts_per_task: base-model rollouts sampled per training task to fill the bank.
         min_reward: a rollout enters the bank when its reward is at least this.
+        embed_batch_size: texts per forward of the retrieval embedder (the frozen backbone's
+            mean-pooled hidden states, :class:`lopd.memory.HiddenStateEmbedder`).
+        embed_max_length: the embedder truncates documents and queries to this many tokens.
+        index_batch_size: bank entries (or tasks) handed to the embedder per call while the
+            retriever indexes the bank and precomputes query embeddings; the embedder splits
+            each call into ``embed_batch_size`` forwards, so this bounds the host memory of the
+            pending texts and embeddings, not the model's activations.
     """
 
     rollouts_per_task: int = 2
     min_reward: float = 1.0
+    embed_batch_size: int = 16
+    embed_max_length: int = 512
+    index_batch_size: int = 256
 
 
 @dataclass

@@ -9,12 +9,14 @@ with ``count=False``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 from torch import nn
 
 from lopd.config import GenConfig
 from lopd.fsdp import Sharding
+from lopd.precision import Precision
 from lopd.types import Task, Trajectory
 
 __all__ = ["RolloutEngine"]
@@ -25,17 +27,27 @@ class RolloutEngine:
 
     Args:
         tokenizer: the backbone's tokenizer.
-        gen: the ``gen`` section (temperature, top-p, top-k, token and step budgets).
+        gen: the ``gen`` section (temperature, top-p, top-k, token and step budgets, the
+            rollout batch size).
         sharding: the run's :class:`~lopd.fsdp.Sharding` (generation gathers sharded models).
+        precision: the run's precision; generation runs under its autocast (the student's
+            float32 master weights compute in the 16-bit dtype, cast once per rollout call).
 
     Attributes:
         rollouts: rollouts generated on this rank so far (all phases; see the module docstring).
     """
 
-    def __init__(self, tokenizer: Any, gen: GenConfig, sharding: Sharding) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        gen: GenConfig,
+        sharding: Sharding,
+        precision: Precision | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.gen = gen
         self.sharding = sharding
+        self.precision = precision
         self.rollouts = 0
 
     def generation_config(self, temperature: float | None = None) -> Any:
@@ -49,6 +61,7 @@ class RolloutEngine:
             top_p=g.top_p,
             top_k=g.top_k,
             max_new_tokens_per_turn=g.max_new_tokens,
+            max_total_tokens=g.max_total_tokens,
             max_steps=g.max_steps,
         )
 
@@ -75,7 +88,9 @@ class RolloutEngine:
         """
         from lopd.rollout import rollout
 
-        with self.sharding.gathered():
+        kwargs.setdefault("batch_size", self.gen.rollout_batch_size)
+        autocast = self.precision.autocast() if self.precision is not None else nullcontext()
+        with self.sharding.gathered(), autocast:
             if not tasks:
                 return []
             trajs = rollout(

@@ -60,6 +60,17 @@ def trajectory_from_dict(d: dict[str, Any]) -> Trajectory:
     return Trajectory(**d)
 
 
+def _embedder(cfg: Config, backbone: nn.Module, tokenizer: Any) -> Any:
+    """The retrieval embedder: the frozen backbone's mean-pooled hidden states, batched and
+    truncated as ``bank.embed_batch_size`` / ``bank.embed_max_length`` say."""
+    from lopd.memory import HiddenStateEmbedder
+
+    b = cfg.bank
+    return HiddenStateEmbedder(
+        backbone, tokenizer, batch_size=b.embed_batch_size, max_length=b.embed_max_length
+    )
+
+
 def build_experience(
     cfg: Config,
     run_dir: RunDir,
@@ -81,7 +92,7 @@ def build_experience(
         BankTooSmallError: the bank cannot serve ``composer.num_retrieved`` experiences.
         ConfigError: a task has fewer than ``composer.num_retrieved`` entries to retrieve.
     """
-    from lopd.memory import ExperienceBank, HiddenStateEmbedder, Retriever, format_experience
+    from lopd.memory import ExperienceBank, Retriever, format_experience
 
     if dist.is_main and not run_dir.bank_done.exists():
         # A bank left half-built by a killed run is rebuilt from scratch (same seed, same
@@ -101,9 +112,11 @@ def build_experience(
             min_reward=cfg.bank.min_reward,
             rollouts_per_task=cfg.bank.rollouts_per_task,
             seed=seed_of(cfg.seed, Stream.BANK),
-            embedder=HiddenStateEmbedder(backbone, tokenizer),
+            batch_size=cfg.gen.rollout_batch_size,
+            embedder=_embedder(cfg, backbone, tokenizer),
             query_tasks=list(train_tasks) + list(test_tasks),
             index="cpu",
+            index_batch_size=cfg.bank.index_batch_size,
             progress=progress,
         )
         # Every successful trajectory (duplicated traces included) is cold-start data.
@@ -125,7 +138,11 @@ def build_experience(
     )
     cfg.check_bank_size(len(bank))
     retriever = Retriever.load_or_build(
-        bank, HiddenStateEmbedder(backbone, tokenizer), index="cpu", save=False
+        bank,
+        _embedder(cfg, backbone, tokenizer),
+        index="cpu",
+        save=False,
+        doc_batch_size=cfg.bank.index_batch_size,
     )
     j = cfg.composer.num_retrieved
     tasks = list(train_tasks) + list(test_tasks)

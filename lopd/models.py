@@ -493,6 +493,73 @@ def load_model(
     return model, tokenizer
 
 
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
+"""The attention backends ``model.attn_implementation`` names (besides ``auto``)."""
+
+
+def flash_attn_available() -> bool:
+    """Whether the ``flash-attn`` package (the ``[gpu]`` extra) can be imported."""
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_attn_implementation(
+    name: str, device: str | torch.device, dtype: torch.dtype | None
+) -> str:
+    """The transformers attention backend for ``model.attn_implementation``.
+
+    Args:
+        name: ``auto``, ``eager``, ``sdpa`` or ``flash_attention_2``.
+        device: where the models run.
+        dtype: the compute dtype (flash-attn has 16-bit kernels only).
+
+    Returns:
+        ``auto``: ``flash_attention_2`` on CUDA with a 16-bit dtype when flash-attn is
+        installed, else ``sdpa``; any other name as given.
+
+    Raises:
+        ValueError: an unknown name, or ``flash_attention_2`` where it cannot run (no CUDA,
+            float32, flash-attn not installed).
+    """
+    device = torch.device(device)
+    half = dtype in (torch.bfloat16, torch.float16)
+    if name == "auto":
+        usable = device.type == "cuda" and half and flash_attn_available()
+        return "flash_attention_2" if usable else "sdpa"
+    if name not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            f"model.attn_implementation must be auto or one of {ATTN_IMPLEMENTATIONS}, got {name!r}"
+        )
+    if name == "flash_attention_2":
+        if device.type != "cuda" or not half:
+            raise ValueError(
+                "model.attn_implementation=flash_attention_2 needs a CUDA device and model.dtype "
+                f"bfloat16/float16 (got device {device}, dtype {dtype})"
+            )
+        if not flash_attn_available():
+            raise ValueError(
+                "model.attn_implementation=flash_attention_2 needs flash-attn: pip install "
+                "'lopd[gpu]' --no-build-isolation (or use sdpa)"
+            )
+    return name
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """Recompute each decoder layer in the backward (non-reentrant ``torch.utils.checkpoint``).
+
+    transformers >= 5.2x names it ``activation_checkpointing_enable`` (the old
+    ``gradient_checkpointing_enable`` warns that it goes away in v6); older 5.x releases have
+    only the old name.
+    """
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 # --------------------------------------------------------------------------- CLI
 
 

@@ -11,6 +11,8 @@ How the batching works (chosen for small models on CPU as much as for GPUs):
   active episodes: their current contexts are left-padded into one batch, prefilled once, then
   decoded token by token with a KV cache (``DynamicCache``), sampling with temperature / top-k /
   top-p from one seeded ``torch.Generator``.
+* Only ids the tokenizer has are sampled: a model whose vocabulary is padded past the tokenizer
+  (Qwen3: 151,936 rows for 151,669 tokens) has the padded columns cut off its logits.
 * A row stops at a stop token (the end-of-turn token ``<|im_end|>``, or EOS) or at its token
   budget; stopped rows are dropped from the batch and from the KV cache immediately, so the cost
   of a round follows the rows still generating.
@@ -153,8 +155,12 @@ def _generate_turn(
     gen: GenerationConfig,
     generator: torch.Generator | None,
     device: torch.device,
+    num_tokens: int | None = None,
 ) -> list[list[int]]:
     """Generate one turn for each context (left-padded batch, KV cache, rows drop out when done).
+
+    ``num_tokens`` (the tokenizer's size): logit columns at and past it (padded vocabulary rows
+    that decode to nothing) are never sampled.
 
     Returns, per row, the sampled ids; a row that stopped on a stop token ends with it.
     """
@@ -190,6 +196,8 @@ def _generate_turn(
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1, :]
+        if num_tokens is not None and logits.shape[-1] > num_tokens:
+            logits = logits[:, :num_tokens]
         tok = sample_next_token(logits, gen.temperature, gen.top_k, gen.top_p, generator)
         for r, tid in zip(rows.tolist(), tok.tolist()):
             out[r].append(tid)
@@ -303,7 +311,15 @@ def rollout(
                 for ep in active
             ]
             outs = _generate_turn(
-                model, [ep.ids for ep in active], budgets, stop_ids, pad_id, gen, generator, device
+                model,
+                [ep.ids for ep in active],
+                budgets,
+                stop_ids,
+                pad_id,
+                gen,
+                generator,
+                device,
+                num_tokens=len(tokenizer),
             )
             still: list[_Episode] = []
             for ep, sampled in zip(active, outs):

@@ -12,8 +12,9 @@ Layout::
     phi0.pt, latents0.pt the composer after the cold start and c_phi0 of every train task
     eval_vanilla.json    held-out evaluation before training
     summary.json         held-out results, rollouts, wall time
-    student/             the trained student (Hugging Face checkpoint)
+    student/             the trained student (Hugging Face checkpoint, safetensors, model.dtype)
     composer.pt          the trained composer phi
+    memory.jsonl         memory account per phase (--profile-memory)
 
 Writes that a killed run could leave half-done go through :func:`atomic_write_text` and
 :func:`atomic_torch_save` (write a temporary file, then rename).
@@ -97,6 +98,11 @@ class RunDir:
     @property
     def composer(self) -> Path:
         return self.root / "composer.pt"
+
+    @property
+    def memory(self) -> Path:
+        """The per-phase memory account (``--profile-memory``)."""
+        return self.root / "memory.jsonl"
 
     def shared_phases(self, builds_bank: bool, uses_composer: bool) -> list[Path]:
         """What runs of one seed compute identically (``lopd.compare`` copies them between run

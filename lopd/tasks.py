@@ -30,29 +30,40 @@ def load_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
     seed ``data.task_seed`` (the run seed when ``None``).
 
     Raises:
-        ConfigError: the tasks file has no task of one of the splits.
+        ConfigError: the tasks file has no task of one of the splits, or the source has fewer
+            tasks than ``data.n_train`` / ``data.n_test`` request (naming both numbers).
     """
     d = cfg.data
     if d.tasks_path is not None:
         from lopd.envs import load_tasks_jsonl
 
         tasks = load_tasks_jsonl(d.tasks_path)
-        train = [t for t in tasks if t.split == "train"][: d.n_train]
-        heldout = [t for t in tasks if t.split == d.eval_split][: d.n_test]
+        train = [t for t in tasks if t.split == "train"]
+        heldout = [t for t in tasks if t.split == d.eval_split]
         if not train:
             raise ConfigError(f"data.tasks_path {d.tasks_path!r} holds no split='train' task")
         if not heldout:
             raise ConfigError(
                 f"data.tasks_path {d.tasks_path!r} holds no split={d.eval_split!r} task"
             )
-        return train, heldout
-    from lopd.envs import builtin_tasks
+        source = f"data.tasks_path {d.tasks_path!r}"
+    else:
+        from lopd.envs import builtin_tasks
 
-    seed = cfg.seed if d.task_seed is None else d.task_seed
-    return (
-        builtin_tasks(d.domain, "train", n=d.n_train, seed=seed),
-        builtin_tasks(d.domain, d.eval_split, n=d.n_test, seed=seed),
-    )
+        seed = cfg.seed if d.task_seed is None else d.task_seed
+        train = builtin_tasks(d.domain, "train", seed=seed)
+        heldout = builtin_tasks(d.domain, d.eval_split, seed=seed)
+        source = f"the built-in {d.domain} generator"
+    for name, want, have, split in (
+        ("data.n_train", d.n_train, len(train), "train"),
+        ("data.n_test", d.n_test, len(heldout), d.eval_split),
+    ):
+        if want > have:
+            raise ConfigError(
+                f"{name}={want} but {source} has only {have} {split} tasks: set {name}={have} "
+                "or less (or pass more tasks with --tasks)"
+            )
+    return train[: d.n_train], heldout[: d.n_test]
 
 
 class TaskSampler:

@@ -6,6 +6,7 @@ Usage::
     python -m lopd.train --preset smoke --run-dir /tmp/s   # seconds; every phase runs
     python -m lopd.train --preset paper --model /ckpt/Qwen3-4B --tasks tasks.jsonl
     python -m lopd.train --config my.yaml lopd.margin=0.1 lopd.steps=50
+    python -m lopd.train --preset smoke --profile-memory   # memory account per phase
     python -m lopd.train --run-dir runs/x --resume         # continue a killed run
     torchrun --nproc-per-node 2 -m lopd.train --preset smoke   # data parallel (gloo on CPU)
     torchrun --nproc-per-node 8 -m lopd.train --preset paper --model M model.parallel=fsdp2
@@ -45,8 +46,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--profile-memory",
+        action="store_true",
+        help="log a memory account per phase to memory.jsonl (profile_memory=true)",
+    )
     p.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. lopd.steps=5")
-    return p.parse_args(argv)
+    # Intermixed: overrides may come before, between or after the options
+    # (`python -m lopd.train lopd.steps=5 --run-dir x seed=1`).
+    return p.parse_intermixed_args(argv)
 
 
 def build_config(args: argparse.Namespace):
@@ -60,6 +68,8 @@ def build_config(args: argparse.Namespace):
         overrides.insert(0, f"run_dir={json.dumps(args.run_dir)}")
     if args.method is not None:
         overrides.insert(0, f"lopd.method={json.dumps(args.method)}")
+    if args.profile_memory:
+        overrides.insert(0, "profile_memory=true")
     cfg = load_config(args.preset, args.config, overrides)
     if args.resume:
         # A resumed run continues with the configuration it was started with (saved in its run

@@ -18,10 +18,15 @@ Phases of :meth:`Trainer.run` (each in its own module):
    training), the trained student, and "base + composer" (the frozen model generating with
    latents).
 
-Models. ``load_model`` gives the backbone once. The student is a deep copy (trainable). The
-backbone itself is frozen and serves as both the teacher (a frozen copy of the initial weights)
-and the composer encoder's base: peft injects LoRA into it and the teacher runs with the adapter
-disabled. So the base weights exist twice (student, backbone), never three times.
+Models. ``load_model`` gives the backbone once. The student is a copy (trainable): a deep copy
+in float32 runs, a second float32 load under mixed precision (:mod:`lopd.precision`: float32
+master weights for everything trained, the frozen backbone in the 16-bit compute dtype, forwards
+under autocast). The backbone itself is frozen and serves as both the teacher (a frozen copy of
+the initial weights) and the composer encoder's base: peft injects LoRA into it and the teacher
+runs with the adapter disabled. So the base weights exist twice (student, backbone), never three
+times. Token budgets are checked against the model and every prompt before anything is generated
+(:mod:`lopd.budget`); ``--profile-memory`` accounts for memory per phase
+(:mod:`lopd.memory_account`).
 
 Parallelism under ``torchrun``: data parallel with all-reduced gradients (``model.parallel=ddp``,
 :mod:`lopd.distributed`) or FSDP2 sharding of student, teacher and encoder backbone
@@ -41,7 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lopd.checkpoint import Checkpoints, TrainState
+from lopd.budget import BudgetReport, check_token_budgets
+from lopd.checkpoint import Checkpoints, TrainState, save_deployable
 from lopd.cold_start import cold_start
 from lopd.composer import LatentComposer
 from lopd.config import Config, ConfigError
@@ -50,11 +56,12 @@ from lopd.engine import RolloutEngine
 from lopd.evaluate import HeldOutEvaluator
 from lopd.experience import Experience, build_experience
 from lopd.fsdp import Sharding
+from lopd.memory_account import MemoryAccount
 from lopd.methods import METHODS, MethodContext, Models
 from lopd.methods.latent_teacher import compose
 from lopd.metrics import MetricsLog, plot_rewards
 from lopd.optim import build_optimizers
-from lopd.precision import fsdp_mixed_precision, param_dtype
+from lopd.precision import Precision, fsdp_mixed_precision
 from lopd.run_dir import RunDir, atomic_torch_save, atomic_write_text
 from lopd.seeds import Stream, seed_of
 from lopd.tasks import TaskSampler, load_tasks
@@ -100,11 +107,22 @@ class Trainer:
             cfg.save(self.run_dir.config)
         self.dist.barrier()
         self.checkpoints = Checkpoints(
-            self.run_dir.checkpoints, self.dist, sharded=cfg.model.parallel == "fsdp2"
+            self.run_dir.checkpoints,
+            self.dist,
+            sharded=cfg.model.parallel == "fsdp2",
+            keep=cfg.checkpoint_keep,
         )
         self.session_start = time.perf_counter()
         self.wall_before = 0.0  # wall seconds of earlier (killed) sessions of this run
         self.experience: Experience | None = None
+        self.precision = Precision.of(cfg.model.dtype, self.device)
+        self.memory = MemoryAccount(
+            cfg.profile_memory and self.is_main,
+            self.run_dir.memory if self.is_main else None,
+            self.device,
+            self.log,
+        )
+        self.budget: BudgetReport | None = None
 
     def _check_parallel(self) -> None:
         """FSDP2 runs every sharded forward as a collective: ranks need equal work."""
@@ -142,30 +160,48 @@ class Trainer:
     def setup(self) -> None:
         """Models, tasks, bank, composer and cold start (as the method needs), the method and
         the optimizers: everything :meth:`train_step` uses."""
-        from lopd.models import load_model
+        from lopd.models import (
+            enable_activation_checkpointing,
+            load_model,
+            resolve_attn_implementation,
+        )
 
-        cfg, dist = self.cfg, self.dist
+        cfg, dist, precision = self.cfg, self.dist, self.precision
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
+        self.memory.phase("start")
+        try:
+            attn = resolve_attn_implementation(
+                cfg.model.attn_implementation, self.device, precision.compute
+            )
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         try:
             backbone, tokenizer = load_model(
-                cfg.model.path, device=self.device, dtype=param_dtype(cfg.model.dtype)
+                cfg.model.path, device=self.device, dtype=precision.frozen, attn_implementation=attn
             )
+            # The student starts as an exact copy of the initial backbone and is the only model
+            # whose weights change; the backbone stays the frozen teacher. Under mixed precision
+            # it is loaded again in float32 (master weights), not upcast from the 16-bit copy.
+            if precision.mixed:
+                student, _ = load_model(
+                    cfg.model.path,
+                    device=self.device,
+                    dtype=precision.master,
+                    attn_implementation=attn,
+                )
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"model.path: {err}") from None
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         backbone.requires_grad_(False)
         backbone.eval()
-        # The student starts as an exact copy of the initial backbone and is the only model
-        # whose weights change; the backbone stays the frozen teacher.
-        student = copy.deepcopy(backbone)
+        if not precision.mixed:
+            student = copy.deepcopy(backbone)
         student.requires_grad_(True)
         student.train()
         if cfg.model.gradient_checkpointing:
-            student.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            enable_activation_checkpointing(student)
         sharding = Sharding(
             cfg.model.parallel == "fsdp2" and dist.distributed,
             dist,
@@ -174,13 +210,26 @@ class Trainer:
         )
         sharding.shard(student, trainable=True)
         self.models = Models(student, backbone, None, tokenizer, pad_id, self.device, sharding)
-        self.engine = RolloutEngine(tokenizer, cfg.gen, sharding)
+        self.engine = RolloutEngine(tokenizer, cfg.gen, sharding, precision)
         self.sampler = TaskSampler(cfg.seed, dist.rank, dist.world)
-        self.train_tasks, self.test_tasks = load_tasks(cfg)
+        train_tasks, test_tasks = load_tasks(cfg)
+        self.train_tasks, self.test_tasks, self.budget = check_token_budgets(
+            cfg,
+            backbone.config,
+            tokenizer,
+            train_tasks,
+            test_tasks,
+            self.spec.uses_composer,
+            self.log,
+            enable_thinking=self.engine.generation_config().enable_thinking,
+        )
         self.log(
             f"{len(self.train_tasks)} train / {len(self.test_tasks)} test tasks; "
-            f"world size {dist.world}; device {self.device}"
+            f"world size {dist.world}; device {self.device}; {cfg.model.dtype} compute "
+            f"({'float32 master weights, ' if precision.mixed else ''}attention {attn}); "
+            f"longest prompt {self.budget.longest_prompt} tokens"
         )
+        self.memory.phase("load", self.models)
         latents0 = None
         if self.spec.builds_bank:
             self.experience = build_experience(
@@ -189,12 +238,15 @@ class Trainer:
             )  # fmt: skip
             # The bank's rollouts count toward the budget once (rank 0 generated them).
             self.engine.rollouts = self.experience.bank_rollouts if self.is_main else 0
+            self.memory.phase("bank", self.models)
         if self.spec.uses_composer:
             self.models.composer = self._build_composer()
             latents0 = cold_start(
                 cfg, self.run_dir, self.models.composer, self.experience, self.train_tasks,
                 tokenizer, pad_id, self.device, dist, self.sampler, self.log, self._bar,
+                precision=precision, activations=self.memory.activations,
             )  # fmt: skip
+            self.memory.phase("cold_start", self.models)
         # The bank and the cold start read the backbone whole; training shards it.
         sharding.shard(backbone, trainable=False)
         self.context = MethodContext(
@@ -204,7 +256,10 @@ class Trainer:
         self.method = self.spec.build(self.context, cfg)
         composer = self.models.composer
         self.optimizers = build_optimizers(
-            student, composer.trainable_parameters() if composer is not None else [], cfg.lopd
+            student,
+            composer.trainable_parameters() if composer is not None else [],
+            cfg.lopd,
+            precision.grad_scaler(),
         )
         self.evaluate = HeldOutEvaluator(
             self.models, self.engine, self.test_tasks, seed_of(cfg.seed, Stream.EVAL),
@@ -213,6 +268,11 @@ class Trainer:
             num_placeholders=cfg.composer.num_latents * cfg.composer.num_retrieved,
             chunk=cfg.lopd.micro_batch,
         )  # fmt: skip
+        self.memory.phase("setup", self.models, self._optimizer_list())
+
+    def _optimizer_list(self) -> list[torch.optim.Optimizer | None]:
+        opts = getattr(self, "optimizers", None)
+        return [] if opts is None else [opts.student, opts.composer]
 
     def _build_composer(self) -> LatentComposer:
         c = self.cfg.composer
@@ -229,13 +289,17 @@ class Trainer:
             lora_dropout=c.lora_dropout,
             max_encoder_tokens=c.max_encoder_tokens,
         )
+        # phi trains in float32 whatever model.dtype computes in (the LoRA already is: peft
+        # keeps adapters of a 16-bit base in float32; the QFormer follows the backbone).
+        self.precision.to_master(composer)
         # No dropout anywhere in the composer/teacher: eval mode keeps them deterministic.
         composer.eval()
         self.dist.broadcast_parameters(composer)
         return composer
 
     def _compose(self, tasks: Any) -> torch.Tensor:
-        return compose(self.models.composer, self.experience.retrieved, tasks)
+        with self.precision.autocast():
+            return compose(self.models.composer, self.experience.retrieved, tasks)
 
     # -------------------------------------------------------------- one step of Algorithm 1
     def train_step(self, step: int) -> dict[str, float]:
@@ -251,15 +315,20 @@ class Trainer:
         sums: dict[str, float] = {}
         loss_sum = 0.0
         t0 = time.perf_counter()
+        models = [self.models.student, self.models.backbone]
         for i in range(0, len(trajs), cfg.micro_batch):
             mb = trajs[i : i + cfg.micro_batch]
-            loss, mb_sums = self.method.loss(mb, num_total=len(trajs))
-            loss.backward()
+            with self.memory.activations(models), self.precision.autocast():
+                loss, mb_sums = self.method.loss(mb, num_total=len(trajs))
+            self.optimizers.backward(loss)
             loss_sum += loss.item() * len(trajs)
             for k, v in mb_sums.items():
                 sums[k] = sums.get(k, 0.0) + v
         t_backward = time.perf_counter() - t0
         gnorm_s, gnorm_c = self.optimizers.sync_clip_step(self.dist)
+        # Gradients are not needed again until the next backward recreates them: freeing them
+        # now keeps 4 bytes per trained parameter out of the next rollouts and evaluations.
+        self.optimizers.zero_grad()
         # Global means over every rank's trajectories (one all-reduce of the sums).
         rewards = [t.reward for t in trajs]
         keys = sorted(sums)
@@ -287,6 +356,7 @@ class Trainer:
             seconds_loss_backward=t_backward,
             seconds_step=time.perf_counter() - t_start,
         )
+        self.memory.phase("step", self.models, self._optimizer_list(), release=False, step=step)
         return metrics
 
     def global_rollouts(self) -> int:
@@ -302,9 +372,11 @@ class Trainer:
         return TrainState(self.models.student, self.models.composer, self.optimizers, self.method)
 
     def save_checkpoint(self, step: int) -> None:
-        """Everything a resumed run needs to continue exactly (all ranks call it)."""
+        """Everything a resumed run needs to continue exactly (all ranks call it); the final
+        step's checkpoint without optimizer states when ``checkpoint_final_optimizer=false``."""
         rollouts = self.global_rollouts()
-        self.checkpoints.save(step, self._train_state(), rollouts, self.wall_seconds())
+        optimizer = step < self.cfg.lopd.steps or self.cfg.checkpoint_final_optimizer
+        self.checkpoints.save(step, self._train_state(), rollouts, self.wall_seconds(), optimizer)
 
     def load_checkpoint(self) -> int:
         """Restore the newest checkpoint; returns the number of finished steps (0 if none)."""
@@ -314,6 +386,12 @@ class Trainer:
         self.engine.rollouts = resumed.rollouts
         self.wall_before = resumed.wall_seconds
         self.log(f"resumed from {resumed.name} (step {resumed.step})")
+        if not resumed.optimizer_restored and resumed.step < self.cfg.lopd.steps:
+            self.log(
+                f"{resumed.name} holds no optimizer state (checkpoint_final_optimizer=false): "
+                "AdamW restarts from zero moments, so the continued run is not the one an "
+                "uninterrupted run would give"
+            )
         return resumed.step
 
     # -------------------------------------------------------------- the whole run
@@ -329,6 +407,7 @@ class Trainer:
             vanilla = self.evaluate("vanilla")
             if self.is_main:
                 atomic_write_text(run_dir.eval_vanilla, json.dumps(vanilla))
+        self.memory.phase("eval_vanilla", self.models, self._optimizer_list())
         metrics_log = MetricsLog(run_dir, start, enabled=self.is_main)
         bar = self._bar(range(start, cfg.lopd.steps), desc=cfg.lopd.method, unit="step")
         for step in bar:
@@ -352,14 +431,18 @@ class Trainer:
         summary: dict[str, Any] = {"vanilla": vanilla, "lopd": self.evaluate("lopd")}
         if self.models.composer is not None and cfg.eval.with_composer:
             summary["base_composer"] = self.evaluate("base_composer")
+        self.memory.phase("eval_final", self.models, self._optimizer_list())
         summary["rollouts"] = self.global_rollouts()
         summary["wall_seconds"] = self.wall_seconds()
         # CPU time of this process in this session: on a shared, oversubscribed machine it is
         # the better estimate of the wall time the run would take on idle cores.
         usage = resource.getrusage(resource.RUSAGE_SELF)
         summary["cpu_seconds_session"] = usage.ru_utime + usage.ru_stime
+        if self.budget is not None:
+            summary["token_budget"] = self.budget.to_dict()
         metrics_log.close()
         self._save_final(summary)
+        self.memory.phase("save", self.models, self._optimizer_list())
         self.dist.barrier()
         return summary
 
@@ -379,7 +462,7 @@ class Trainer:
         if not self.is_main:
             return
         atomic_write_text(run_dir.summary, json.dumps(summary, indent=2))
-        models.student.save_pretrained(run_dir.student, state_dict=student_sd)
+        save_deployable(models.student, run_dir.student, self.precision.compute, student_sd)
         models.tokenizer.save_pretrained(run_dir.student)
         if phi is not None:
             atomic_torch_save(phi, run_dir.composer)

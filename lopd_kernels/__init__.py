@@ -1,17 +1,20 @@
 """lopd_kernels: fused distillation kernels for on-policy (self-)distillation.
 
 Public API (see README): ``topk_tail_kl``, ``TopKTailKL``, ``fused_linear_topk_tail_kl``,
-``varlen_cross_attention``, ``QFormerCompressor``. Each op has a PyTorch reference, a C++ CPU
-kernel, a Triton kernel and a CUDA kernel behind ``backend=``; ops are ``torch.ops.lopd.*``.
+``varlen_cross_attention``, ``QFormerCompressor`` and the Hugging Face helpers of
+:mod:`lopd_kernels.hf`. Each op has a PyTorch reference and C++ CPU, Triton and CUDA kernels
+behind ``backend=`` (the words of :data:`BACKENDS`, chosen by :mod:`lopd_kernels._backend`);
+kernels are the custom ops ``torch.ops.lopd.<op>_<impl>_fwd/_bwd``. ``python -m
+lopd_kernels.info`` prints what this install was built with and what ``"auto"`` picks.
 """
 
-from lopd_kernels._backend import BACKENDS, extension_loaded
+from lopd_kernels._backend import BACKENDS, BackendUnavailableError, extension_loaded
+from lopd_kernels._constants import DIVERGENCES
 from lopd_kernels.fused_linear_topk_tail_kl import (
-    causal_lm_topk_tail_kl,
     fused_linear_topk_tail_kl,
     fused_linear_topk_tail_kl_reference,
-    lm_head_topk_tail_kl,
 )
+from lopd_kernels.hf import causal_lm_topk_tail_kl, decoder_of, lm_head_topk_tail_kl
 from lopd_kernels.qformer import QFormerCompressor
 from lopd_kernels.topk_tail_kl import (
     TopKTailKL,
@@ -25,11 +28,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "DIVERGENCES",
+    "BackendUnavailableError",
     "QFormerCompressor",
     "TopKTailKL",
     "TopKTailKLOutput",
     "__version__",
     "causal_lm_topk_tail_kl",
+    "decoder_of",
     "extension_loaded",
     "fused_linear_topk_tail_kl",
     "fused_linear_topk_tail_kl_reference",

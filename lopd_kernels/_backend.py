@@ -1,19 +1,68 @@
-"""Backend selection and loading of the compiled extension.
+"""Backends of the ops: one vocabulary, one resolver, one error; and loading of ``_C``.
 
-``import lopd_kernels`` always works: when ``lopd_kernels._C`` is missing (a pure-Python
-install, or a build that failed) every op falls back to its PyTorch reference and one warning
-says so.
+Every op has the same implementation words (:data:`IMPLS`):
+
+* ``"torch"``: the op's PyTorch reference (float64-capable; the oracle of every test). Always
+  there, and where ``"auto"`` ends when nothing else can run.
+* ``"cpu"``: C++ kernels for CPU tensors, in ``lopd_kernels._C``.
+* ``"cuda"``: hand-written CUDA kernels, in ``lopd_kernels._C`` built with nvcc.
+* ``"triton"``: Triton kernels (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``).
+
+Each kernel implementation of op ``<op>`` is the custom-op pair ``torch.ops.lopd.<op>_<impl>_fwd``
+and ``..._bwd`` (:func:`op_name`), the forward differentiable through the backward. An op module
+declares one :class:`OpBackends`: what this install lacks (:func:`compiled_unavailable`) and the
+order in which ``"auto"`` tries implementations per device type. :meth:`OpBackends.resolve`
+turns a ``backend=`` argument into an implementation word or raises
+:class:`BackendUnavailableError`, whose message always reads ``"<op>: backend='<b>' <reason>;
+..."``.
+
+Adding an op: give it a reference, declare its ``OpBackends`` and register ``<op>_<impl>_fwd/_bwd``
+for each kernel (C++ ops in ``csrc/common/schemas.h`` + ``csrc/ops.cpp``; Triton ones with
+``torch.library.custom_op`` in ``lopd_kernels/<op>.py``). Adding a kernel *variant* (a second
+Triton forward, say) keeps the op name and is chosen inside its launcher, so the resolver and the
+autograd wiring do not change.
+
+``import lopd_kernels`` always works: when ``lopd_kernels._C`` is missing (a pure-Python install,
+or a build that failed) the compiled implementations are unavailable and one warning says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import warnings
+from collections.abc import Mapping
 
 import torch
 
-BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
+IMPLS = ("torch", "cpu", "cuda", "triton")
+BACKENDS = ("auto", *IMPLS)
+
+EXTENSION_MISSING = (
+    "needs the compiled extension lopd_kernels._C (build it with "
+    "`pip install --no-build-isolation -e .`)"
+)
+CUDA_MISSING = (
+    "needs lopd_kernels._C built with its CUDA kernels (a CUDA torch and nvcc at build time)"
+)
+NOT_BUILT = "has no kernel in this build of lopd_kernels._C"
+TRITON_MISSING = "needs triton (pip install triton) and a CUDA device, or TRITON_INTERPRET=1"
+
+
+class BackendUnavailableError(RuntimeError, ValueError):
+    """An explicitly requested backend cannot run these inputs in this install.
+
+    Subclasses both ``RuntimeError`` and ``ValueError``: the per-op resolvers it replaced raised
+    one or the other for the same conditions, and code catching either keeps working.
+    """
+
+
+def op_name(op: str, impl: str, phase: str) -> str:
+    """``"<op>_<impl>_<phase>"``, the name of an implementation's custom op (``phase``: fwd/bwd)."""
+    if impl not in IMPLS[1:] or phase not in ("fwd", "bwd"):
+        raise ValueError(f"no custom op for impl={impl!r}, phase={phase!r}")
+    return f"{op}_{impl}_{phase}"
 
 
 @functools.cache
@@ -33,27 +82,150 @@ def extension_loaded() -> bool:
 
 
 def has_cpp_op(name: str) -> bool:
-    """Whether ``torch.ops.lopd.<name>`` is registered by the compiled extension."""
+    """Whether ``torch.ops.lopd.<name>`` is declared by the compiled extension."""
     return extension_loaded() and hasattr(torch.ops.lopd, name)
 
 
 def has_cuda_kernel(name: str) -> bool:
     """Whether the extension was built with a CUDA implementation of ``torch.ops.lopd.<name>``."""
+    return has_kernel(name, "CUDA")
+
+
+def has_kernel(name: str, dispatch_key: str) -> bool:
+    """Whether ``torch.ops.lopd.<name>`` has a kernel for ``dispatch_key`` ("CPU", "CUDA")."""
     if not has_cpp_op(name):
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"lopd::{name}", "CUDA")
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"lopd::{name}", dispatch_key)
 
 
-@functools.cache
+def compiled_unavailable(op: str) -> dict[str, str]:
+    """Why this install cannot run ``<op>``'s compiled ``"cpu"`` / ``"cuda"`` implementations
+    (absent key: it can), from the kernels ``lopd_kernels._C`` registered."""
+    out = {}
+    for impl, key in (("cpu", "CPU"), ("cuda", "CUDA")):
+        if not extension_loaded():
+            out[impl] = EXTENSION_MISSING
+        elif not has_kernel(op_name(op, impl, "fwd"), key):
+            out[impl] = CUDA_MISSING if impl == "cuda" else NOT_BUILT
+    return out
+
+
+_TRITON: list[bool] = []
+_INTERPRET: list[bool] = []
+
+
+@torch.compiler.assume_constant_result
+def triton_interpreting() -> bool:
+    """Whether Triton runs in its interpreter (``TRITON_INTERPRET=1``; read once: Triton reads it
+    at import). ``torch.compile`` treats the answer as a constant."""
+    if not _INTERPRET:
+        _INTERPRET.append(os.environ.get("TRITON_INTERPRET") == "1")
+    return _INTERPRET[0]
+
+
+@torch.compiler.assume_constant_result
 def triton_available() -> bool:
-    """Whether Triton can run here: a CUDA device, or the interpreter (``TRITON_INTERPRET=1``)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether Triton can run here: importable, and a CUDA device or the interpreter.
+
+    Looked up once (importing triton takes a second, so it happens on first use, not at
+    ``import lopd_kernels``); ``torch.compile`` treats the answer as a constant.
+    """
+    if not _TRITON:
+        try:
+            import triton  # noqa: F401
+
+            ok = torch.cuda.is_available() or triton_interpreting()
+        except ImportError:
+            ok = False
+        _TRITON.append(ok)
+    return _TRITON[0]
 
 
 def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpBackends:
+    """Which implementations of one op can run, and which ``"auto"`` picks.
+
+    Attributes:
+        op: the op's name (``"topk_tail_kl"``), used in messages and custom-op names.
+        unavailable: implementation word -> why this install cannot run it at all (absent: it
+            can, device permitting). Computed once at import of the op module.
+        auto: device type -> implementations ``"auto"`` tries, in order (then ``"torch"``).
+    """
+
+    op: str
+    unavailable: Mapping[str, str]
+    auto: Mapping[str, tuple[str, ...]]
+
+    def why_not(
+        self, impl: str, device: torch.device, unsupported: Mapping[str, str] | None = None
+    ) -> str | None:
+        """Why ``impl`` cannot run on ``device`` (``None``: it can); ``unsupported`` adds
+        per-call reasons (an argument outside an implementation's limits)."""
+        if impl == "torch":
+            return None
+        if impl == "cpu" and device.type != "cpu":
+            return f"needs CPU tensors, got tensors on {device}"
+        if impl == "cuda" and device.type != "cuda":
+            return f"needs CUDA tensors, got tensors on {device}"
+        if impl == "triton":
+            if device.type not in ("cuda", "cpu") or (
+                device.type == "cpu" and not triton_interpreting()
+            ):
+                return (
+                    "needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before "
+                    f"triton is imported), got tensors on {device}"
+                )
+            if not triton_available():
+                return TRITON_MISSING
+        reason = self.unavailable.get(impl)
+        if reason is None and unsupported:
+            reason = unsupported.get(impl)
+        return reason
+
+    def resolve(
+        self,
+        backend: str,
+        device: torch.device,
+        *,
+        fp64: bool = False,
+        unsupported: Mapping[str, str] | None = None,
+    ) -> str:
+        """Maps ``backend`` (possibly ``"auto"``) to the implementation word that runs.
+
+        Args:
+            backend: one of :data:`BACKENDS`.
+            device: where the inputs live.
+            fp64: whether an input is float64 (only the reference computes in float64).
+            unsupported: per-call limits, implementation word -> reason.
+
+        Raises:
+            ValueError: ``backend`` is not a backend name.
+            TypeError: float64 inputs to a float32 implementation.
+            BackendUnavailableError: an explicit backend that cannot run here.
+        """
+        check_backend(backend)
+        if fp64:
+            if backend in ("auto", "torch"):
+                return "torch"
+            raise TypeError(
+                f"{self.op}: backend={backend!r} computes in float32: it does not accept float64 "
+                "inputs (fp32/bf16/fp16 only); use backend='torch' (the float64 reference) or "
+                "cast the inputs"
+            )
+        if backend == "auto":
+            for impl in self.auto.get(device.type, ()):
+                if self.why_not(impl, device, unsupported) is None:
+                    return impl
+            return "torch"
+        reason = self.why_not(backend, device, unsupported)
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"{self.op}: backend={backend!r} {reason}; backend='auto' picks an "
+                "implementation that can run (at worst 'torch', the reference)"
+            )
+        return backend

@@ -185,8 +185,6 @@ class QFormerCompressor(nn.Module):
             raise ValueError(
                 f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}"
             )
-        if perceiver and backend == "torch":
-            raise ValueError("perceiver=True merges attentions by log-sum-exp: backend != 'torch'")
         self.hidden_size = hidden_size
         self.num_queries = num_queries
         self.num_layers = num_layers

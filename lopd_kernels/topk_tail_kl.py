@@ -7,7 +7,7 @@ by the temperature first) the op returns
   top-M vocabulary ids and one tail bucket holding the rest of the vocabulary. Reverse KL
   ``sum_b P_b (log P_b - log Q_b)`` (the paper's) or forward KL ``sum_b Q_b (log Q_b - log P_b)``.
   The tail's log-mass is the log-sum-exp over the complement of the top-M, never
-  ``log(1 - sum(top))`` (see ``design/math.md``).
+  ``log(1 - sum(top))`` (derivation: ``docs/math.md``).
 * ``student_logprob`` / ``teacher_logprob``: ``log_softmax(.)[a]`` of each side.
 * ``privilege = teacher_logprob - stopgrad(student_logprob)``.
 * ``topk_ids``: the teacher's top-M ids, by descending teacher logit (ties: lower id first).
@@ -15,14 +15,14 @@ by the temperature first) the op returns
 Gradients flow to both logits: ``kl`` to both, ``student_logprob`` to the student,
 ``privilege`` and ``teacher_logprob`` to the teacher.
 
-Layering (see ``design/architecture.md``): kernels (C++ ``csrc/cpu/``, Triton
-``lopd_kernels/triton/topk_tail_kl.py``, CUDA later) -> custom ops
-``torch.ops.lopd.topk_tail_kl_fwd`` / ``_bwd`` (C++, schema in ``csrc/ops.cpp``) and
-``torch.ops.lopd.topk_tail_kl_triton_fwd`` / ``_bwd`` (``torch.library.custom_op`` here), each
-with a fake impl -> autograd registered once
+Layering: kernels (C++ ``csrc/cpu/``, CUDA ``csrc/cuda/``, Triton
+``lopd_kernels/triton/topk_tail_kl.py``) -> custom ops ``torch.ops.lopd.topk_tail_kl_<impl>_fwd``
+/ ``_bwd`` for ``<impl>`` in ``cpu``, ``cuda`` (C++, schemas in ``csrc/common/schemas.h``) and
+``triton`` (``torch.library.custom_op`` here), each with a fake impl -> autograd registered once
 per forward op (``torch.library.register_autograd``) -> :func:`topk_tail_kl` ->
 :class:`TopKTailKL`. :func:`topk_tail_kl_reference` is the plain-autograd PyTorch oracle
-(float64-capable) every backend is tested against.
+(float64-capable) every backend is tested against; backend choice is
+:class:`lopd_kernels._backend.OpBackends`.
 """
 
 from __future__ import annotations
@@ -33,18 +33,25 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lopd_kernels._backend import check_backend, has_cpp_op, has_cuda_kernel, triton_available
+from lopd_kernels._backend import OpBackends, check_backend, compiled_unavailable
+from lopd_kernels._constants import (
+    CUDA_TOPK_MAX_TOP_M,
+    DIVERGENCES,
+    REDUCTIONS,
+    TRITON_TOPK_MAX_TOP_M,
+)
+from lopd_kernels.topk_tail_kl_checks import check_inputs, check_target_values
 
 __all__ = ["TopKTailKL", "TopKTailKLOutput", "topk_tail_kl", "topk_tail_kl_reference"]
 
-_DIVERGENCES = ("reverse", "forward")
-_REDUCTIONS = ("none", "mean", "sum")
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
+OP = "topk_tail_kl"
 # Resolved once at import (the extension is loaded here if it exists), so that backend choice
-# is plain Python on constants and torch.compile traces it without graph breaks.
-_HAS_CPP = has_cpp_op("topk_tail_kl_fwd")
-_HAS_CUDA_KERNEL = _HAS_CPP and has_cuda_kernel("topk_tail_kl_fwd")
+# is plain Python on constants and torch.compile traces it without graph breaks. On GPUs Triton
+# is the measured default; the CUDA kernels take over where Triton cannot run (no triton, top_m
+# above its limit) until a GPU benchmark shows them faster.
+BACKENDS = OpBackends(
+    OP, unavailable=compiled_unavailable(OP), auto={"cpu": ("cpu",), "cuda": ("triton", "cuda")}
+)
 
 
 class TopKTailKLOutput(NamedTuple):
@@ -83,90 +90,6 @@ def teacher_topk_mass(bucket_logp: Tensor, target_ids: Tensor, ignore_index: int
     else:
         mass = bucket_logp.detach()[:, 1, :m].float().exp().sum(-1)
     return torch.where(target_ids == ignore_index, torch.zeros_like(mass), mass)
-
-
-# ------------------------------------------------------------------------------------ checks
-
-
-def _check_inputs(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    target_ids: Tensor,
-    top_m: int | None,
-    temperature: float,
-    divergence: str,
-    ignore_index: int,
-) -> int:
-    """Validates everything knowable without reading tensor data; returns the op's ``top_m``.
-
-    Only metadata is inspected (shapes, dtypes, devices, Python scalars), so this runs under
-    ``torch.compile`` without graph breaks. Target *values* are checked by each backend.
-    """
-    for name, x in (("student_logits", student_logits), ("teacher_logits", teacher_logits)):
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in _FLOAT_DTYPES:
-            raise TypeError(
-                f"{name} must be a floating tensor (float32, bfloat16, float16 or float64), "
-                f"got {x.dtype}"
-            )
-        if x.dim() < 1 or x.shape[-1] < 1:
-            raise ValueError(f"{name} must have shape [..., V] with V >= 1, got {tuple(x.shape)}")
-    if teacher_logits.shape[-1] != student_logits.shape[-1]:
-        raise ValueError(
-            f"vocabulary size mismatch: student_logits has V={student_logits.shape[-1]}, "
-            f"teacher_logits has V={teacher_logits.shape[-1]}"
-        )
-    if teacher_logits.shape != student_logits.shape:
-        raise ValueError(
-            f"teacher_logits shape {tuple(teacher_logits.shape)} must equal student_logits shape "
-            f"{tuple(student_logits.shape)}"
-        )
-    if not isinstance(target_ids, Tensor):
-        raise TypeError(f"target_ids must be a torch.Tensor, got {type(target_ids).__name__}")
-    if target_ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"target_ids must be int64 (or int32), got {target_ids.dtype}")
-    if target_ids.shape != student_logits.shape[:-1]:
-        raise ValueError(
-            f"target_ids must have shape {tuple(student_logits.shape[:-1])} (the logits' shape "
-            f"without the vocabulary dim), got {tuple(target_ids.shape)}"
-        )
-    if teacher_logits.device != student_logits.device:
-        raise ValueError(
-            f"teacher_logits is on {teacher_logits.device} but student_logits is on "
-            f"{student_logits.device}"
-        )
-    if target_ids.device != student_logits.device:
-        raise ValueError(
-            f"target_ids is on {target_ids.device} but student_logits is on {student_logits.device}"
-        )
-    if top_m is not None and (not isinstance(top_m, int) or isinstance(top_m, bool) or top_m < 1):
-        raise ValueError(f"top_m must be None (full vocabulary) or an int >= 1, got {top_m!r}")
-    if (
-        not isinstance(temperature, (int, float))
-        or isinstance(temperature, bool)
-        or not math.isfinite(temperature)
-        or temperature <= 0
-    ):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if divergence not in _DIVERGENCES:
-        raise ValueError(f"divergence must be one of {_DIVERGENCES}, got {divergence!r}")
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    vocab = student_logits.shape[-1]
-    return 0 if top_m is None or top_m >= vocab else top_m
-
-
-def _check_target_values(target_ids: Tensor, vocab: int, ignore_index: int) -> None:
-    """Raises if a target is neither ``ignore_index`` nor in ``[0, V)`` (reads the data)."""
-    bad = (target_ids != ignore_index) & ((target_ids < 0) | (target_ids >= vocab))
-    if bool(bad.any()):
-        i = int(bad.flatten().nonzero()[0, 0])
-        value = int(target_ids.flatten()[i])
-        raise ValueError(
-            f"target_ids[{i}] (flattened) = {value} is outside [0, V={vocab}) and is not "
-            f"ignore_index ({ignore_index})"
-        )
 
 
 # ------------------------------------------------------------------------------------ reference
@@ -222,7 +145,7 @@ def topk_tail_kl_reference(
     Returns:
         :class:`TopKTailKLOutput`; float outputs in the compute dtype (float32 or float64).
     """
-    m = _check_inputs(
+    m = check_inputs(
         student_logits, teacher_logits, target_ids, top_m, temperature, divergence, ignore_index
     )
     vocab = student_logits.shape[-1]
@@ -233,7 +156,7 @@ def topk_tail_kl_reference(
         else torch.float32
     )
     tgt = target_ids.reshape(-1).long()
-    _check_target_values(tgt, vocab, ignore_index)
+    check_target_values(tgt, vocab, ignore_index)
     rows = (tgt != ignore_index).nonzero().squeeze(1)
     s = student_logits.reshape(-1, vocab).to(dtype)[rows] / temperature
     t = teacher_logits.reshape(-1, vocab).to(dtype)[rows] / temperature
@@ -349,7 +272,7 @@ def _triton_fwd(
     reverse: bool,
     ignore_index: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Triton forward as an opaque op (same contract as ``lopd::topk_tail_kl_fwd``)."""
+    """Triton forward as an opaque op (same contract as ``lopd::topk_tail_kl_cpu_fwd``)."""
     fwd, _ = _triton_launchers()
     vocab = student_logits.shape[-1]
     if target_ids.is_cuda:
@@ -359,7 +282,7 @@ def _triton_fwd(
             ~bad.any(), "topk_tail_kl: target_ids outside [0, V) that are not ignore_index"
         )
     else:
-        _check_target_values(target_ids, vocab, ignore_index)
+        check_target_values(target_ids, vocab, ignore_index)
     return fwd(
         student_logits.contiguous(),
         teacher_logits.contiguous(),
@@ -389,7 +312,7 @@ def _triton_bwd(
     student_requires_grad: bool,
     teacher_requires_grad: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Triton backward as an opaque op (same contract as ``lopd::topk_tail_kl_bwd``)."""
+    """Triton backward as an opaque op (same contract as ``lopd::topk_tail_kl_cpu_bwd``)."""
     _, bwd = _triton_launchers()
     return bwd(
         grad_kl.contiguous(),
@@ -461,90 +384,37 @@ torch.library.register_autograd("lopd::topk_tail_kl_triton_fwd", _backward, setu
 
 
 def register_compiled_op_impls(namespace: str) -> None:
-    """Fake impls and autograd for ``<namespace>::topk_tail_kl_fwd/_bwd``, ops declared in C++
-    with the schemas of csrc/common/schemas.h (``lopd`` here; the SIMT-emulated test build of
-    the CUDA kernels registers its own namespace the same way)."""
+    """Fake impls and autograd for ``<namespace>::topk_tail_kl_<impl>_fwd/_bwd``, ops declared in
+    C++ with the schemas of csrc/common/schemas.h: ``cpu`` and ``cuda`` in ``lopd``; the
+    SIMT-emulated test build of the CUDA kernels declares ``cuda`` in its own namespace."""
     ops = getattr(torch.ops, namespace)
-    torch.library.register_fake(f"{namespace}::topk_tail_kl_fwd")(_fwd_fake)
-    torch.library.register_fake(f"{namespace}::topk_tail_kl_bwd")(_bwd_fake)
-    setup, backward = _make_autograd(ops.topk_tail_kl_bwd)
-    torch.library.register_autograd(f"{namespace}::topk_tail_kl_fwd", backward, setup_context=setup)
+    for impl in ("cpu", "cuda"):
+        fwd, bwd = f"{OP}_{impl}_fwd", f"{OP}_{impl}_bwd"
+        if not (hasattr(ops, fwd) and hasattr(ops, bwd)):
+            continue
+        torch.library.register_fake(f"{namespace}::{fwd}")(_fwd_fake)
+        torch.library.register_fake(f"{namespace}::{bwd}")(_bwd_fake)
+        setup, backward = _make_autograd(getattr(ops, bwd))
+        torch.library.register_autograd(f"{namespace}::{fwd}", backward, setup_context=setup)
 
 
-if _HAS_CPP:
+if "cpu" not in BACKENDS.unavailable or "cuda" not in BACKENDS.unavailable:
     register_compiled_op_impls("lopd")
 
 
-# ------------------------------------------------------------------------------------ public API
+def _fwd_op(impl: str):
+    """The forward custom op of an implementation word (``cpu``, ``cuda``, ``triton``)."""
+    return getattr(torch.ops.lopd, f"{OP}_{impl}_fwd")
 
 
-def _resolve_backend(backend: str, device: torch.device, fp64: bool, top_m: int) -> str:
-    """Maps ``backend`` (possibly ``"auto"``) to ``"torch" | "cpu" | "cuda" | "triton"``."""
-    check_backend(backend)
-    if backend == "auto":
-        if fp64:
-            return "torch"  # only the reference computes in float64
-        if device.type == "cpu":
-            return "cpu" if _HAS_CPP else "torch"  # _backend warned once if _C is missing
-        if device.type == "cuda":
-            # Triton is the measured GPU default; the CUDA kernel takes over where Triton cannot
-            # run (no triton, top_m above its limit) until a GPU benchmark shows it faster.
-            if top_m <= _cuda_triton_max_top_m():
-                return "triton"
-            if _HAS_CUDA_KERNEL:
-                return "cuda"
-        return "torch"
-    if backend == "torch":
-        return backend
-    if fp64:
-        raise TypeError(
-            f"backend={backend!r} computes in float32 and does not accept float64 logits; "
-            "use backend='torch' (the float64 reference) or cast the logits"
-        )
-    if backend == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"backend='cpu' needs CPU tensors, got tensors on {device}")
-        if not _HAS_CPP:
-            raise RuntimeError(
-                "backend='cpu' needs the compiled extension lopd_kernels._C; build it with "
-                "`pip install --no-build-isolation -e .`"
-            )
-    elif backend == "cuda":
-        if device.type != "cuda":
-            raise ValueError(f"backend='cuda' needs CUDA tensors, got tensors on {device}")
-        if not _HAS_CUDA_KERNEL:
-            raise RuntimeError(
-                "backend='cuda': lopd_kernels._C was built without the CUDA topk_tail_kl kernel; "
-                "use backend='triton' or 'auto'"
-            )
-    elif backend == "triton" and not triton_available():
-        raise RuntimeError(
-            "backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 for CPU "
-            "tensors, set before triton is imported)"
-        )
-    return backend
-
-
-_TRITON_MAX_TOP_M: list[int] = []
-
-
-@torch.compiler.assume_constant_result
-def _cuda_triton_max_top_m() -> int:
-    """Largest ``top_m`` the Triton kernels take on this machine (-1: no Triton), looked up once.
-
-    ``torch.compile`` treats the result as a constant instead of tracing the lazy import.
-    """
-    if not _TRITON_MAX_TOP_M:
-        value = -1
-        if triton_available():
-            try:
-                from lopd_kernels.triton.topk_tail_kl import MAX_TOP_M
-
-                value = MAX_TOP_M
-            except ImportError:
-                pass
-        _TRITON_MAX_TOP_M.append(value)
-    return _TRITON_MAX_TOP_M[0]
+def _limits(top_m: int) -> dict[str, str]:
+    """Per-call reasons an implementation cannot take ``top_m`` (0: the full vocabulary)."""
+    out = {}
+    if top_m > TRITON_TOPK_MAX_TOP_M:
+        out["triton"] = f"supports top_m <= {TRITON_TOPK_MAX_TOP_M} (or None), got {top_m}"
+    if top_m > CUDA_TOPK_MAX_TOP_M:
+        out["cuda"] = f"supports top_m <= {CUDA_TOPK_MAX_TOP_M} (or None), got {top_m}"
+    return out
 
 
 def topk_tail_kl(
@@ -585,11 +455,11 @@ def topk_tail_kl(
             ``divergence`` or ``backend``; the message names the argument.
         ValueError / RuntimeError: a target outside ``[0, V)`` that is not ``ignore_index``.
     """
-    m = _check_inputs(
+    m = check_inputs(
         student_logits, teacher_logits, target_ids, top_m, temperature, divergence, ignore_index
     )
     fp64 = torch.float64 in (student_logits.dtype, teacher_logits.dtype)
-    name = _resolve_backend(backend, student_logits.device, fp64, m)
+    name = BACKENDS.resolve(backend, student_logits.device, fp64=fp64, unsupported=_limits(m))
     if name == "torch":
         return topk_tail_kl_reference(
             student_logits,
@@ -600,13 +470,15 @@ def topk_tail_kl(
             divergence=divergence,
             ignore_index=ignore_index,
         )
-    op = (
-        torch.ops.lopd.topk_tail_kl_triton_fwd
-        if name == "triton"
-        else torch.ops.lopd.topk_tail_kl_fwd
-    )
     return call_fwd_op(
-        op, student_logits, teacher_logits, target_ids, m, temperature, divergence, ignore_index
+        _fwd_op(name),
+        student_logits,
+        teacher_logits,
+        target_ids,
+        m,
+        temperature,
+        divergence,
+        ignore_index,
     )
 
 
@@ -620,8 +492,9 @@ def call_fwd_op(
     divergence: str,
     ignore_index: int,
 ) -> TopKTailKLOutput:
-    """Runs a ``topk_tail_kl_fwd``-schema op (any backend's, autograd registered) on validated
-    ``[..., V]`` inputs with ``m`` top buckets and shapes its outputs as :func:`topk_tail_kl`."""
+    """Runs a ``topk_tail_kl_<impl>_fwd``-schema op (any implementation's, autograd registered)
+    on validated ``[..., V]`` inputs with ``m`` top buckets and shapes its outputs as
+    :func:`topk_tail_kl`."""
     vocab = student_logits.shape[-1]
     lead = student_logits.shape[:-1]
     flat_target = target_ids.reshape(-1).to(torch.int64).contiguous()
@@ -667,10 +540,10 @@ class TopKTailKL(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-        if divergence not in _DIVERGENCES:
-            raise ValueError(f"divergence must be one of {_DIVERGENCES}, got {divergence!r}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
         check_backend(backend)
         self.top_m = top_m
         self.temperature = temperature

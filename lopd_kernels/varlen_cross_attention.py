@@ -26,46 +26,38 @@ Besides its inputs (which the QFormer keeps anyway), the op saves only ``out`` a
 ``[B, Hq, Lq]`` fp32 log-sum-exp; the probabilities are recomputed in the backward, so the
 attention adds no ``T``-sized activation of its own.
 
-Backends:
+Implementations (``torch.ops.lopd.varlen_cross_attention_<impl>_fwd/_bwd``, one schema):
 
-* ``"torch"``: :func:`varlen_cross_attention_reference`, a per-item
-  ``F.scaled_dot_product_attention`` loop differentiated by autograd (float64-capable). The ground
-  truth for every test.
-* ``"cpu"``: ``torch.ops.lopd.varlen_cross_attention_fwd/_bwd``, registered from Python with
-  :func:`torch.library.custom_op`. Per item it calls ATen's fused, vectorized flash-attention CPU
-  kernels (``_scaled_dot_product_flash_attention_for_cpu`` and its backward) on strided views of
-  the packed keys (no copy, no padding), with the ``G`` query heads of a GQA group folded into
-  ``G * Lq`` query rows so that each key is read once per kv head. Measured on one item
-  (T = 2000, 16 heads, Lq = 32, D = 64, fp32) it is ~3x faster than the same math written as
-  batched GEMMs + softmax (forward 43 vs 116 ms, backward 140 vs 515 ms, on a loaded 2-core box);
-  a hand-written C++ kernel would redo what that ATen kernel already does. A nonzero ``lse``
-  gradient, and non-CPU tensors, take the unfused GEMM path.
-* ``"triton"``: ``torch.ops.lopd.varlen_cross_attention_triton_fwd/_bwd``
-  (:mod:`lopd_kernels.triton.varlen_cross_attention`): split-KV online-softmax forward, a dQ pass
-  and a dK/dV pass. Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``.
-* ``"cuda"``: ``torch.ops.lopd.varlen_cross_attention_cuda_fwd/_bwd``, hand-written CUDA kernels
-  (``csrc/cuda/varlen_cross_attention_kernels.cuh``): a forward with an online softmax over key
-  tiles staged in shared memory, a dQ kernel and a dK/dV kernel (one block per key tile, looping
-  over the ``G * Lq`` query rows of its kv head: no atomics). Two paths, picked by the launcher:
-  bf16 / fp16 inputs with ``D % 16 == 0`` and ``D <= 128`` run on tensor cores through
-  ``nvcuda::wmma`` (m16n16k16, i.e. ``mma.sync`` on sm_80 / sm_90; not Hopper's ``wgmma``), in
-  the flash-attention manner: fp32 scores, softmax and accumulators, ``P`` and ``dS`` rounded to
-  the input dtype only as tensor-core operands (dK/dV also multiplies their rounding errors, as
-  a second operand, for accuracy); fp32 inputs and other head dims run CUDA-core fp32 FMA
-  kernels. Available when ``lopd_kernels._C`` was built with CUDA. Tested on CPU under the SIMT
-  emulator (``tests/test_varlen_cross_attention_cuda.py``, which emulates WMMA too); neither path
-  has ever run on a GPU, so neither speed is measured.
-* ``"auto"``: Triton for CUDA tensors when Triton is importable; without Triton the CUDA kernels
-  (if built, else the ``"cpu"`` op's GEMM path); the ``"cpu"`` op for CPU tensors. Not the CUDA
-  kernels while Triton is there: nothing has measured them on a GPU yet. At the QFormer shape
-  the op does ~``G * Lq`` flops per byte of ``k``/``v``, near the tensor cores' ridge point, so
-  it is decided by tensor-core efficiency: Triton's Hopper ``tl.dot`` against WMMA
+* ``"torch"``: :func:`varlen_cross_attention_reference`, a per-item loop of the formulas above
+  differentiated by autograd (float64-capable). The ground truth for every test.
+* ``"cpu"``: C++ kernels (``csrc/cpu/isa/varlen_cross_attention_kernel.cpp``), one call for the
+  whole batch: work units are the (item, kv head) pairs, taken longest first by every thread;
+  the ``G`` query heads of a GQA group are folded into ``G * Lq`` query rows held in vector
+  lanes, so each key is read once per kv head and the softmax over keys is lane-wise. Keys
+  stream in chunks (online softmax in the forward), every product is a register-blocked
+  micro-kernel on fp32 data, and each unit writes its own rows of every output once: no
+  per-call zero-fill, no copies of the packed keys, no padding.
+* ``"triton"``: ``lopd_kernels/triton/varlen_cross_attention.py``: split-KV online-softmax
+  forward, a dQ pass and a dK/dV pass. Runs on CUDA, or on CPU tensors under
+  ``TRITON_INTERPRET=1``.
+* ``"cuda"``: hand-written CUDA kernels (``csrc/cuda/varlen_cross_attention_kernels.cuh``): a
+  forward with an online softmax over key tiles staged in shared memory, a dQ kernel and a dK/dV
+  kernel (one block per key tile, looping over the ``G * Lq`` query rows of its kv head: no
+  atomics). Two paths, picked by the launcher: bf16 / fp16 inputs with ``D % 16 == 0`` and
+  ``D <= 128`` run on tensor cores through ``nvcuda::wmma`` (m16n16k16, i.e. ``mma.sync`` on
+  sm_80 / sm_90; not Hopper's ``wgmma``), in the flash-attention manner: fp32 scores, softmax and
+  accumulators, ``P`` and ``dS`` rounded to the input dtype only as tensor-core operands (dK/dV
+  also multiplies their rounding errors, as a second operand, for accuracy); fp32 inputs and
+  other head dims run CUDA-core fp32 FMA kernels. Available when ``lopd_kernels._C`` was built
+  with CUDA. Tested on CPU under the SIMT emulator (``tests/test_varlen_cross_attention_cuda.py``,
+  which emulates WMMA too); neither path has ever run on a GPU, so neither speed is measured.
+* ``"auto"``: the ``"cpu"`` kernels for CPU tensors; Triton for CUDA tensors when Triton is
+  importable, else the CUDA kernels (if built); else (and for float64) the reference. Not the
+  CUDA kernels while Triton is there: nothing has measured them on a GPU yet. At the QFormer
+  shape the op does ~``G * Lq`` flops per byte of ``k``/``v``, near the tensor cores' ridge
+  point, so it is decided by tensor-core efficiency: Triton's Hopper ``tl.dot`` against WMMA
   (``mma.sync``) tiles whose accumulators pass through shared memory.
-  ``benchmarks/gpu_qformer.py`` measures both.
-
-The Triton kernels read each key/value tile once per kv head (the GQA group's query rows share
-it); ``benchmarks/gpu_qformer.py`` times them against the CUDA kernel and flash-attn's
-``flash_attn_varlen_func``, which has not been run on a GPU yet.
+  ``benchmarks/gpu_qformer.py`` measures both, and flash-attn's ``flash_attn_varlen_func``.
 """
 
 from __future__ import annotations
@@ -73,14 +65,18 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-from lopd_kernels._backend import check_backend, has_cpp_op, has_cuda_kernel, triton_available
+from lopd_kernels._backend import OpBackends, compiled_unavailable
 
 __all__ = [
     "varlen_cross_attention",
     "varlen_cross_attention_reference",
 ]
+
+OP = "varlen_cross_attention"
+BACKENDS = OpBackends(
+    OP, unavailable=compiled_unavailable(OP), auto={"cpu": ("cpu",), "cuda": ("triton", "cuda")}
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,11 +91,12 @@ def varlen_cross_attention_reference(
     cu_seqlens_k: torch.Tensor,
     *,
     scale: float | None = None,
-) -> torch.Tensor:
-    """Per-item ``scaled_dot_product_attention`` loop; differentiable by autograd.
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-item softmax attention written out (scores, log-sum-exp, weights); autograd-friendly.
 
-    Works in any floating dtype including float64 (SDPA's math path), which is what the tests
-    compare every backend against.
+    Works in any floating dtype including float64, which is what the tests compare every backend
+    against; 16-bit inputs are computed in float32 and the output is rounded once.
 
     Args:
         q: ``[B, Lq, Hq, D]`` queries.
@@ -107,29 +104,38 @@ def varlen_cross_attention_reference(
         v: ``[total_k, Hkv, D]`` packed values.
         cu_seqlens_k: ``[B+1]`` int32 cumulative key lengths.
         scale: Softmax scale; ``D ** -0.5`` when ``None``.
+        return_lse: Also return the ``[B, Hq, Lq]`` log-sum-exp of the scaled scores (float32,
+            float64 for float64 inputs; ``-inf`` for an empty item).
 
     Returns:
-        ``[B, Lq, Hq, D]``; rows of an empty item are zeros.
+        ``[B, Lq, Hq, D]`` (rows of an empty item are zeros), or ``(out, lse)``.
     """
-    batch, _, n_q_heads, head_dim = q.shape
-    n_kv_heads = k.shape[1]
+    batch, seq_q, n_q_heads, head_dim = q.shape
+    group = n_q_heads // k.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     bounds = cu_seqlens_k.tolist()
-    outs = []
+    outs, lses = [], []
     for b in range(batch):
         start, end = bounds[b], bounds[b + 1]
-        qb = q[b].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
         if end == start:
-            # SDPA over zero keys is 0/0; the attention output of an empty set is defined as 0.
-            outs.append(torch.zeros_like(qb))
+            # The attention output of an empty set is defined as 0 (its lse as -inf).
+            outs.append(q.new_zeros(seq_q, n_q_heads, head_dim, dtype=dtype))
+            lses.append(q.new_full((n_q_heads, seq_q), -math.inf, dtype=dtype))
             continue
-        kb = k[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
-        vb = v[start:end].transpose(0, 1).unsqueeze(0)
-        ob = F.scaled_dot_product_attention(
-            qb, kb, vb, scale=scale, enable_gqa=n_q_heads != n_kv_heads
-        )
-        outs.append(ob)
-    return torch.cat(outs, 0).transpose(1, 2)  # [B, Lq, Hq, D]
+        # Query head h reads kv head h // G.
+        kb = k[start:end].to(dtype).repeat_interleave(group, 1)  # [T, Hq, D]
+        vb = v[start:end].to(dtype).repeat_interleave(group, 1)
+        scores = torch.einsum("ihd,thd->hit", q[b].to(dtype), kb) * scale  # [Hq, Lq, T]
+        lse = torch.logsumexp(scores, -1)
+        weights = torch.exp(scores - lse.unsqueeze(-1))
+        outs.append(torch.einsum("hit,thd->ihd", weights, vb))
+        lses.append(lse)
+    out = torch.stack(outs).to(q.dtype) if outs else q.new_zeros(q.shape)
+    if not return_lse:
+        return out
+    lse = torch.stack(lses) if lses else q.new_zeros((0, n_q_heads, seq_q), dtype=dtype)
+    return out, lse
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,149 +198,10 @@ def _validate(
 
 
 # --------------------------------------------------------------------------------------------
-# CPU path: per item, ATen's fused flash-attention CPU kernels with the GQA group folded into the
-# query rows; registered as torch.ops.lopd.varlen_cross_attention_fwd/_bwd
-# --------------------------------------------------------------------------------------------
-
-_flash_cpu_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-def _group_queries(qb: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
-    """``[Lq, Hq, D]`` -> ``[Hkv, G * Lq, D]``: a GQA group's query heads as extra query rows.
-
-    Without a causal mask the rows of a query are independent, so the ``G`` heads sharing a kv
-    head are just ``G * Lq`` rows against the same keys: one attention call, keys read once.
-    """
-    lq, hq, d = qb.shape
-    g = hq // n_kv_heads
-    return qb.view(lq, n_kv_heads, g, d).permute(1, 2, 0, 3).reshape(n_kv_heads, g * lq, d)
-
-
-def _ungroup(xg: torch.Tensor, lq: int) -> torch.Tensor:
-    """Inverse of :func:`_group_queries`: ``[Hkv, G * Lq, D]`` -> ``[Lq, Hq, D]``."""
-    hkv, gl, d = xg.shape
-    g = gl // lq
-    return xg.reshape(hkv, g, lq, d).permute(2, 0, 1, 3).reshape(lq, hkv * g, d)
-
-
-def _item_kv(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Rows ``start:end`` of packed ``[total_k, Hkv, D]`` as a ``[1, Hkv, T, D]`` view (no copy)."""
-    return t[start:end].transpose(0, 1).unsqueeze(0)
-
-
-def _explicit_attention_fwd(qg, kb, vb, scale):
-    """Unfused fp32 attention of one item: out ``[Hkv, GLq, D]``, lse ``[Hkv, GLq]``."""
-    s = torch.matmul(qg.float(), kb.float().transpose(-1, -2)).mul_(scale)[0]  # [Hkv, GLq, T]
-    lse = torch.logsumexp(s, -1)
-    p = s.sub_(lse.unsqueeze(-1)).exp_()
-    return torch.matmul(p, vb.float()[0]), lse
-
-
-def _explicit_attention_bwd(dog, qg, kb, vb, lse_g, delta_g, scale):
-    """Unfused fp32 backward of one item with ``delta = <do, out> - dlse`` given per row."""
-    qg, dog, kb, vb = qg.float(), dog.float(), kb.float()[0], vb.float()[0]
-    s = torch.bmm(qg, kb.transpose(1, 2)).mul_(scale)
-    p = s.sub_(lse_g.unsqueeze(-1)).exp_()  # [Hkv, GLq, T]
-    dv = torch.bmm(p.transpose(1, 2), dog)
-    ds = torch.bmm(dog, vb.transpose(1, 2)).sub_(delta_g.unsqueeze(-1)).mul_(p).mul_(scale)
-    return torch.bmm(ds, kb), torch.bmm(ds.transpose(1, 2), qg), dv
-
-
-@torch.library.custom_op("lopd::varlen_cross_attention_fwd", mutates_args=())
-def _cpu_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_k: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward: returns ``out [B, Lq, Hq, D]`` (q's dtype) and ``lse [B, Hq, Lq]`` (fp32)."""
-    batch, lq, hq, _ = q.shape
-    hkv = k.shape[1]
-    out = torch.zeros_like(q)
-    lse = torch.full((batch, hq, lq), float("-inf"), dtype=torch.float32, device=q.device)
-    bounds = cu_seqlens_k.tolist()
-    for b in range(batch):
-        start, end = bounds[b], bounds[b + 1]
-        if end == start:
-            continue  # empty item: out = 0, lse = -inf
-        qg = _group_queries(q[b], hkv).unsqueeze(0)  # [1, Hkv, G*Lq, D]
-        kb, vb = _item_kv(k, start, end), _item_kv(v, start, end)  # [1, Hkv, T, D]
-        if q.device.type == "cpu":
-            og, lse_g = _flash_cpu_fwd(qg, kb, vb, 0.0, False, scale=scale)
-            og, lse_g = og[0], lse_g[0]
-        else:
-            og, lse_g = _explicit_attention_fwd(qg, kb, vb, scale)
-        out[b] = _ungroup(og, lq)
-        lse[b] = lse_g.reshape(hq, lq)
-    return out, lse
-
-
-@torch.library.custom_op("lopd::varlen_cross_attention_bwd", mutates_args=())
-def _cpu_bwd(
-    grad_out: torch.Tensor,
-    grad_lse: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward: returns ``dq, dk, dv`` in the input dtypes; probabilities are recomputed.
-
-    ATen's fused CPU backward derives ``delta = <do, out>`` itself and has no ``lse`` input
-    gradient, so it serves the common ``grad_lse == 0`` case; a nonzero ``grad_lse`` (the
-    Perceiver merge) takes the unfused fp32 path with ``delta = <do, out> - dlse``.
-    """
-    batch, lq, _, _ = q.shape
-    hkv = k.shape[1]
-    dq = torch.zeros_like(q)  # [B, Lq, Hq, D]: small; rows of empty items stay 0
-    # Every key row belongs to exactly one item (cu_seqlens_k runs from 0 to total_k), so dk and
-    # dv are fully overwritten: no zero-fill of two [total_k, Hkv, D] buffers per layer.
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    fused = q.device.type == "cpu" and not bool(grad_lse.any())
-    if not fused:
-        delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2) - grad_lse.float()
-    bounds = cu_seqlens_k.tolist()
-    for b in range(batch):
-        start, end = bounds[b], bounds[b + 1]
-        if end == start:
-            continue
-        qg = _group_queries(q[b], hkv).unsqueeze(0)
-        dog = _group_queries(grad_out[b], hkv).unsqueeze(0)
-        kb, vb = _item_kv(k, start, end), _item_kv(v, start, end)
-        lse_g = lse[b].reshape(hkv, -1)  # [Hkv, G*Lq]
-        if fused:
-            og = _group_queries(out[b], hkv).unsqueeze(0)
-            dqg, dkb, dvb = _flash_cpu_bwd(
-                dog, qg, kb, vb, og, lse_g.unsqueeze(0), 0.0, False, scale=scale
-            )
-            dqg, dkb, dvb = dqg[0], dkb[0], dvb[0]
-        else:
-            delta_g = delta[b].reshape(hkv, -1)
-            dqg, dkb, dvb = _explicit_attention_bwd(dog[0], qg[0], kb, vb, lse_g, delta_g, scale)
-        dq[b] = _ungroup(dqg, lq)
-        dk[start:end] = dkb.transpose(0, 1)
-        dv[start:end] = dvb.transpose(0, 1)
-    return dq, dk, dv
-
-
-def _fwd_fake(q, k, v, cu_seqlens_k, scale, *extra):
-    batch, lq, hq, _ = q.shape
-    return torch.empty_like(q), q.new_empty((batch, hq, lq), dtype=torch.float32)
-
-
-def _bwd_fake(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_k, scale, *extra):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-torch.library.register_fake("lopd::varlen_cross_attention_fwd")(_fwd_fake)
-torch.library.register_fake("lopd::varlen_cross_attention_bwd")(_bwd_fake)
-
-
-# --------------------------------------------------------------------------------------------
-# Triton path (kernels in lopd_kernels/triton/varlen_cross_attention.py, imported lazily so that
-# CPU-only installs without Triton still import this module)
+# Custom ops: varlen_cross_attention_{cpu,cuda}_{fwd,bwd} are declared in C++ (schemas in
+# csrc/common/schemas.h), varlen_cross_attention_triton_{fwd,bwd} here (kernels in
+# lopd_kernels/triton/varlen_cross_attention.py, imported lazily: CPU-only installs without
+# Triton still import this module). One schema for all three.
 # --------------------------------------------------------------------------------------------
 
 
@@ -374,21 +241,24 @@ def _triton_bwd(
     )
 
 
-torch.library.register_fake("lopd::varlen_cross_attention_triton_fwd")(_fwd_fake)
-torch.library.register_fake("lopd::varlen_cross_attention_triton_bwd")(_bwd_fake)
+def _fwd_fake(q, k, v, cu_seqlens_k, scale, max_seqlen_k):
+    batch, lq, hq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, hq, lq), dtype=torch.float32)
 
 
-# --------------------------------------------------------------------------------------------
-# Autograd: the forward ops are differentiable (out and lse), each through its backward op
-# --------------------------------------------------------------------------------------------
+def _bwd_fake(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_k, scale, max_seqlen_k):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# Autograd: the forward ops are differentiable (out and lse), each through its backward op.
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_k, scale, *extra = inputs
+    q, k, v, cu_seqlens_k, scale, max_seqlen_k = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_k)
     ctx.scale = scale
-    ctx.extra = extra  # (max_seqlen_k,) for Triton
+    ctx.max_seqlen_k = max_seqlen_k
 
 
 def _make_backward(bwd_op):
@@ -409,75 +279,39 @@ def _make_backward(bwd_op):
             lse,
             cu_seqlens_k,
             ctx.scale,
-            *ctx.extra,
+            ctx.max_seqlen_k,
         )
-        return (dq, dk, dv, None, None, *([None] * len(ctx.extra)))
+        return dq, dk, dv, None, None, None
 
     return backward
 
 
-torch.library.register_autograd(
-    "lopd::varlen_cross_attention_fwd",
-    _make_backward(torch.ops.lopd.varlen_cross_attention_bwd),
-    setup_context=_setup_context,
-)
-torch.library.register_autograd(
-    "lopd::varlen_cross_attention_triton_fwd",
-    _make_backward(torch.ops.lopd.varlen_cross_attention_triton_bwd),
-    setup_context=_setup_context,
-)
-
-# The hand-written CUDA kernels (csrc/cuda/varlen_cross_attention_kernels.cuh): the ops are
-# declared by every build of lopd_kernels._C, implemented only by a CUDA build.
-_HAS_CPP = has_cpp_op("varlen_cross_attention_cuda_fwd")
-_HAS_CUDA_KERNEL = _HAS_CPP and has_cuda_kernel("varlen_cross_attention_cuda_fwd")
+def _register(namespace: str, impl: str) -> None:
+    fwd, bwd = f"{namespace}::{OP}_{impl}_fwd", f"{namespace}::{OP}_{impl}_bwd"
+    torch.library.register_fake(fwd)(_fwd_fake)
+    torch.library.register_fake(bwd)(_bwd_fake)
+    bwd_op = getattr(getattr(torch.ops, namespace), f"{OP}_{impl}_bwd")
+    torch.library.register_autograd(fwd, _make_backward(bwd_op), setup_context=_setup_context)
 
 
 def register_compiled_op_impls(namespace: str) -> None:
-    """Fake impls and autograd for ``<namespace>::varlen_cross_attention_cuda_fwd/_bwd``, ops
-    declared in C++ (``lopd`` here; the SIMT-emulated test build registers its namespace too)."""
+    """Fake impls and autograd for ``<namespace>::varlen_cross_attention_<impl>_fwd/_bwd``, ops
+    declared in C++: ``cpu`` and ``cuda`` in ``lopd``; the SIMT-emulated test build of the CUDA
+    kernels declares ``cuda`` in its own namespace."""
     ops = getattr(torch.ops, namespace)
-    torch.library.register_fake(f"{namespace}::varlen_cross_attention_cuda_fwd")(_fwd_fake)
-    torch.library.register_fake(f"{namespace}::varlen_cross_attention_cuda_bwd")(_bwd_fake)
-    torch.library.register_autograd(
-        f"{namespace}::varlen_cross_attention_cuda_fwd",
-        _make_backward(ops.varlen_cross_attention_cuda_bwd),
-        setup_context=_setup_context,
-    )
+    for impl in ("cpu", "cuda"):
+        if hasattr(ops, f"{OP}_{impl}_fwd") and hasattr(ops, f"{OP}_{impl}_bwd"):
+            _register(namespace, impl)
 
 
-if _HAS_CPP:
+_register("lopd", "triton")
+if "cpu" not in BACKENDS.unavailable or "cuda" not in BACKENDS.unavailable:
     register_compiled_op_impls("lopd")
 
 
 # --------------------------------------------------------------------------------------------
 # Public function
 # --------------------------------------------------------------------------------------------
-
-
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    check_backend(backend)
-    if backend == "auto":
-        if device.type != "cuda":
-            return "cpu"
-        if triton_available():
-            return "triton"
-        # No Triton at run time (a deployment without a JIT): the compiled CUDA kernels when
-        # built, else the unfused GEMM path of the "cpu" op (which also takes CUDA tensors).
-        return "cuda" if _HAS_CUDA_KERNEL else "cpu"
-    if backend == "cuda":
-        if device.type != "cuda":
-            raise ValueError(f"backend='cuda' needs CUDA tensors, got tensors on {device}")
-        if not _HAS_CUDA_KERNEL:
-            raise RuntimeError(
-                "backend='cuda': lopd_kernels._C was built without the CUDA varlen_cross_attention "
-                "kernels (build it with nvcc and a CUDA torch); use backend='triton' or 'auto'"
-            )
-    if backend == "triton" and not triton_available():
-        raise ValueError(
-            "backend='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 for CPU)"
-        )
-    return backend
 
 
 def varlen_cross_attention(
@@ -505,7 +339,8 @@ def varlen_cross_attention(
         backend: ``"auto"``, ``"torch"`` (reference), ``"cpu"``, ``"triton"``, ``"cuda"`` (the
             hand-written CUDA kernels; CUDA tensors and a CUDA build of the extension, D <= 256).
         return_lse: Also return the fp32 ``[B, Hq, Lq]`` log-sum-exp of the scaled scores
-            (``-inf`` for an empty item); it is differentiable. Not available for ``"torch"``.
+            (``-inf`` for an empty item; float64 from the float64 reference); it is
+            differentiable.
 
     Returns:
         ``[B, Lq, Hq, D]`` in q's dtype, or ``(out, lse)`` when ``return_lse``.
@@ -515,25 +350,19 @@ def varlen_cross_attention(
             boundaries or backend.
     """
     _validate(q, k, v, cu_seqlens_k, max_seqlen_k, scale)
-    backend = _resolve_backend(backend, q.device)
+    impl = BACKENDS.resolve(backend, q.device, fp64=q.dtype == torch.float64)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    if backend == "torch":
-        if return_lse:
-            raise ValueError("return_lse=True is not available with backend='torch'")
-        return varlen_cross_attention_reference(q, k, v, cu_seqlens_k, scale=scale)
-    if q.dtype == torch.float64:
-        raise TypeError(f"backend={backend!r} supports fp32/bf16/fp16, got q.dtype {q.dtype}")
+    if impl == "torch":
+        return varlen_cross_attention_reference(
+            q, k, v, cu_seqlens_k, scale=scale, return_lse=return_lse
+        )
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if backend == "cpu":
-        out, lse = torch.ops.lopd.varlen_cross_attention_fwd(q, k, v, cu_seqlens_k, scale)
-    else:
-        if max_seqlen_k is None:
+    if max_seqlen_k is None:
+        if impl == "cpu":
+            max_seqlen_k = 0  # unused by the CPU kernels: no need to read the boundaries
+        else:
             lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
             max_seqlen_k = int(lengths.max()) if lengths.numel() else 0
-        fwd = (
-            torch.ops.lopd.varlen_cross_attention_cuda_fwd
-            if backend == "cuda"
-            else torch.ops.lopd.varlen_cross_attention_triton_fwd
-        )
-        out, lse = fwd(q, k, v, cu_seqlens_k, scale, int(max_seqlen_k))
+    fwd = getattr(torch.ops.lopd, f"{OP}_{impl}_fwd")
+    out, lse = fwd(q, k, v, cu_seqlens_k, scale, int(max_seqlen_k))
     return (out, lse) if return_lse else out

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from lopd_kernels.topk_tail_kl import TopKTailKLOutput, _check_inputs, call_fwd_op
+from lopd_kernels.topk_tail_kl import TopKTailKLOutput, call_fwd_op
+from lopd_kernels.topk_tail_kl_checks import check_inputs
 
 # The op modules (lopd_kernels exports functions of the same names).
 topk_tail_kl = importlib.import_module("lopd_kernels.topk_tail_kl")
@@ -96,11 +97,11 @@ def topk_tail_kl_emulated(
     """``lopd_kernels.topk_tail_kl(..., backend="cuda")`` with the CUDA kernels emulated on CPU
     tensors ``[..., V]``; differentiable in both logits."""
     load()
-    m = _check_inputs(
+    m = check_inputs(
         student_logits, teacher_logits, target_ids, top_m, temperature, divergence, ignore_index
     )
     return call_fwd_op(
-        torch.ops.lopd_simt_emu.topk_tail_kl_fwd,
+        torch.ops.lopd_simt_emu.topk_tail_kl_cuda_fwd,
         student_logits, teacher_logits, target_ids, m, temperature, divergence, ignore_index,
     )  # fmt: skip
 

@@ -289,17 +289,23 @@ def test_sdpo_sibling_selection_reverse_topk_kl_and_ema(trainer, group):
     assert loss.item() == pytest.approx(float(sum(ref) / 4), rel=1e-4, abs=1e-6)
 
     # EMA: after a step the teacher moves 5% of the way to the (changed) student.
+    _assert_ema_step(method, models.student, rate=0.05)
+
+
+def _assert_ema_step(method, student, rate):
+    """After ``method.after_step`` the EMA teacher is ``(1 - rate) * old + rate * student``
+    (checked with a student moved by +0.1 everywhere; the student is restored afterwards)."""
     teacher0 = copy.deepcopy(method.teacher.get())
-    saved = copy.deepcopy(models.student.state_dict())
+    saved = copy.deepcopy(student.state_dict())
     with torch.no_grad():
-        for p in models.student.parameters():
+        for p in student.parameters():
             p.add_(0.1)
     method.after_step({})
     for t, t0, s in zip(
-        method.teacher.get().parameters(), teacher0.parameters(), models.student.parameters()
+        method.teacher.get().parameters(), teacher0.parameters(), student.parameters()
     ):
-        torch.testing.assert_close(t, 0.95 * t0 + 0.05 * s)
-    models.student.load_state_dict(saved)
+        torch.testing.assert_close(t, (1 - rate) * t0 + rate * s)
+    student.load_state_dict(saved)
 
 
 def _forward_and_reverse_kl(s_logits, t_logits):
@@ -341,17 +347,7 @@ def test_sdft_is_forward_kl_to_an_ema_teacher_with_the_demo_in_the_first_user_me
     assert sums["teacher_top_m_mass"] == pytest.approx(2.0) and sums["demo_own_task"] == 2.0
 
     # EMA: after the step the teacher moves 1% of the way to the (changed) student.
-    teacher0 = copy.deepcopy(method.teacher.get())
-    saved = copy.deepcopy(models.student.state_dict())
-    with torch.no_grad():
-        for p in models.student.parameters():
-            p.add_(0.1)
-    method.after_step({})
-    for t, t0, s in zip(
-        method.teacher.get().parameters(), teacher0.parameters(), models.student.parameters()
-    ):
-        torch.testing.assert_close(t, 0.99 * t0 + 0.01 * s)
-    models.student.load_state_dict(saved)
+    _assert_ema_step(method, models.student, rate=0.01)
 
 
 def test_sdft_demo_is_the_tasks_best_pool_trajectory_else_the_nearest_other_task(trainer, group):

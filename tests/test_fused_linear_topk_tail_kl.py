@@ -17,11 +17,10 @@ import torch
 import lopd_kernels as lk
 from lopd_kernels.fused_linear_topk_tail_kl import (
     auto_chunk_rows,
-    causal_lm_topk_tail_kl,
     fused_linear_topk_tail_kl,
     fused_linear_topk_tail_kl_reference,
-    lm_head_topk_tail_kl,
 )
+from lopd_kernels.hf import causal_lm_topk_tail_kl, lm_head_topk_tail_kl
 from tests.triton_compile import assert_script_compiles
 from tests.utils import TRITON_DEVICE, assert_close, requires_cuda, triton_interpret
 
@@ -176,8 +175,7 @@ def test_frozen_heads_tail_projection(dtype, divergence):
 def emulated_cuda_epilogue(monkeypatch):
     from tests import simt_emu
 
-    # The module, not the function of the same name that lopd_kernels exports.
-    fl = importlib.import_module("lopd_kernels.fused_linear_topk_tail_kl")
+    chunked = importlib.import_module("lopd_kernels.fused_linear_chunked")
 
     reason = simt_emu.unavailable_reason()
     if reason:
@@ -185,7 +183,9 @@ def emulated_cuda_epilogue(monkeypatch):
     simt_emu.load()
     ops = torch.ops.lopd_simt_emu
     monkeypatch.setattr(
-        fl, "_kernels_for", lambda device: (ops.topk_tail_kl_fwd, ops.topk_tail_kl_bwd)
+        chunked,
+        "epilogue_kernels",
+        lambda device: (ops.topk_tail_kl_cuda_fwd, ops.topk_tail_kl_cuda_bwd),
     )
 
 
@@ -383,9 +383,7 @@ def test_validation(mutate, kw, match):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("impl", "tail_proj"), [("chunked", False), ("chunked", True), ("triton", False)]
-)
+@pytest.mark.parametrize(("impl", "tail_proj"), [("cpu", False), ("cpu", True), ("triton", False)])
 def test_opcheck(impl, tail_proj):
     if impl == "triton" and not lk._backend.triton_available():
         pytest.skip("Triton cannot run here (no CUDA device and TRITON_INTERPRET unset)")
@@ -396,20 +394,20 @@ def test_opcheck(impl, tail_proj):
     args = (
         leaves["student_hidden"], leaves["student_weight"], leaves["student_bias"],
         leaves["teacher_hidden"], leaves["teacher_weight"], leaves["teacher_bias"],
-        target, 4, 0.9, True, -100, 2, impl, [tail_proj, tail_proj],
+        target, 4, 0.9, True, -100, 2, [tail_proj, tail_proj],
     )  # fmt: skip
     tests = ("test_schema", "test_autograd_registration", "test_faketensor")
-    fwd_op = torch.ops.lopd.fused_linear_topk_tail_kl_fwd.default
+    fwd_op = getattr(torch.ops.lopd, f"fused_linear_topk_tail_kl_{impl}_fwd").default
     torch.library.opcheck(fwd_op, args, test_utils=tests)
     kl, _, _, ids, lse, bucket, proj_s, proj_t = fwd_op(*args)
     assert proj_s.shape == ((6, 16) if tail_proj else (0,))
     grads = [torch.randn(6).to(device) for _ in range(3)]
     bwd_args = (
         *grads, *(x.detach() for x in args[:7]), ids, kl.detach(), lse, bucket, proj_s, proj_t,
-        0.9, True, -100, 2, impl, [True, True, False, True, False, True], False,
+        0.9, True, -100, 2, [True, True, False, True, False, True], False,
     )  # fmt: skip
     torch.library.opcheck(
-        torch.ops.lopd.fused_linear_topk_tail_kl_bwd.default,
+        getattr(torch.ops.lopd, f"fused_linear_topk_tail_kl_{impl}_bwd").default,
         bwd_args,
         test_utils=("test_schema", "test_faketensor"),
     )
@@ -532,6 +530,48 @@ def test_lm_head_helper_teacher_with_prefix():
         lm_head_topk_tail_kl(hs, head_s, ht, head_t, target, mask, teacher_action_mask=t_mask)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "materialized"])
+def test_lm_head_helper_on_packed_rows(fused):
+    """Packed action rows (the trainer's layout): the same outputs from a module head, a weight /
+    (weight, bias) pair, and, with fused=False, from the heads' own logits."""
+    g = torch.Generator().manual_seed(2)
+    hs = torch.randn(7, 8, generator=g, requires_grad=True)
+    ht = torch.randn(7, 8, generator=g, requires_grad=True)
+    target = torch.randint(0, 31, (7,), generator=g)
+    target[3] = -100
+    head_s, head_t = torch.nn.Linear(8, 31), torch.nn.Linear(8, 31, bias=False)
+    out = lm_head_topk_tail_kl(hs, head_s, ht, head_t, target, fused=fused, top_m=4)
+    pair = lm_head_topk_tail_kl(
+        hs, (head_s.weight, head_s.bias), ht, head_t.weight, target, fused=fused, top_m=4
+    )
+    ref = fused_linear_topk_tail_kl_reference(
+        hs, head_s.weight, ht, head_t.weight, target, student_bias=head_s.bias, top_m=4
+    )
+    for name in OUTS:
+        assert_close(getattr(out, name), getattr(ref, name), torch.float32, name)
+        assert torch.equal(getattr(out, name), getattr(pair, name)), name
+    assert torch.equal(out.topk_ids, ref.topk_ids)
+    (g_hs,) = torch.autograd.grad(out.kl.sum(), hs)
+    (r_hs,) = torch.autograd.grad(ref.kl.sum(), hs)
+    assert_close(g_hs, r_hs, torch.float32, "d student_hidden")
+    if not fused:
+        with pytest.raises(ValueError, match="chunk_size"):
+            lm_head_topk_tail_kl(hs, head_s, ht, head_t, target, fused=False, chunk_size=2)
+    with pytest.raises(ValueError, match="packed"):
+        lm_head_topk_tail_kl(hs[None], head_s, ht, head_t, target)
+
+
+def test_decoder_of_is_the_one_helper():
+    """lopd's composer uses the kernel library's decoder_of (one definition)."""
+    import lopd.composer
+
+    assert lopd.composer.decoder_of is lk.decoder_of
+    model = _tiny_llama(3)
+    assert lk.decoder_of(model) is model.get_decoder()
+    with pytest.raises(TypeError, match="exposes no decoder"):
+        lk.decoder_of(torch.nn.Linear(2, 2))
+
+
 # ---------------------------------------------------------------------------------------------
 # PyTorch twins of the per-row kernels (the chunked path without the compiled extension)
 # ---------------------------------------------------------------------------------------------
@@ -540,7 +580,8 @@ def test_lm_head_helper_teacher_with_prefix():
 @pytest.mark.parametrize("top_m", [5, 0])
 @pytest.mark.parametrize("divergence", ["reverse", "forward"])
 def test_torch_twins_match_reference(top_m, divergence):
-    from lopd_kernels.fused_linear_topk_tail_kl import _rows_bwd_torch, _rows_fwd_torch
+    from lopd_kernels.bucket_math import rows_bwd_torch as _rows_bwd_torch
+    from lopd_kernels.bucket_math import rows_fwd_torch as _rows_fwd_torch
     from lopd_kernels.topk_tail_kl import topk_tail_kl_reference
 
     g = torch.Generator().manual_seed(15)

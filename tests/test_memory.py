@@ -502,3 +502,42 @@ def test_empty_bank_round_trips_and_retrieves_nothing(tiny_lm, tmp_path):
     r.save()
     loaded = Retriever.load(ExperienceBank(tmp_path), index="cpu")
     assert len(loaded) == 0 and loaded.retrieve(make_task(0), k=3) == []
+
+
+def test_index_batch_size_bounds_every_embedder_call(tiny_lm, tmp_path):
+    """``bank.index_batch_size`` reaches the retriever: indexing and query precomputation hand
+    the embedder at most that many texts per call, with the same index as one big call."""
+    from lopd.config import Config, ConfigError
+
+    model, tokenizer = tiny_lm
+    calls: list[int] = []
+
+    class Counting(HiddenStateEmbedder):
+        def embed_documents(self, texts):
+            calls.append(len(texts))
+            return super().embed_documents(texts)
+
+        def embed_queries(self, texts):
+            calls.append(len(texts))
+            return super().embed_queries(texts)
+
+    tasks = [make_task(i) for i in range(7)]
+    bank = _bank_of_tasks(tmp_path / "a", tasks)
+    r = Retriever.load_or_build(bank, Counting(model, tokenizer), index="cpu", doc_batch_size=3)
+    assert calls == [3, 3, 3, 1]  # 10 entries
+    calls.clear()
+    assert r.precompute_queries(tasks, batch_size=2) == 7 and calls == [2, 2, 2, 1]
+    whole = Retriever(_bank_of_tasks(tmp_path / "b", tasks), HiddenStateEmbedder(model, tokenizer))
+    got = [e.entry_id for e in r.retrieve(tasks[0], k=3)]
+    assert got == [e.entry_id for e in whole.retrieve(tasks[0], k=3)]
+
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="doc_batch_size must be an integer >= 1"):
+            Retriever(bank, HiddenStateEmbedder(model, tokenizer), doc_batch_size=bad)
+        with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+            r.precompute_queries(tasks, batch_size=bad)
+    cfg = Config()
+    assert cfg.bank.index_batch_size == 256
+    cfg.bank.index_batch_size = 0
+    with pytest.raises(ConfigError, match=r"bank\.index_batch_size must be >= 1"):
+        cfg.validate()

@@ -14,7 +14,7 @@ from lopd_kernels import _backend
 from lopd_kernels.topk_tail_kl import topk_tail_kl_reference
 from tests.utils import TOLERANCES, TRITON_DEVICE, assert_close
 
-HAS_CPP = _backend.has_cpp_op("topk_tail_kl_fwd")
+HAS_CPP = _backend.has_kernel("topk_tail_kl_cpu_fwd", "CPU")
 requires_cpp = pytest.mark.skipif(not HAS_CPP, reason="lopd_kernels._C (C++ ops) is not built")
 
 
@@ -300,7 +300,9 @@ def test_cpu_tail_exact_for_tiny_tail_mass():
     s, t, target = make_inputs(n, v, seed=11)
     t[:, m:] -= 50.0  # teacher: top-20 around 0, the other 980 entries near -50
     s[:, m:] -= 30.0
-    _kl, _, _, ids, _lse, bucket = torch.ops.lopd.topk_tail_kl_fwd(s, t, target, m, 1.0, True, -100)
+    _kl, _, _, ids, _lse, bucket = torch.ops.lopd.topk_tail_kl_cpu_fwd(
+        s, t, target, m, 1.0, True, -100
+    )
     t64 = t.double()
     keep = torch.ones(n, v, dtype=torch.bool).scatter(1, ids, False)
     exact_tail_q = torch.logsumexp(t64.masked_fill(~keep, -math.inf), 1) - torch.logsumexp(t64, 1)
@@ -438,11 +440,11 @@ def _opcheck_samples(fwd, top_m, device="cpu"):
 @requires_cpp
 @pytest.mark.parametrize("top_m", [5, 0])
 def test_opcheck_cpp(top_m):
-    fwd_args, bwd_args = _opcheck_samples(torch.ops.lopd.topk_tail_kl_fwd, top_m)
-    torch.library.opcheck(torch.ops.lopd.topk_tail_kl_fwd, fwd_args)
-    torch.library.opcheck(torch.ops.lopd.topk_tail_kl_bwd, bwd_args)
+    fwd_args, bwd_args = _opcheck_samples(torch.ops.lopd.topk_tail_kl_cpu_fwd, top_m)
+    torch.library.opcheck(torch.ops.lopd.topk_tail_kl_cpu_fwd, fwd_args)
+    torch.library.opcheck(torch.ops.lopd.topk_tail_kl_cpu_bwd, bwd_args)
     one_side = (*bwd_args[:-2], False, True)
-    torch.library.opcheck(torch.ops.lopd.topk_tail_kl_bwd, one_side)
+    torch.library.opcheck(torch.ops.lopd.topk_tail_kl_cpu_bwd, one_side)
 
 
 @requires_triton
@@ -542,11 +544,11 @@ def test_backend_errors():
     with pytest.raises(TypeError, match="float64"):
         lk.topk_tail_kl(s.double(), t, target, backend="cpu")
     with pytest.raises(RuntimeError, match="target_ids"):
-        torch.ops.lopd.topk_tail_kl_fwd(s, t, torch.tensor([0, 99]), 3, 1.0, True, -100)
+        torch.ops.lopd.topk_tail_kl_cpu_fwd(s, t, torch.tensor([0, 99]), 3, 1.0, True, -100)
     with pytest.raises(RuntimeError, match="top_m"):
-        torch.ops.lopd.topk_tail_kl_fwd(s, t, target, 10, 1.0, True, -100)
+        torch.ops.lopd.topk_tail_kl_cpu_fwd(s, t, target, 10, 1.0, True, -100)
     with pytest.raises(RuntimeError, match="temperature"):
-        torch.ops.lopd.topk_tail_kl_fwd(s, t, target, 3, 0.0, True, -100)
+        torch.ops.lopd.topk_tail_kl_cpu_fwd(s, t, target, 3, 0.0, True, -100)
     with pytest.raises(ValueError, match="reduction"):
         lk.TopKTailKL(reduction="avg")
     with pytest.raises(ValueError, match="backend='cuda' needs CUDA tensors"):
@@ -557,3 +559,23 @@ def test_backend_errors():
     # float64 on "auto" goes to the reference, not to an error.
     out = lk.topk_tail_kl(s.double(), t.double(), target)
     assert out.kl.dtype == torch.float64
+
+
+@requires_cpp
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "default"])
+def test_cpu_fast_exp_accuracy(monkeypatch, isa):
+    """The CPU kernels' vectorized exp (csrc/cpu/vec_exp.h) on each instruction set: within
+    2 ULP of float64 exp of the same float32 input over the normal range, and the special values
+    every kernel relies on (exp(-inf) = 0 for masked logits, NaN stays NaN)."""
+    from lopd_kernels import _C
+
+    monkeypatch.setenv("LOPD_CPU_ISA", isa)
+    g = torch.Generator().manual_seed(21)
+    x = torch.cat([torch.rand(20000, generator=g) * 174 - 87, torch.randn(20000, generator=g)])
+    got = torch.tensor(_C._cpu_exp(x.tolist()), dtype=torch.float64)
+    want = x.double().exp()
+    ulp = torch.ldexp(torch.ones_like(want), torch.frexp(want).exponent - 24)
+    assert float(((got - want).abs() / ulp).max()) <= 2.0, _C.cpu_isa()
+    special = _C._cpu_exp([float("-inf"), 0.0, float("nan"), -200.0, 200.0])
+    assert special[0] == 0.0 and special[1] == 1.0 and math.isnan(special[2])
+    assert 0.0 <= special[3] < 1.2e-38 and special[4] >= 3.4e38

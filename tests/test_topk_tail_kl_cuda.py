@@ -34,7 +34,7 @@ def cuda_op(s, t, target, **kw):
     return TopKTailKLOutput(*(o.cpu() for o in out))
 
 
-@pytest.fixture(params=simt_emu.cuda_targets("topk_tail_kl_fwd"))
+@pytest.fixture(params=simt_emu.cuda_targets("topk_tail_kl_cuda_fwd"))
 def target(request):
     """Where the CUDA kernels run: ``"cuda"`` (a GPU) or ``"emulated"`` (SIMT emulator, CPU)."""
     return simt_emu.prepare_target(request.param)
@@ -143,8 +143,8 @@ def test_emulated_rejects_bad_input_like_the_cuda_op():
     simt_emu.load()
     s, t, tgt = make_inputs(2, 50, seed=0)
     with pytest.raises(RuntimeError, match="top_m must be <= 1024"):
-        torch.ops.lopd_simt_emu.topk_tail_kl_fwd(
+        torch.ops.lopd_simt_emu.topk_tail_kl_cuda_fwd(
             torch.zeros(1, 3000), torch.zeros(1, 3000), tgt[:1], 1025, 1.0, True, -100
         )
     with pytest.raises(RuntimeError, match="same shape"):
-        torch.ops.lopd_simt_emu.topk_tail_kl_fwd(s, t[:, :49], tgt, 5, 1.0, True, -100)
+        torch.ops.lopd_simt_emu.topk_tail_kl_cuda_fwd(s, t[:, :49], tgt, 5, 1.0, True, -100)

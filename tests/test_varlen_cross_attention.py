@@ -154,18 +154,9 @@ def test_opcheck(backend):
     device = DEVICE[backend]
     lengths, cu, q, k, v, grad = _opcheck_args(device)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    if backend == "cpu":
-        fwd, bwd, extra = (
-            torch.ops.lopd.varlen_cross_attention_fwd,
-            torch.ops.lopd.varlen_cross_attention_bwd,
-            (),
-        )
-    else:
-        fwd, bwd, extra = (
-            torch.ops.lopd.varlen_cross_attention_triton_fwd,
-            torch.ops.lopd.varlen_cross_attention_triton_bwd,
-            (max(lengths),),
-        )
+    fwd = getattr(torch.ops.lopd, f"varlen_cross_attention_{backend}_fwd")
+    bwd = getattr(torch.ops.lopd, f"varlen_cross_attention_{backend}_bwd")
+    extra = (max(lengths),)
     torch.library.opcheck(fwd, (q, k, v, cu, 0.25, *extra))
     out, lse = fwd(q.detach(), k.detach(), v.detach(), cu, 0.25, *extra)
     bwd_args = (grad, torch.zeros_like(lse), q.detach(), k.detach(), v.detach(), out, lse, cu)
@@ -180,22 +171,36 @@ def test_auto_backend_and_dtype_support():
         varlen_cross_attention(q, k, v, cu, backend="cuda")
     with pytest.raises(TypeError, match="fp32/bf16/fp16"):
         varlen_cross_attention(q.double(), k.double(), v.double(), cu, backend="cpu")
-    with pytest.raises(ValueError, match="return_lse"):
-        varlen_cross_attention(q, k, v, cu, backend="torch", return_lse=True)
+    # The reference returns the log-sum-exp too (it is what "auto" falls back to).
+    out, lse = varlen_cross_attention(q, k, v, cu, backend="torch", return_lse=True)
+    cpu_out, cpu_lse = varlen_cross_attention(q, k, v, cu, backend="cpu", return_lse=True)
+    torch.testing.assert_close(out, cpu_out)
+    torch.testing.assert_close(lse, cpu_lse)
 
 
 @pytest.mark.parametrize(
     ("triton", "cuda_kernel", "expected"),
-    [(True, True, "triton"), (True, False, "triton"), (False, True, "cuda"), (False, False, "cpu")],
+    [
+        (True, True, "triton"),
+        (True, False, "triton"),
+        (False, True, "cuda"),
+        (False, False, "torch"),
+    ],
 )
 def test_auto_backend_on_cuda_tensors(monkeypatch, triton, cuda_kernel, expected):
-    """On a GPU "auto" is Triton; a deployment without Triton gets the compiled CUDA kernels."""
+    """On a GPU "auto" is Triton; a deployment without Triton gets the compiled CUDA kernels,
+    one without either the reference."""
+    import dataclasses
+
+    from lopd_kernels import _backend
+
     # The module (lopd_kernels exports a function of the same name).
     xattn = importlib.import_module("lopd_kernels.varlen_cross_attention")
-    monkeypatch.setattr(xattn, "triton_available", lambda: triton)
-    monkeypatch.setattr(xattn, "_HAS_CUDA_KERNEL", cuda_kernel)
-    assert xattn._resolve_backend("auto", torch.device("cuda")) == expected
-    assert xattn._resolve_backend("auto", torch.device("cpu")) == "cpu"
+    monkeypatch.setattr(_backend, "triton_available", lambda: triton)
+    missing = {} if cuda_kernel else {"cuda": _backend.CUDA_MISSING}
+    backends = dataclasses.replace(xattn.BACKENDS, unavailable=missing)
+    assert backends.resolve("auto", torch.device("cuda")) == expected
+    assert backends.resolve("auto", torch.device("cpu")) == "cpu"
 
 
 @pytest.mark.parametrize(

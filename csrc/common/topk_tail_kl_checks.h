@@ -1,4 +1,4 @@
-// Host-side argument checks of lopd::topk_tail_kl_fwd / _bwd, shared by the CPU op
+// Host-side argument checks of lopd::topk_tail_kl_{cpu,cuda}_{fwd,bwd}, shared by the CPU op
 // (csrc/cpu/topk_tail_kl.cpp) and the CUDA op (csrc/cuda/topk_tail_kl.cu) so both reject the
 // same inputs with the same messages, each naming the bad argument.
 #pragma once

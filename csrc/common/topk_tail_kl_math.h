@@ -1,6 +1,6 @@
 // Per-row math of the top-M + tail-bucket KL (lopd::topk_tail_kl_*), shared by the C++ CPU kernel
 // and the CUDA kernel so both evaluate exactly the same float32 arithmetic. Derivations and
-// notation: ../../../shared/design/math.md ("Top-M + tail bucket", "Gradients").
+// notation: docs/math.md (sections 1 and 2).
 //
 // Everything here is scalar float32 and free of dynamic allocation. `-inf` logits (masked or padded
 // vocabulary entries) are legal input: every function below maps a zero-mass bucket to a zero

@@ -1,4 +1,4 @@
-// CPU implementation of lopd::topk_tail_kl_fwd / lopd::topk_tail_kl_bwd (schemas: csrc/ops.cpp):
+// CPU implementation of lopd::topk_tail_kl_cpu_fwd / _bwd (schemas: csrc/common/schemas.h):
 // argument checks, output allocation, and the choice of the per-ISA kernel
 // (csrc/cpu/isa/topk_tail_kl_kernel.cpp).
 //
@@ -8,8 +8,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <sys/mman.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -17,6 +15,7 @@
 #include <tuple>
 
 #include "common/topk_tail_kl_checks.h"
+#include "cpu/buffer_cache.h"
 #include "cpu/isa_dispatch.h"
 #include "cpu/topk_tail_kl.h"
 
@@ -32,29 +31,6 @@ void check_targets(const at::Tensor& target, int64_t vocab, int64_t ignore_index
                 n, "] = ", p[n], " is outside [0, V = ", vocab, ") and is not ignore_index (",
                 ignore_index, ")");
   }
-}
-
-// Asks the kernel to back a fresh, large output with transparent huge pages before its first
-// touch. The two [N, V] gradients are the only large allocations of the op, and on CPU their
-// 4 KiB first-touch page faults cost as much as the whole backward kernel (measured: ~0.24 of
-// ~0.35 CPU-seconds at N = 512, V = 151,936); 2 MiB pages cut that about 3x. Advice only:
-// failures are ignored. LOPD_CPU_HUGEPAGES=0 turns it off (PyTorch's THP_MEM_ALLOC_ENABLE=1 does
-// the same for every large tensor).
-void advise_huge_pages(const at::Tensor& x) {
-#ifdef MADV_HUGEPAGE
-  static const bool enabled = [] {
-    const char* env = std::getenv("LOPD_CPU_HUGEPAGES");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  const auto begin = reinterpret_cast<uintptr_t>(x.data_ptr());
-  const uintptr_t end = begin + x.nbytes();
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t last = end & ~(kHuge - 1);
-  if (enabled && last > first) {
-    madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-  }
-#endif
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
@@ -111,13 +87,13 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cpu(
   a.inv_temperature = checks::checked_inv_temperature(temperature);
   a.reverse = reverse;
   a.ignore_index = ignore_index;
+  // The two [N, V] gradients are the op's only large allocations: recycled buffers (see
+  // cpu/buffer_cache.h: fresh pages would be zeroed by the OS before the kernel writes them).
   if (student_requires_grad) {
-    a.grad_student = at::empty_like(a.student);
-    advise_huge_pages(a.grad_student);
+    a.grad_student = empty_recycled(a.student.sizes(), a.student.options());
   }
   if (teacher_requires_grad) {
-    a.grad_teacher = at::empty_like(a.teacher);
-    advise_huge_pages(a.grad_teacher);
+    a.grad_teacher = empty_recycled(a.teacher.sizes(), a.teacher.options());
   }
   if (student_requires_grad || teacher_requires_grad) {
     LOPD_CPU_ISA_CALL(topk_tail_kl_bwd_kernel, a);
@@ -132,6 +108,6 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cpu(
 }  // namespace lopd::cpu
 
 TORCH_LIBRARY_IMPL(lopd, CPU, m) {
-  m.impl("topk_tail_kl_fwd", &lopd::cpu::topk_tail_kl_fwd_cpu);
-  m.impl("topk_tail_kl_bwd", &lopd::cpu::topk_tail_kl_bwd_cpu);
+  m.impl("topk_tail_kl_cpu_fwd", &lopd::cpu::topk_tail_kl_fwd_cpu);
+  m.impl("topk_tail_kl_cpu_bwd", &lopd::cpu::topk_tail_kl_bwd_cpu);
 }

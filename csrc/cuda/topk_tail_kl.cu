@@ -1,4 +1,4 @@
-// The CUDA implementation of lopd::topk_tail_kl_fwd / _bwd: the kernels and launchers of
+// The CUDA implementation of lopd::topk_tail_kl_cuda_fwd / _bwd: the kernels and launchers of
 // topk_tail_kl_kernels.cuh (also run on the CPU by the SIMT-emulated test build,
 // csrc/emu/topk_tail_kl_emu.cpp), registered for the CUDA dispatch key.
 #include <torch/library.h>
@@ -6,6 +6,6 @@
 #include "cuda/topk_tail_kl_kernels.cuh"
 
 TORCH_LIBRARY_IMPL(lopd, CUDA, m) {
-  m.impl("topk_tail_kl_fwd", &lopd::cuda::topk_tail_kl_fwd_cuda);
-  m.impl("topk_tail_kl_bwd", &lopd::cuda::topk_tail_kl_bwd_cuda);
+  m.impl("topk_tail_kl_cuda_fwd", &lopd::cuda::topk_tail_kl_fwd_cuda);
+  m.impl("topk_tail_kl_cuda_bwd", &lopd::cuda::topk_tail_kl_bwd_cuda);
 }

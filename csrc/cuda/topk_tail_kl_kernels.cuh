@@ -1,4 +1,5 @@
-// CUDA kernels and host launchers of lopd::topk_tail_kl_fwd / _bwd (schemas: csrc/common/schemas.h).
+// CUDA kernels and host launchers of lopd::topk_tail_kl_cuda_fwd / _bwd (schemas:
+// csrc/common/schemas.h).
 // Included by csrc/cuda/topk_tail_kl.cu (nvcc, the CUDA op) and by
 // csrc/emu/topk_tail_kl_emu.cpp (g++, the same kernels under the SIMT emulator, for CPU tests).
 // The per-row arithmetic (online log-sum-exp, bucket masses, KL, gradient coefficients) is the

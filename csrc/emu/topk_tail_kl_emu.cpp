@@ -16,15 +16,15 @@ void set_schedule_seed(int64_t seed) { lopd::simt_emu::set_schedule_seed(uint64_
 }  // namespace
 
 TORCH_LIBRARY(lopd_simt_emu, m) {
-  m.def(lopd::schemas::kTopkTailKlFwd);
-  m.def(lopd::schemas::kTopkTailKlBwd);
+  m.def(lopd::schemas::kTopkTailKlCudaFwd);
+  m.def(lopd::schemas::kTopkTailKlCudaBwd);
   // 0: threads resume round-robin; any other value: a random order seeded by it.
   m.def("set_schedule_seed(int seed) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lopd_simt_emu, CPU, m) {
-  m.impl("topk_tail_kl_fwd", &lopd::cuda::topk_tail_kl_fwd_cuda);
-  m.impl("topk_tail_kl_bwd", &lopd::cuda::topk_tail_kl_bwd_cuda);
+  m.impl("topk_tail_kl_cuda_fwd", &lopd::cuda::topk_tail_kl_fwd_cuda);
+  m.impl("topk_tail_kl_cuda_bwd", &lopd::cuda::topk_tail_kl_bwd_cuda);
 }
 
 TORCH_LIBRARY_IMPL(lopd_simt_emu, CatchAll, m) { m.impl("set_schedule_seed", &set_schedule_seed); }

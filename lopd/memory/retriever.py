@@ -116,8 +116,7 @@ class Retriever:
             raise ValueError(f"index must be 'auto', 'cpu' or 'gpu', got {index!r}")
         if index == "gpu" and not faiss_gpu_available():
             raise ValueError("index='gpu' needs faiss-gpu and a visible CUDA device")
-        if doc_batch_size < 1:
-            raise ValueError(f"doc_batch_size must be >= 1, got {doc_batch_size}")
+        self._checked_batch_size("doc_batch_size", doc_batch_size)
         self.bank = bank
         self.embedder = embedder
         self.on_gpu = index == "gpu" or (index == "auto" and faiss_gpu_available())
@@ -265,12 +264,23 @@ class Retriever:
         for t, row in zip(tasks, z):
             self._qcache[t.task_id] = (_instruction_hash(t.instruction), row.copy())
 
+    @staticmethod
+    def _checked_batch_size(name: str, value: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        return value
+
     def precompute_queries(self, tasks: Iterable[_TaskLike], batch_size: int = 256) -> int:
         """Embed and cache the queries of ``tasks`` (e.g. the whole train split).
+
+        Args:
+            tasks: the tasks whose queries to embed.
+            batch_size: tasks handed to the embedder per call.
 
         Returns:
             The number of tasks newly embedded.
         """
+        self._checked_batch_size("batch_size", batch_size)
         tasks = list(tasks)
         before = self.cache_misses
         for s in range(0, len(tasks), batch_size):
@@ -478,13 +488,20 @@ class Retriever:
         embedder: Embedder | None = None,
         index: str = "auto",
         save: bool = True,
+        doc_batch_size: int = 256,
     ) -> Retriever:
-        """:meth:`load` from the bank directory if saved there, else build (and save)."""
+        """:meth:`load` from the bank directory if saved there, else build (and save).
+
+        ``doc_batch_size`` is the new retriever's (see :class:`Retriever`); a loaded one keeps
+        the default.
+        """
         if cls.exists(bank.dir):
-            return cls.load(bank, embedder=embedder, index=index)
+            r = cls.load(bank, embedder=embedder, index=index)
+            r.doc_batch_size = cls._checked_batch_size("doc_batch_size", doc_batch_size)
+            return r
         if embedder is None:
             raise ValueError(f"no saved retriever in {bank.dir}: pass embedder= to build one")
-        r = cls(bank, embedder, index=index)
+        r = cls(bank, embedder, index=index, doc_batch_size=doc_batch_size)
         if save:
             r.save()
         return r

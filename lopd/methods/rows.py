@@ -20,6 +20,7 @@ from lopd.fsdp import full_weight
 from lopd.injection import action_rows, pad_batch
 from lopd.loss import segment_mean
 from lopd.methods.base import DistillSpec, Models
+from lopd.precision import autocast_cast
 from lopd.types import Trajectory
 
 __all__ = [
@@ -125,27 +126,38 @@ def distill_rows(
         The kernel's :class:`~lopd_kernels.topk_tail_kl.TopKTailKLOutput` (``kl, privilege,
         student_logprob, teacher_logprob, topk_ids, teacher_topk_mass``).
     """
-    # Imported from their op modules (the public ``lopd_kernels.<op>`` functions).
-    from lopd_kernels.fused_linear_topk_tail_kl import fused_linear_topk_tail_kl
-    from lopd_kernels.topk_tail_kl import topk_tail_kl
+    # The HF-facing helper users get (one way from hidden states and heads to the kernels): fused
+    # with the heads, or on their materialized [N, V] logits (action rows only). A sharded frozen
+    # head goes in as its gathered (weight, bias) pair.
+    from lopd_kernels.hf import lm_head_topk_tail_kl
 
     if spec.fused_linear:
-        return fused_linear_topk_tail_kl(
-            h_s,
-            full_weight(head_s),
-            h_t,
-            full_weight(head_t),
-            targets,
-            student_bias=getattr(head_s, "bias", None),
-            teacher_bias=getattr(head_t, "bias", None),
-            top_m=spec.top_m,
-            temperature=spec.temperature,
-            divergence=spec.divergence,
-        )
-    s, t = lm_logits(head_s, h_s), lm_logits(head_t, h_t)  # [N, V] on action rows only
-    return topk_tail_kl(
-        s, t, targets, top_m=spec.top_m, temperature=spec.temperature, divergence=spec.divergence
+        # Under mixed precision the fused kernel reads 16-bit operands, as an autocast lm_head
+        # would (the student's are float32 master weights and hidden states); autocast does not
+        # cast custom ops' inputs itself.
+        h_s, w_s, h_t, w_t = autocast_cast(h_s, full_weight(head_s), h_t, full_weight(head_t))
+        kernel_head_s = (w_s, getattr(head_s, "bias", None))
+        kernel_head_t = (w_t, getattr(head_t, "bias", None))
+    else:  # the heads' logits under the caller's autocast, action rows only
+        kernel_head_s, kernel_head_t = _kernel_head(head_s), _kernel_head(head_t)
+    return lm_head_topk_tail_kl(
+        h_s,
+        kernel_head_s,
+        h_t,
+        kernel_head_t,
+        targets,
+        fused=spec.fused_linear,
+        top_m=spec.top_m,
+        temperature=spec.temperature,
+        divergence=spec.divergence,
     )
+
+
+def _kernel_head(head: nn.Module) -> nn.Module | tuple[torch.Tensor, torch.Tensor | None]:
+    """The head, or ``(full weight, bias)`` when its weight is sharded (:func:`full_weight`)."""
+    if is_sharded(head.weight):
+        return full_weight(head), getattr(head, "bias", None)
+    return head
 
 
 def distill_metric_sums(out: Any, where: ActionRows, num_traj: int) -> dict[str, float]:

@@ -1,4 +1,4 @@
-// Vectorized CPU kernels of lopd::topk_tail_kl_fwd / _bwd. Compiled once per ISA
+// Vectorized CPU kernels of lopd::topk_tail_kl_cpu_fwd / _bwd. Compiled once per ISA
 // (CPU_CAPABILITY = DEFAULT | AVX2 | AVX512, see csrc/cpu/isa_dispatch.h); the per-row math is in
 // csrc/common/topk_tail_kl_math.h, shared with the CUDA kernel.
 //
@@ -34,6 +34,7 @@
 
 #include "common/topk_tail_kl_math.h"
 #include "cpu/topk_tail_kl.h"
+#include "cpu/vec_exp.h"
 
 namespace lopd::cpu::CPU_CAPABILITY {
 namespace {
@@ -144,42 +145,27 @@ RowResult fwd_topk_row(const TS* s, const TT* t, int64_t V, int64_t M, float inv
     // same way: t <= thr0 -> tail (vectorized), t > thr0 -> offered to the heap (scalar).
     const float thr0 = heap[0].t;
     const Vec vthr(thr0);
+    // Pass 1: the block's maxima. Once the heap has warmed up almost no block holds a teacher
+    // logit above the threshold: then the block is all tail and both passes skip the per-lane
+    // classification.
     Vec mx_s(kNegInf), mx_t(kNegInf);
     for (int64_t k = j; k < blk_end; k += kStep) {
       Vec t0, t1, s0, s1;
       load2(t + k, t0, t1);
       load2(s + k, s0, s1);
-      t0 = t0 * vinv;
-      t1 = t1 * vinv;
-      s0 = s0 * vinv;
-      s1 = s1 * vinv;
-      const Vec c0 = t0 > vthr;
-      const Vec c1 = t1 > vthr;
-      mx_t = at::vec::maximum(mx_t, at::vec::maximum(Vec::blendv(t0, vneg, c0),
-                                                      Vec::blendv(t1, vneg, c1)));
-      mx_s = at::vec::maximum(mx_s, at::vec::maximum(Vec::blendv(s0, vneg, c0),
-                                                      Vec::blendv(s1, vneg, c1)));
-      // All-ones lanes of a comparison are NaN bit patterns, so zero_mask() is all set exactly
-      // when no lane is a candidate.
-      if ((c0 | c1).zero_mask() != (1 << kVF) - 1) {
-        float tb[kStep], sb[kStep];
-        t0.store(tb);
-        t1.store(tb + kVF);
-        s0.store(sb);
-        s1.store(sb + kVF);
-        for (int64_t l = 0; l < kStep; ++l) {
-          if (tb[l] > thr0) offer(tb[l], sb[l], k + l);
-        }
-      }
+      mx_t = at::vec::maximum(mx_t, at::vec::maximum(t0, t1));
+      mx_s = at::vec::maximum(mx_s, at::vec::maximum(s0, s1));
     }
-    const float bm_t = hmax(mx_t);
-    const float bm_s = hmax(mx_s);
-    if (bm_t != kNegInf || bm_s != kNegInf) {
-      // A block max of -inf means every tail lane of that side is -inf (zero mass): skip its
-      // exp, which would see (-inf) - (-inf).
-      const Vec vbm_t(bm_t == kNegInf ? 0.0f : bm_t);
-      const Vec vbm_s(bm_s == kNegInf ? 0.0f : bm_s);
-      Vec sum_t(0.0f), sum_s(0.0f);
+    // The maxima of the raw logits, scaled after (1 / T > 0 keeps the order; x * inv rounds
+    // the same way wherever it is computed).
+    float bm_t = hmax(mx_t * vinv);
+    float bm_s = hmax(mx_s * vinv);
+    const bool all_tail = !(bm_t > thr0);
+    if (!all_tail) {
+      // Some lane may beat the M-th logit: classify every lane, offer candidates to the heap,
+      // and take the maxima over the tail lanes only.
+      mx_s = Vec(kNegInf);
+      mx_t = Vec(kNegInf);
       for (int64_t k = j; k < blk_end; k += kStep) {
         Vec t0, t1, s0, s1;
         load2(t + k, t0, t1);
@@ -190,10 +176,54 @@ RowResult fwd_topk_row(const TS* s, const TT* t, int64_t V, int64_t M, float inv
         s1 = s1 * vinv;
         const Vec c0 = t0 > vthr;
         const Vec c1 = t1 > vthr;
-        sum_t = sum_t + Vec::blendv((t0 - vbm_t).exp(), vzero, c0) +
-                Vec::blendv((t1 - vbm_t).exp(), vzero, c1);
-        sum_s = sum_s + Vec::blendv((s0 - vbm_s).exp(), vzero, c0) +
-                Vec::blendv((s1 - vbm_s).exp(), vzero, c1);
+        mx_t = at::vec::maximum(mx_t, at::vec::maximum(Vec::blendv(t0, vneg, c0),
+                                                        Vec::blendv(t1, vneg, c1)));
+        mx_s = at::vec::maximum(mx_s, at::vec::maximum(Vec::blendv(s0, vneg, c0),
+                                                        Vec::blendv(s1, vneg, c1)));
+        // All-ones lanes of a comparison are NaN bit patterns, so zero_mask() is all set exactly
+        // when no lane is a candidate.
+        if ((c0 | c1).zero_mask() != (1 << kVF) - 1) {
+          float tb[kStep], sb[kStep];
+          t0.store(tb);
+          t1.store(tb + kVF);
+          s0.store(sb);
+          s1.store(sb + kVF);
+          for (int64_t l = 0; l < kStep; ++l) {
+            if (tb[l] > thr0) offer(tb[l], sb[l], k + l);
+          }
+        }
+      }
+      bm_t = hmax(mx_t);
+      bm_s = hmax(mx_s);
+    }
+    if (bm_t != kNegInf || bm_s != kNegInf) {
+      // Pass 2 (on the block, now in L1): sum of exp(x - block max) over the tail lanes. A block
+      // max of -inf means every tail lane of that side is -inf (zero mass): its exp is skipped,
+      // which would see (-inf) - (-inf). The next block is prefetched meanwhile.
+      const Vec vbm_t(bm_t == kNegInf ? 0.0f : bm_t);
+      const Vec vbm_s(bm_s == kNegInf ? 0.0f : bm_s);
+      Vec sum_t(0.0f), sum_s(0.0f);
+      for (int64_t k = j; k < blk_end; k += kStep) {
+        __builtin_prefetch(t + k + kBlock, 0, 3);
+        __builtin_prefetch(s + k + kBlock, 0, 3);
+        Vec t0, t1, s0, s1;
+        load2(t + k, t0, t1);
+        load2(s + k, s0, s1);
+        t0 = t0 * vinv;
+        t1 = t1 * vinv;
+        s0 = s0 * vinv;
+        s1 = s1 * vinv;
+        if (all_tail) {
+          sum_t = sum_t + fast_exp(t0 - vbm_t) + fast_exp(t1 - vbm_t);
+          sum_s = sum_s + fast_exp(s0 - vbm_s) + fast_exp(s1 - vbm_s);
+        } else {
+          const Vec c0 = t0 > vthr;
+          const Vec c1 = t1 > vthr;
+          sum_t = sum_t + Vec::blendv(fast_exp(t0 - vbm_t), vzero, c0) +
+                  Vec::blendv(fast_exp(t1 - vbm_t), vzero, c1);
+          sum_s = sum_s + Vec::blendv(fast_exp(s0 - vbm_s), vzero, c0) +
+                  Vec::blendv(fast_exp(s1 - vbm_s), vzero, c1);
+        }
       }
       if (bm_t != kNegInf) math::lse_merge(tail_t, bm_t, hsum(sum_t));
       if (bm_s != kNegInf) math::lse_merge(tail_s, bm_s, hsum(sum_s));
@@ -254,10 +284,10 @@ RowResult fwd_full_row(const TW* w, const TO* o, int64_t V, float inv) {
         const Vec dw1 = w1 * vinv - vbw;
         const Vec do0 = o0 * vinv - vbo;
         const Vec do1 = o1 * vinv - vbo;
-        const Vec ew0 = dw0.exp();
-        const Vec ew1 = dw1.exp();
+        const Vec ew0 = fast_exp(dw0);
+        const Vec ew1 = fast_exp(dw1);
         zw = zw + ew0 + ew1;
-        zo = zo + do0.exp() + do1.exp();
+        zo = zo + fast_exp(do0) + fast_exp(do1);
         // Entries without weighting mass contribute 0, not 0 * (-inf - x).
         acc = acc + Vec::blendv(ew0 * (dw0 - do0), vzero, dw0 == vneg) +
               Vec::blendv(ew1 * (dw1 - do1), vzero, dw1 == vneg);
@@ -351,7 +381,7 @@ void bwd_topk_side(const T* x, T* g, int64_t V, int64_t M, const int64_t* ids, c
     Vec x0, x1;
     load2(x + j, x0, x1);
     // Selected entries may exceed tail_lse here (share > 1, even inf): they are rewritten below.
-    store2(g + j, (x0 * vinv - vlse).exp() * vk, (x1 * vinv - vlse).exp() * vk);
+    store2(g + j, fast_exp(x0 * vinv - vlse) * vk, fast_exp(x1 * vinv - vlse) * vk);
   }
   for (; j < V; ++j) {
     g[j] = static_cast<T>(std::exp(static_cast<float>(x[j]) * inv - tail_lse) * kt);
@@ -377,8 +407,8 @@ void bwd_full_row(const TS* s, const TT* t, TS* gs, TT* gt, int64_t V, float lse
   const Vec vinv(inv), vlse_s(lse_s), vlse_t(lse_t), vkl(kl), vukl(u_kl), vuls(u_ls), vult(u_lt);
   const Vec vneg(kNegInf), vzero(0.0f);
   auto grads = [&](const Vec& ls, const Vec& lt, Vec& out_s, Vec& out_t) {
-    const Vec p = ls.exp();
-    const Vec q = lt.exp();
+    const Vec p = fast_exp(ls);
+    const Vec q = fast_exp(lt);
     Vec ks, kt;
     if (reverse) {
       ks = Vec::blendv(p * (vukl * ((ls - lt) - vkl) - vuls), vzero, ls == vneg);

@@ -1,0 +1,29 @@
+"""Constants shared by the ops, their kernels and the trainer's configuration (one definition each).
+
+Nothing here imports anything but torch, so every module of ``lopd_kernels`` (and ``lopd``) can
+import it without an import cycle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: ``divergence=`` values of the distillation ops: KL(student || teacher) (the paper's) and
+#: KL(teacher || student).
+DIVERGENCES = ("reverse", "forward")
+
+#: ``reduction=`` values of the loss modules.
+REDUCTIONS = ("none", "mean", "sum")
+
+#: Input dtypes of the compiled and Triton kernels (all of them compute in float32).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: Input dtypes of the references: the kernels' plus float64 (the test oracle's precision).
+REFERENCE_DTYPES = (*KERNEL_DTYPES, torch.float64)
+
+#: Largest ``top_m`` the Triton ``topk_tail_kl`` kernels take (besides 0, the full vocabulary):
+#: known here without importing Triton, so backend choice never has to import it.
+TRITON_TOPK_MAX_TOP_M = 256
+
+#: Largest ``top_m`` the CUDA ``topk_tail_kl`` kernels take (csrc/cuda/topk_tail_kl_kernels.cuh).
+CUDA_TOPK_MAX_TOP_M = 1024

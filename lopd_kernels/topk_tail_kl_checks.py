@@ -1,0 +1,98 @@
+"""Input validation of ``topk_tail_kl`` (every backend), each message naming the bad argument.
+
+:func:`check_inputs` reads only metadata (shapes, dtypes, devices, Python scalars), so it runs
+under ``torch.compile`` without graph breaks; :func:`check_target_values` reads the targets. The
+compiled kernels repeat the checks they need in C++ (``csrc/common/topk_tail_kl_checks.h``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lopd_kernels._constants import DIVERGENCES, REFERENCE_DTYPES
+
+__all__ = ["check_inputs", "check_target_values"]
+
+
+def check_inputs(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    target_ids: Tensor,
+    top_m: int | None,
+    temperature: float,
+    divergence: str,
+    ignore_index: int,
+) -> int:
+    """Validates everything knowable without reading tensor data; returns the op's ``top_m``.
+
+    Only metadata is inspected (shapes, dtypes, devices, Python scalars), so this runs under
+    ``torch.compile`` without graph breaks. Target *values* are checked by each backend.
+    """
+    for name, x in (("student_logits", student_logits), ("teacher_logits", teacher_logits)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in REFERENCE_DTYPES:
+            raise TypeError(
+                f"{name} must be a floating tensor (float32, bfloat16, float16 or float64), "
+                f"got {x.dtype}"
+            )
+        if x.dim() < 1 or x.shape[-1] < 1:
+            raise ValueError(f"{name} must have shape [..., V] with V >= 1, got {tuple(x.shape)}")
+    if teacher_logits.shape[-1] != student_logits.shape[-1]:
+        raise ValueError(
+            f"vocabulary size mismatch: student_logits has V={student_logits.shape[-1]}, "
+            f"teacher_logits has V={teacher_logits.shape[-1]}"
+        )
+    if teacher_logits.shape != student_logits.shape:
+        raise ValueError(
+            f"teacher_logits shape {tuple(teacher_logits.shape)} must equal student_logits shape "
+            f"{tuple(student_logits.shape)}"
+        )
+    if not isinstance(target_ids, Tensor):
+        raise TypeError(f"target_ids must be a torch.Tensor, got {type(target_ids).__name__}")
+    if target_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target_ids must be int64 (or int32), got {target_ids.dtype}")
+    if target_ids.shape != student_logits.shape[:-1]:
+        raise ValueError(
+            f"target_ids must have shape {tuple(student_logits.shape[:-1])} (the logits' shape "
+            f"without the vocabulary dim), got {tuple(target_ids.shape)}"
+        )
+    if teacher_logits.device != student_logits.device:
+        raise ValueError(
+            f"teacher_logits is on {teacher_logits.device} but student_logits is on "
+            f"{student_logits.device}"
+        )
+    if target_ids.device != student_logits.device:
+        raise ValueError(
+            f"target_ids is on {target_ids.device} but student_logits is on {student_logits.device}"
+        )
+    if top_m is not None and (not isinstance(top_m, int) or isinstance(top_m, bool) or top_m < 1):
+        raise ValueError(f"top_m must be None (full vocabulary) or an int >= 1, got {top_m!r}")
+    if (
+        not isinstance(temperature, (int, float))
+        or isinstance(temperature, bool)
+        or not math.isfinite(temperature)
+        or temperature <= 0
+    ):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    vocab = student_logits.shape[-1]
+    return 0 if top_m is None or top_m >= vocab else top_m
+
+
+def check_target_values(target_ids: Tensor, vocab: int, ignore_index: int) -> None:
+    """Raises if a target is neither ``ignore_index`` nor in ``[0, V)`` (reads the data)."""
+    bad = (target_ids != ignore_index) & ((target_ids < 0) | (target_ids >= vocab))
+    if bool(bad.any()):
+        i = int(bad.flatten().nonzero()[0, 0])
+        value = int(target_ids.flatten()[i])
+        raise ValueError(
+            f"target_ids[{i}] (flattened) = {value} is outside [0, V={vocab}) and is not "
+            f"ignore_index ({ignore_index})"
+        )
