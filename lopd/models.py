@@ -10,7 +10,7 @@ deterministically from a seed:
 
 1. **Tokenizer.** A ``tokenizers`` Unigram model over a hand-built vocabulary: every printable
    ASCII character, the 256 byte-fallback tokens (any other UTF-8 text round-trips), one token per
-   number below 1000 (the worlds' order numbers, amounts and limits have three digits, so copying
+   number below 1000 (the worlds' order numbers, amounts and limits are below 1000, so copying
    one is copying a token), id prefixes such as ``PN-``, and the identifiers and short punctuation
    runs that occur at least ``min_count`` times in the train split's text
    (:func:`lopd.tiny_data.tokenizer_corpus`: system prompt, tool list, instructions, oracle
@@ -180,8 +180,8 @@ def build_tokenizer(texts: Sequence[str], min_count: int = 2, max_piece_len: int
         key=lambda p: (-counts[p], p),
     )
     pieces += [p for p in _FIXED_PIECES if p not in pieces]
-    # One token per number below 1000 (whatever the corpus holds): the worlds' numbers have
-    # three digits, so copying an order number or an amount is copying one token.
+    # One token per number below 1000 (whatever the corpus holds): the worlds' numbers are below
+    # 1000, so copying an order number or an amount is copying one token.
     pieces += [n for n in NUMBER_PIECES if n not in pieces]
     pieces = [p for p in pieces if p not in base]
     # Scores are log-probabilities for Viterbi: equal scores for all pieces means the fewest
@@ -223,6 +223,12 @@ class TinyBuildConfig:
         bare_share: share of bare episodes in the training stream (the rest carry a reference).
         same_template_share: share of reference episodes whose reference has the same template.
         context_weight: loss weight of the non-action tokens after the system turn (actions 1).
+        copy_warmup_steps: steps of the copy task (:func:`lopd.tiny_sft.copy_batches`) before
+            the SFT, which grow the induction heads a pretrained LLM has.
+        copy_weight: weight of the copy loss added to every SFT step (keeps every token's
+            embedding copyable, see :func:`lopd.tiny_sft.copy_batches`; ``0``: none).
+        copy_length: length of the copied random string (the sequence is twice as long).
+        copy_batch_size: strings per copy batch.
         sft_steps: optimizer steps.
         batch_size: episodes per step.
         lr: peak AdamW learning rate (linear warmup over 5% of the steps, cosine to 10%).
@@ -242,6 +248,10 @@ class TinyBuildConfig:
     bare_share: float = 0.4
     same_template_share: float = 0.8
     context_weight: float = 0.0
+    copy_warmup_steps: int = 0
+    copy_weight: float = 1.0
+    copy_length: int = 32
+    copy_batch_size: int = 16
     sft_steps: int = 600
     batch_size: int = 16
     lr: float = 3e-3
@@ -339,7 +349,7 @@ def build_tiny(
 
     from lopd.envs import builtin_tasks
     from lopd.tiny_data import same_template_references
-    from lopd.tiny_sft import episode_batches, sft
+    from lopd.tiny_sft import copy_batches, copy_warmup, episode_batches, sft
 
     cfg = cfg or TinyBuildConfig()
     log = print if verbose else (lambda *a, **k: None)
@@ -355,6 +365,17 @@ def build_tiny(
         model = Qwen3ForCausalLM(tiny_model_config(tokenizer, cfg))
         num_params = sum(p.numel() for p in model.parameters())
         log(f"model: Qwen3ForCausalLM, {num_params / 1e6:.2f} M parameters")
+        if cfg.copy_warmup_steps:
+            warm = copy_warmup(
+                model,
+                tokenizer,
+                cfg.copy_warmup_steps,
+                cfg.lr,
+                batch_size=cfg.copy_batch_size,
+                length=cfg.copy_length,
+                seed=cfg.seed,
+            )
+            log(f"copy warmup: {cfg.copy_warmup_steps} steps, final loss {warm[-1]:.4f}")
         losses = sft(
             model,
             episode_batches(source, tokenizer, cfg.batch_size, cfg.seed),
@@ -362,6 +383,8 @@ def build_tiny(
             cfg.lr,
             context_weight=cfg.context_weight,
             log_every=20 if verbose else 0,
+            copy_source=copy_batches(tokenizer, cfg.copy_batch_size, cfg.copy_length, cfg.seed + 1),
+            copy_weight=cfg.copy_weight,
         )
         digest = weights_hash(model)
         sft_seconds = time.perf_counter() - t0

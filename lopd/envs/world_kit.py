@@ -37,12 +37,17 @@ COVERAGES = {
     "home": ("Fire", "Flood", "Theft", "Water", "Storm"),
 }
 
-# Every number a task shows (order, policy and tracking numbers, amounts, limits) has three
-# digits: the tiny model's tokenizer has one token per number below 1000. Every value an agent
-# copies starts with a frequent token (a word, or a prefix: "#482", "PN-482", "TRK-482", "$450",
-# "Elm Rd 60", "O-7"), written the same way in the instruction, the tool results and the tool
-# calls, so copying it is matching that first token and continuing from there.
-NUMBER_RANGE = range(100, 1000)
+# Every number a task shows is below 1000: the tiny model's tokenizer has one token per number
+# below 1000. The keys a task names (order, policy and tracking numbers) have two digits, so the
+# 90 of them each occur in many train-split tasks: a number token that no training episode
+# contains keeps its initial embedding, and the tiny model cannot copy it (measured: 3-digit keys,
+# of which 58 of the 89 val keys never occur in a train instruction, left it copying the key of
+# the first call right 0.35 of the time after 800 steps; 2-digit keys 0.97 after 300). Amounts
+# and limits are three-digit multiples of 10 or 50. Every value an agent copies starts with a
+# frequent token (a word, or a prefix: "#48", "PN-48", "TRK-48", "$450", "Elm Rd 60", "O-7"),
+# written the same way in the instruction, the tool results and the tool calls, so copying it is
+# matching that first token and continuing from there.
+NUMBER_RANGE = range(10, 100)
 
 
 def dollars(value: str, what: str) -> int:
