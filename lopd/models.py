@@ -234,6 +234,18 @@ class TinyBuildConfig:
             embedding copyable, see :func:`lopd.tiny_sft.copy_batches`; ``0``: none).
         copy_length: length of the copied random string (the sequence is twice as long).
         copy_batch_size: strings per copy batch.
+        excerpt_steps: steps on short excerpts of bare episodes before the SFT
+            (:func:`lopd.tiny_sft.excerpt_batches`: one action after the instruction, or after
+            the instruction, the previous action and its tool result; no system turn), a
+            curriculum. Trained on full episodes from the start, the model does not learn to
+            copy: teacher-forced accuracy of the first call's key on 120 val tasks (1.2M
+            parameters, 32 episodes per step) is 0.011 after 300 steps with the ~240-token
+            system turn, 0.056 with an empty system prompt (tool list only) and 0.056 on full
+            episodes without the system turn; after 300 steps on first calls alone it is 0.59
+            on val first calls *with* the system turn, 0.99 after 100 more steps with it. A
+            build with first calls only copies the first call's numbers (0.97 on 48 val tasks)
+            but not the later calls' ids from tool results (0.15), hence the later turns.
+        excerpt_batch_size: excerpts per curriculum step.
         sft_steps: optimizer steps.
         batch_size: episodes per step.
         lr: peak AdamW learning rate (linear warmup over 5% of the steps, cosine to 10%).
@@ -257,11 +269,13 @@ class TinyBuildConfig:
     copy_weight: float = 1.0
     copy_length: int = 32
     copy_batch_size: int = 16
-    sft_steps: int = 600
+    excerpt_steps: int = 300
+    excerpt_batch_size: int = 32
+    sft_steps: int = 400
     batch_size: int = 16
     lr: float = 3e-3
-    eval_tasks: int = 120
-    threads: int = 2
+    eval_tasks: int = 60
+    threads: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -354,7 +368,7 @@ def build_tiny(
 
     from lopd.envs import builtin_tasks
     from lopd.tiny_data import same_template_references
-    from lopd.tiny_sft import copy_batches, copy_warmup, episode_batches, sft
+    from lopd.tiny_sft import copy_batches, episode_batches, excerpt_batches, sft, warmup
 
     cfg = cfg or TinyBuildConfig()
     log = print if verbose else (lambda *a, **k: None)
@@ -371,16 +385,16 @@ def build_tiny(
         num_params = sum(p.numel() for p in model.parameters())
         log(f"model: Qwen3ForCausalLM, {num_params / 1e6:.2f} M parameters")
         if cfg.copy_warmup_steps:
-            warm = copy_warmup(
-                model,
-                tokenizer,
-                cfg.copy_warmup_steps,
-                cfg.lr,
-                batch_size=cfg.copy_batch_size,
-                length=cfg.copy_length,
-                seed=cfg.seed,
-            )
+            copies = copy_batches(tokenizer, cfg.copy_batch_size, cfg.copy_length, cfg.seed)
+            warm = warmup(model, copies, cfg.copy_warmup_steps, cfg.lr)
             log(f"copy warmup: {cfg.copy_warmup_steps} steps, final loss {warm[-1]:.4f}")
+        if cfg.excerpt_steps:
+            excerpts = excerpt_batches(source, tokenizer, cfg.excerpt_batch_size, cfg.seed + 2)
+            warm = warmup(model, excerpts, cfg.excerpt_steps, cfg.lr)
+            log(
+                f"excerpt curriculum: {cfg.excerpt_steps} steps, final loss {warm[-1]:.4f}"
+                f" ({time.perf_counter() - t0:.0f}s)"
+            )
         losses = sft(
             model,
             episode_batches(source, tokenizer, cfg.batch_size, cfg.seed),
@@ -601,6 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--out", default=str(TINY_ASSET_DIR), help="output directory")
     b.add_argument("--threads", type=int, default=TinyBuildConfig.threads)
     b.add_argument("--sft-steps", type=int, default=TinyBuildConfig.sft_steps)
+    b.add_argument("--excerpt-steps", type=int, default=TinyBuildConfig.excerpt_steps)
     b.add_argument("--eval-tasks", type=int, default=TinyBuildConfig.eval_tasks)
     from lopd import probe
 
@@ -618,6 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             threads=args.threads,
             sft_steps=args.sft_steps,
+            excerpt_steps=args.excerpt_steps,
             eval_tasks=args.eval_tasks,
         )
         res = build_tiny(cfg, out=args.out)

@@ -34,6 +34,7 @@ __all__ = [
     "EpisodeSource",
     "Mixture",
     "ReferencePromptEnv",
+    "action_spans",
     "demonstration",
     "experience_text",
     "oracle_play",
@@ -41,6 +42,7 @@ __all__ = [
     "same_template_references",
     "sample_conventions",
     "tokenizer_corpus",
+    "turn_excerpt",
     "with_conventions",
 ]
 
@@ -112,6 +114,54 @@ def demonstration(tokenizer: Any, task: Task, user_message: str | None = None) -
         mask += [0] * len(segment)
         messages.append({"role": "tool", "content": observation})
     return Demonstration(ids, mask, messages, tools, float(env.reward()), context_start)
+
+
+def action_spans(demo: Demonstration) -> list[tuple[int, int]]:
+    """``(start, end)`` (end exclusive) of every action of ``demo``, in order."""
+    spans, start = [], None
+    for i, m in enumerate([*demo.action_mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def turn_excerpt(demo: Demonstration, k: int, turn_start_id: int) -> Demonstration:
+    """A short excerpt of ``demo`` that ends with its action ``k``: no system turn.
+
+    Action 0 comes after the first user turn alone; action ``k > 0`` after the first user turn,
+    action ``k - 1`` and the tool result that followed it (the turns in between are left out).
+    Only action ``k`` is supervised. Used by the tiny model's curriculum
+    (:class:`lopd.models.TinyBuildConfig`): a model this small learns to copy a key from the
+    instruction or an id from a tool result only on such short contexts, and then keeps the
+    skill in full episodes.
+
+    Raises:
+        ValueError: no ``turn_start_id`` before the first user message, or no action ``k``.
+    """
+    cut = next(
+        (i for i in range(demo.context_start - 1, -1, -1) if demo.input_ids[i] == turn_start_id),
+        None,
+    )
+    if cut is None:
+        raise ValueError("no turn-start token before the first user message")
+    spans = action_spans(demo)
+    if not 0 <= k < len(spans):
+        raise ValueError(f"action {k} of a demonstration with {len(spans)} actions")
+    start, end = spans[k]
+    first = spans[0][0]
+    ids = demo.input_ids
+    if k == 0:
+        keep = list(range(cut, end))
+    else:
+        keep = [*range(cut, first), *range(spans[k - 1][0], end)]
+    mask = [1 if start <= i < end else 0 for i in keep]
+    users = [m for m in demo.messages if m["role"] != "system"]
+    return Demonstration(
+        [ids[i] for i in keep], mask, users, demo.tools, demo.reward, demo.context_start - cut
+    )
 
 
 def oracle_play(task: Task) -> Trajectory:
@@ -234,6 +284,11 @@ class EpisodeSource:
         candidates = same if (rng.random() < self.mixture.same_template or not other) else other
         reference = rng.choice(candidates or others)
         return with_conventions(target, conventions), with_conventions(reference, conventions)
+
+    def bare_episode(self, rng: random.Random, world: str) -> Task:
+        """Draw a target task of ``world`` under fresh random conventions (no reference)."""
+        conventions = sample_conventions(world, rng)
+        return with_conventions(rng.choice(self._by_world[world]), conventions)
 
     def demonstration(self, tokenizer: Any, target: Task, reference: Task | None) -> Demonstration:
         """The tokenized episode: bare, or with ``reference``'s oracle trajectory as text."""

@@ -93,11 +93,13 @@ def test_model_data_never_holds_a_heldout_task(monkeypatch):
         head_dim=16,
         sft_steps=4,
         batch_size=8,
+        excerpt_steps=3,
+        excerpt_batch_size=4,
         eval_tasks=0,
         threads=1,
     )
     build_tiny(cfg, out=None, verbose=False)
-    assert len(seen) == 32
+    assert len(seen) == 32 + 12  # the SFT's episodes and the curriculum's excerpts
     bad_ids = {t.task_id for t in heldout}
     bad_text = {t.instruction for t in heldout}
     bad_seeds = {t.spec["seed"] for t in heldout}
@@ -148,3 +150,64 @@ def test_shared_prefix_loss_equals_the_whole_forward(train, tokenizer):
         if context_weight == 0.0:
             hf = model(input_ids=ids, attention_mask=attn, labels=labels).loss
             torch.testing.assert_close(whole / w[:, 1:].sum(), hf, rtol=1e-5, atol=1e-6)
+
+
+def test_turn_excerpts_keep_the_instruction_and_the_last_tool_result(train, tokenizer):
+    from lopd.tiny_data import action_spans, turn_excerpt
+    from lopd.tiny_sft import excerpt_batches, is_grounded
+
+    source = EpisodeSource(train, Mixture(bare=0.5))
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    rng = random.Random(5)
+    grounded = collections.Counter()
+    for i in range(12):
+        target, ref = source.episode(rng, source.worlds[i % 3])
+        full = source.demonstration(tokenizer, target, ref)
+        spans = action_spans(full)
+        assert len(spans) == sum(m["role"] == "assistant" for m in full.messages)
+        assert sum(e - s for s, e in spans) == sum(full.action_mask)
+        n = full.input_ids.index(start, 1)  # the user turn follows the system turn
+        user = full.input_ids[n : spans[0][0]]
+        for k, (s, e) in enumerate(spans):
+            cut = turn_excerpt(full, k, start)
+            previous = [] if k == 0 else full.input_ids[spans[k - 1][0] : s]
+            assert cut.input_ids == user + previous + full.input_ids[s:e]
+            # Only action k is supervised, and it is the last thing in the excerpt.
+            assert cut.action_mask == [0] * (len(cut.input_ids) - (e - s)) + [1] * (e - s)
+            assert cut.context_start == full.context_start - n
+            assert tokenizer.decode(cut.input_ids[: cut.context_start]) == "<|im_start|>user\n"
+            grounded[k == 0, is_grounded(cut, tokenizer)] += 1
+    # A first action's values all come from the instruction; some later ones need a tool result
+    # the excerpt left out, and those are the ones the batches never draw.
+    assert grounded[True, False] == 0 and grounded[True, True] == 12
+    assert grounded[False, False] > 0 and grounded[False, True] > 0
+    ids, _attn, labels, w = next(excerpt_batches(source, tokenizer, 6, seed=1))
+    assert ids.shape[0] == 6 and (ids[:, 0] == start).all()
+    assert ((labels != -100) == (w > 0)).all() and int(w.sum()) > 6
+    again = next(excerpt_batches(source, tokenizer, 6, seed=1))
+    assert torch.equal(again[0], ids)  # deterministic in the seed
+    with pytest.raises(ValueError, match="turn-start"):
+        turn_excerpt(full, 0, -1)
+    with pytest.raises(ValueError, match="action 99"):
+        turn_excerpt(full, 99, start)
+
+
+def test_copy_batches_vary_the_distance_between_the_copies(tokenizer):
+    from lopd.tiny_sft import copy_batches
+
+    ids, attn, labels, _w = next(copy_batches(tokenizer, 64, 12, seed=0))
+    assert ids.shape == (64, 36)
+    distances = set()
+    for r in range(64):
+        n = int(attn[r].sum())
+        scored = (labels[r] != -100).nonzero().flatten()
+        # The repeat is the row's last len(x) tokens; all but its first are scored.
+        x_len = len(scored) + 1
+        assert 4 <= x_len <= 12 and int(scored[-1]) == n - 1
+        x = ids[r, :x_len]
+        assert torch.equal(ids[r, n - x_len : n], x)
+        assert torch.equal(labels[r, n - x_len + 1 : n], x[1:])
+        distances.add(n - 2 * x_len)  # the gap
+    assert len(distances) > 5  # a fixed distance would be learnt as "read k tokens back"
+    with pytest.raises(ValueError, match="length"):
+        next(copy_batches(tokenizer, 2, 3, seed=0))
