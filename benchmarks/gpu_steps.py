@@ -79,7 +79,8 @@ def plan(run: Any) -> list[Step]:
     steps = [
         Step("wheels", 20),
         Step("env", 15, bench("gpu_env.py", "--env-json", str(run.env_json))),
-        Step("topk_triton", 30, bench("gpu_topk_tail_kl.py", "--variant", "triton")),
+        # Both top-M forward kernels (switch topk_tail_kl.triton_fwd), old against new.
+        Step("topk_triton", 40, bench("gpu_topk_tail_kl.py", "--variant", "triton")),
         Step("topk_torch_topk", 12, bench("gpu_topk_tail_kl.py", "--variant", "torch_topk")),
         Step("topk_torch_reference", 18,
              bench("gpu_topk_tail_kl.py", "--variant", "torch_reference")),

@@ -37,6 +37,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_common as gc
 
+# The top-M forward's kernel switch (lopd_kernels/kernel_variants.py; the Triton launcher's
+# FWD_SWITCH, named here so that the script imports no Triton before it needs to).
+FWD_SWITCH = "topk_tail_kl.triton_fwd"
+
 VARIANTS = ("triton", "cuda", "torch_reference", "trl_eager", "torch_topk")
 TEACHERS = ("iid", "zipf")
 ZIPF_SLOPE = 1.5
@@ -136,23 +140,57 @@ def bench_teacher(args, lk, rec, device, teacher: str) -> None:
         rec.add("topk_tail_kl", "torch_topk", {**base_shapes, "pass": "fwd"}, r["fwd"],
                 r["peak_bytes"], **gc.bandwidth_fields(n * v * elt, r["fwd"], copy))  # fmt: skip
         return
-    if args.variant in ("triton", "cuda"):
+    if args.variant == "triton":
+        from lopd_kernels.kernel_variants import SWITCHES, use_variant
+
+        # Every kernel variant of the switch, old against new in this process (one record
+        # each: "triton" for the switch's default, "triton[<variant>]" for the others).
+        choices = SWITCHES[FWD_SWITCH].choices
+        for kv in args.fwd_variants.split(",") if args.fwd_variants else choices:
+            with use_variant(FWD_SWITCH, kv):
+                label = "triton" if kv == SWITCHES[FWD_SWITCH].default else f"triton[{kv}]"
+                _time_lopd(args, lk, rec, device, (s, t, a), m, base_shapes, copy, "triton",
+                           label, {FWD_SWITCH: kv})  # fmt: skip
+        return
+    if args.variant == "cuda":
         # CPU dry run: the C++ kernel stands in for CUDA (Triton runs under its interpreter)
-        backend = "cpu" if args.variant == "cuda" and device.type != "cuda" else args.variant
-        forward, backward = _lopd_forward(lk, backend, s, t, a, m), _sum_backward
-        clear()
-        out = forward()
-        backward(out)
-        extra = check_rows(lk, out, s, t, a, m)
-        extra["teacher_topk_mass"] = float(out.teacher_topk_mass.mean())
-        del out
-    elif args.variant == "torch_reference":
+        backend = "cpu" if device.type != "cuda" else "cuda"
+        _time_lopd(args, lk, rec, device, (s, t, a), m, base_shapes, copy, backend, backend, {})
+        return
+    if args.variant == "torch_reference":
         backend = "torch_reference"
         forward = lambda: lk.topk_tail_kl_reference(s, t, a, top_m=m)
         backward = _sum_backward
     else:
         backend = "trl_eager"
         forward, backward = _trl_forward(s, t, a, m)
+    _record(args, rec, device, (s, t), forward, backward, base_shapes, copy, backend, extra)
+
+
+def _time_lopd(args, lk, rec, device, inputs, m, base_shapes, copy, backend, label, variants):
+    """Checks one LOPD backend (as the kernel switches now select) against the float64 reference
+    on the first rows, then times it and records it as ``label``."""
+    s, t, a = inputs
+    forward, backward = _lopd_forward(lk, backend, s, t, a, m), _sum_backward
+    s.grad = t.grad = None
+    out = forward()
+    backward(out)
+    extra = check_rows(lk, out, s, t, a, m)
+    extra["teacher_topk_mass"] = float(out.teacher_topk_mass.mean())
+    if variants:
+        extra["kernel_variants"] = variants
+    del out
+    _record(args, rec, device, (s, t), forward, backward, base_shapes, copy, label, extra)
+
+
+def _record(args, rec, device, logits, forward, backward, base_shapes, copy, backend, extra):
+    s, t = logits
+    n, v = s.shape
+    elt = s.element_size()
+
+    def clear() -> None:
+        s.grad = t.grad = None
+
     r = gc.time_fwd_bwd(forward, backward, device, args.reps, clear, warmup=args.warmup)
     grads = 2 * n * v * elt
     peak = None if r["peak_bytes"] is None else max(0, r["peak_bytes"] - grads)
@@ -161,7 +199,8 @@ def bench_teacher(args, lk, rec, device, teacher: str) -> None:
         fields = gc.bandwidth_fields(tensors * n * v * elt, r[name], copy)
         rec.add("topk_tail_kl", backend, {**base_shapes, "pass": name}, r[name],
                 peak if name == "fwd+bwd" else None, **fields, **extra)  # fmt: skip
-    if extra and not extra["check_ok"]:
+    if extra and not extra.get("check_ok", True):
+        teacher = base_shapes["teacher"]
         raise AssertionError(f"{backend} {teacher}: wrong against the float64 reference: {extra}")
 
 
@@ -169,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", required=True, choices=VARIANTS)
     parser.add_argument("--teachers", default=",".join(TEACHERS), help="comma-separated")
+    parser.add_argument(
+        "--fwd-variants",
+        help=f"--variant triton: the top-M forward kernels to time (switch {FWD_SWITCH}, "
+        "lopd_kernels/kernel_variants.py), comma-separated; default: every variant",
+    )
     gc.add_common_args(parser, reps=10)
     args = parser.parse_args(argv)
     device = gc.resolve_device(args.device)

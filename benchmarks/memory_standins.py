@@ -1,7 +1,9 @@
 """Memory of a real-checkpoint-shaped run, per phase: the README's stand-in table.
 
     python -m benchmarks.memory_standins --shape 218m --out /tmp/mem          # fp32, 4 layers
-    python -m benchmarks.memory_standins --shape qwen3-0.6b --out /tmp/mem    # bf16, 28 layers
+    python -m benchmarks.memory_standins --shape qwen3-0.6b --out /tmp/mem \
+        data.n_train=4 data.n_test=2 lopd.steps=2 \
+        model.gradient_checkpointing=true lopd.micro_batch=1   # 28 layers; fits 24 GiB on CPU
     python -m benchmarks.memory_standins --report /tmp/mem/run-218m           # table only
 
 Builds the random-init stand-in (:mod:`lopd.standin`) into ``OUT/standin-<shape>`` unless it is

@@ -14,6 +14,8 @@ TORCH_LIBRARY(lopd, m) {
   m.def(lopd::schemas::kTopkTailKlCpuBwd);
   m.def(lopd::schemas::kTopkTailKlCudaFwd);
   m.def(lopd::schemas::kTopkTailKlCudaBwd);
+  m.def(lopd::schemas::kSparseTeacherCpuFwd);
+  m.def(lopd::schemas::kSparseTeacherCpuBwd);
   m.def(lopd::schemas::kVarlenCrossAttentionCpuFwd);
   m.def(lopd::schemas::kVarlenCrossAttentionCpuBwd);
   m.def(lopd::schemas::kVarlenCrossAttentionCudaFwd);

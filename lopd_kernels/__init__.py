@@ -1,6 +1,7 @@
 """lopd_kernels: fused distillation kernels for on-policy (self-)distillation.
 
 Public API (see README): ``topk_tail_kl``, ``TopKTailKL``, ``fused_linear_topk_tail_kl``,
+``sparse_teacher_topk_tail_kl`` (a teacher given by its top-M ids and log-probs only),
 ``varlen_cross_attention``, ``QFormerCompressor`` and the Hugging Face helpers of
 :mod:`lopd_kernels.hf`. Each op has a PyTorch reference and C++ CPU, Triton and CUDA kernels
 behind ``backend=`` (the words of :data:`BACKENDS`, chosen by :mod:`lopd_kernels._backend`);
@@ -16,6 +17,12 @@ from lopd_kernels.fused_linear_topk_tail_kl import (
 )
 from lopd_kernels.hf import causal_lm_topk_tail_kl, decoder_of, lm_head_topk_tail_kl
 from lopd_kernels.qformer import QFormerCompressor
+from lopd_kernels.sparse_teacher_topk_tail_kl import (
+    SparseTeacherTopKTailKL,
+    SparseTeacherTopKTailKLOutput,
+    sparse_teacher_topk_tail_kl,
+    sparse_teacher_topk_tail_kl_reference,
+)
 from lopd_kernels.topk_tail_kl import (
     TopKTailKL,
     TopKTailKLOutput,
@@ -31,6 +38,8 @@ __all__ = [
     "DIVERGENCES",
     "BackendUnavailableError",
     "QFormerCompressor",
+    "SparseTeacherTopKTailKL",
+    "SparseTeacherTopKTailKLOutput",
     "TopKTailKL",
     "TopKTailKLOutput",
     "__version__",
@@ -40,6 +49,8 @@ __all__ = [
     "fused_linear_topk_tail_kl",
     "fused_linear_topk_tail_kl_reference",
     "lm_head_topk_tail_kl",
+    "sparse_teacher_topk_tail_kl",
+    "sparse_teacher_topk_tail_kl_reference",
     "topk_tail_kl",
     "topk_tail_kl_reference",
     "varlen_cross_attention",

@@ -27,3 +27,6 @@ TRITON_TOPK_MAX_TOP_M = 256
 
 #: Largest ``top_m`` the CUDA ``topk_tail_kl`` kernels take (csrc/cuda/topk_tail_kl_kernels.cuh).
 CUDA_TOPK_MAX_TOP_M = 1024
+
+#: Largest M (teacher top-M slots) the Triton ``sparse_teacher_topk_tail_kl`` kernels take.
+TRITON_SPARSE_TEACHER_MAX_TOP_M = 256

@@ -40,6 +40,7 @@ from lopd_kernels._constants import (
     REDUCTIONS,
     TRITON_TOPK_MAX_TOP_M,
 )
+from lopd_kernels.row_layout import rows_in_place
 from lopd_kernels.topk_tail_kl_checks import check_inputs, check_target_values
 
 __all__ = ["TopKTailKL", "TopKTailKLOutput", "topk_tail_kl", "topk_tail_kl_reference"]
@@ -157,9 +158,12 @@ def topk_tail_kl_reference(
     )
     tgt = target_ids.reshape(-1).long()
     check_target_values(tgt, vocab, ignore_index)
-    rows = (tgt != ignore_index).nonzero().squeeze(1)
-    s = student_logits.reshape(-1, vocab).to(dtype)[rows] / temperature
-    t = teacher_logits.reshape(-1, vocab).to(dtype)[rows] / temperature
+    keep = target_ids != ignore_index
+    rows = keep.reshape(-1).nonzero().squeeze(1)
+    # Gather the kept rows straight from [..., V] (a strided view such as logits[:, :-1] is not
+    # first copied whole by a reshape), in the order of ``rows``.
+    s = student_logits[keep].to(dtype) / temperature
+    t = teacher_logits[keep].to(dtype) / temperature
     a = tgt[rows].unsqueeze(1)
 
     lse_s = torch.logsumexp(s, dim=-1, keepdim=True)
@@ -211,7 +215,7 @@ def _fwd_fake(
     reverse: bool,
     ignore_index: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    n = student_logits.shape[0]
+    n = math.prod(student_logits.shape[:-1])  # [N, V] or [B, L, V] logits
     f32 = {"dtype": torch.float32, "device": student_logits.device}
     return (
         torch.empty(n, **f32),
@@ -283,9 +287,10 @@ def _triton_fwd(
         )
     else:
         check_target_values(target_ids, vocab, ignore_index)
+    # The launcher reads strided rows in place (it copies only a non-dense vocabulary axis).
     return fwd(
-        student_logits.contiguous(),
-        teacher_logits.contiguous(),
+        student_logits,
+        teacher_logits,
         target_ids.contiguous(),
         top_m,
         temperature,
@@ -318,8 +323,8 @@ def _triton_bwd(
         grad_kl.contiguous(),
         grad_student_logprob.contiguous(),
         grad_teacher_logprob.contiguous(),
-        student_logits.contiguous(),
-        teacher_logits.contiguous(),
+        student_logits,
+        teacher_logits,
         target_ids.contiguous(),
         topk_ids.contiguous(),
         kl.contiguous(),
@@ -495,12 +500,11 @@ def call_fwd_op(
     """Runs a ``topk_tail_kl_<impl>_fwd``-schema op (any implementation's, autograd registered)
     on validated ``[..., V]`` inputs with ``m`` top buckets and shapes its outputs as
     :func:`topk_tail_kl`."""
-    vocab = student_logits.shape[-1]
     lead = student_logits.shape[:-1]
     flat_target = target_ids.reshape(-1).to(torch.int64).contiguous()
     kl, slp, tlp, ids, _lse, bucket = op(
-        student_logits.reshape(-1, vocab).contiguous(),
-        teacher_logits.reshape(-1, vocab).contiguous(),
+        rows_in_place(student_logits),
+        rows_in_place(teacher_logits),
         flat_target,
         m,
         float(temperature),

@@ -71,17 +71,7 @@ def check_inputs(
         )
     if top_m is not None and (not isinstance(top_m, int) or isinstance(top_m, bool) or top_m < 1):
         raise ValueError(f"top_m must be None (full vocabulary) or an int >= 1, got {top_m!r}")
-    if (
-        not isinstance(temperature, (int, float))
-        or isinstance(temperature, bool)
-        or not math.isfinite(temperature)
-        or temperature <= 0
-    ):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    check_loss_options(temperature, divergence, ignore_index)
     vocab = student_logits.shape[-1]
     return 0 if top_m is None or top_m >= vocab else top_m
 
@@ -96,3 +86,19 @@ def check_target_values(target_ids: Tensor, vocab: int, ignore_index: int) -> No
             f"target_ids[{i}] (flattened) = {value} is outside [0, V={vocab}) and is not "
             f"ignore_index ({ignore_index})"
         )
+
+
+def check_loss_options(temperature: float, divergence: str, ignore_index: int) -> None:
+    """The scalar options every top-M + tail op shares: a finite temperature > 0, a known
+    divergence, an integer ``ignore_index``."""
+    if (
+        not isinstance(temperature, (int, float))
+        or isinstance(temperature, bool)
+        or not math.isfinite(temperature)
+        or temperature <= 0
+    ):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")

@@ -84,7 +84,9 @@ def test_every_benchmark_wrote_its_records(dry_run):
         (r["op"], r["backend"], r["shapes"].get("pass", r["shapes"].get("part"))) for r in records
     }
     want = {("device", "copy", None), ("device", "matmul", None)}
-    lopd_topk = ["triton", "cpu", "torch_reference"] + (["trl_eager"] if HAS_TRL else [])
+    # "triton[v2]": the top-M forward's new kernel, timed next to the default one.
+    lopd_topk = ["triton", "triton[v2]", "cpu", "torch_reference"]
+    lopd_topk += ["trl_eager"] if HAS_TRL else []
     want |= {("topk_tail_kl", b, p) for b in lopd_topk for p in ("fwd", "bwd", "fwd+bwd")}
     want.add(("topk_tail_kl", "torch_topk", "fwd"))
     fused = ["materialized", "chunked", "triton"] + (["trl_chunked_divergence"] if HAS_TRL else [])

@@ -32,7 +32,7 @@ def run(name: str, tmp_path, monkeypatch) -> dict:
 
 
 def test_every_snippet_is_checked():
-    assert set(snippets()) == {"pytorch", "trl", "teacher-topk", "verl"}
+    assert set(snippets()) == {"pytorch", "trl", "sparse-teacher", "teacher-topk", "verl"}
 
 
 def test_pytorch_snippet(tmp_path, monkeypatch):
@@ -41,6 +41,14 @@ def test_pytorch_snippet(tmp_path, monkeypatch):
     assert math.isfinite(ns["loss"].item()) and abs(ns["loss"].item()) < 1e-4
     assert ns["student"].lm_head.weight.grad is not None
     assert (ns["out"].kl[ns["target"].reshape(-1) == -100] == 0).all()
+
+
+def test_sparse_teacher_snippet(tmp_path, monkeypatch):
+    ns = run("sparse-teacher", tmp_path, monkeypatch)
+    out, dense = ns["out"], ns["dense"]
+    assert (out.kl > 0).all() and ns["student_logits"].grad.abs().sum() > 0
+    torch.testing.assert_close(out.kl, dense.kl, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(out.teacher_topk_mass, dense.teacher_topk_mass)
 
 
 def test_teacher_topk_snippet(tmp_path, monkeypatch):

@@ -96,6 +96,33 @@ def test_unaligned_rows(target):
     check(target, s[:, 1:], t[:, 1:], torch.clamp(tgt, max=2 * 2048 + 11), top_m=33)
 
 
+@pytest.mark.parametrize("v", [64, 61], ids=["aligned", "unaligned"])
+def test_causal_view_rows_in_place(target, v):
+    """``logits[:, :-1]`` of ``[B, T, V]`` buffers (rows of stride V, items of stride T * V; no
+    ``[N, V]`` view exists) are accepted, with the results and gradients of the contiguous copy
+    and the reference's (the CUDA op copies them to dense rows; V = 61 and 64: odd and
+    vector-load-aligned rows)."""
+    g = torch.Generator().manual_seed(v)
+    s_base = torch.randn(2, 5, v, generator=g).requires_grad_(True)
+    t_base = torch.randn(2, 5, v, generator=g).requires_grad_(True)
+    tgt = torch.randint(0, v, (2, 4), generator=g)
+    tgt[0, 1] = -100
+    up = [u.reshape(tgt.shape) for u in random_upstream(tgt.numel())]
+    s_copy = s_base[:, :-1].detach().contiguous().requires_grad_(True)
+    t_copy = t_base[:, :-1].detach().contiguous().requires_grad_(True)
+    out = op_for(target)(s_base[:, :-1], t_base[:, :-1], tgt, top_m=8)
+    copy = op_for(target)(s_copy, t_copy, tgt, top_m=8)
+    for o in (out, copy):
+        sum((x.double() * u).sum() for x, u in zip(o[:4], up)).backward()
+    for name in ("kl", "student_logprob", "teacher_logprob", "topk_ids"):
+        assert torch.equal(getattr(out, name), getattr(copy, name)), name
+    assert torch.equal(s_base.grad[:, :-1], s_copy.grad)
+    assert torch.equal(t_base.grad[:, :-1], t_copy.grad)
+    assert not s_base.grad[:, -1].any()
+    ref = topk_tail_kl_reference(s_base[:, :-1].double(), t_base[:, :-1].double(), tgt, top_m=8)
+    assert_close(out.kl, ref.kl, torch.float32, f"{target} kl")
+
+
 def test_ignored_and_padded_rows(target):
     s, t, tgt = make_inputs(6, 1003, seed=5, pad=40, ignore_rows=(0, 3))
     check(target, s, t, tgt, top_m=20)

@@ -14,6 +14,8 @@ reference.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -22,7 +24,9 @@ from tests.utils import assert_close, requires_cuda, triton_interpret
 
 triton = pytest.importorskip("triton", reason="the triton backend needs the triton package")
 
+from lopd_kernels.kernel_variants import SWITCHES  # noqa: E402
 from lopd_kernels.triton.topk_tail_kl import (  # noqa: E402
+    FWD_SWITCH,
     MAX_TOP_M,
     topk_tail_kl_bwd_triton,
     topk_tail_kl_fwd_triton,
@@ -43,6 +47,14 @@ pytestmark = [
 ]
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(params=SWITCHES[FWD_SWITCH].choices)
+def fwd_variant(request, monkeypatch):
+    """Runs a test once per top-M forward kernel (lopd_kernels/kernel_variants.py), selected
+    through the switch's environment variable as a user would."""
+    monkeypatch.setenv(SWITCHES[FWD_SWITCH].env, request.param)
+    return request.param
 
 
 # ------------------------------------------------------------------------------------------
@@ -198,7 +210,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("n, v, m, temperature, reverse, s_dtype, t_dtype, block_v", CASES)
-def test_matches_oracle(n, v, m, temperature, reverse, s_dtype, t_dtype, block_v):
+def test_matches_oracle(n, v, m, temperature, reverse, s_dtype, t_dtype, block_v, fwd_variant):
+    if fwd_variant != "v1" and not 1 <= m <= 64:
+        # top_m = 0 (the full-vocabulary kernel) and top_m > 64 (the bitonic merge) run v1.
+        pytest.skip(f"{fwd_variant}: the launcher runs v1 for top_m={m}")
     gen = torch.Generator().manual_seed(n * 1000 + v + m)
     s = _distinct_logits(n, v, s_dtype, 3.0, gen).to(DEVICE)
     t = _distinct_logits(n, v, t_dtype, 3.0, gen).to(DEVICE)
@@ -210,12 +225,14 @@ def test_matches_oracle(n, v, m, temperature, reverse, s_dtype, t_dtype, block_v
 
 @pytest.mark.parametrize("bulk_min", [0, -1], ids=["always-merge", "always-insert"])
 @pytest.mark.parametrize("order", ["random", "ascending", "descending"])
-def test_top_m_update_paths(bulk_min, order):
+def test_top_m_update_paths(bulk_min, order, fwd_variant):
     """Both ways of updating the running top-M (bitonic merge, sequential inserts) alone.
 
     An ascending teacher makes every entry of every block a candidate that evicts earlier ones
     (the worst case of the tail bookkeeping); a descending one settles in the first block.
     """
+    if fwd_variant != "v1" and bulk_min >= 0:
+        pytest.skip(f"{fwd_variant} has no bitonic merge: the launcher runs v1")
     gen = torch.Generator().manual_seed(21)
     n, v = 2, 200
     s = torch.randn(n, v, generator=gen) * 2
@@ -246,7 +263,7 @@ def test_all_ignored_rows_are_zero():
 
 
 @pytest.mark.parametrize("reverse", [True, False], ids=["rev", "fwd"])
-def test_neg_inf_logits(reverse):
+def test_neg_inf_logits(reverse, fwd_variant):
     """Padded vocabularies (-inf on both sides) and masked entries: no NaN anywhere."""
     gen = torch.Generator().manual_seed(7)
     n, v = 3, 200
@@ -267,7 +284,7 @@ def test_neg_inf_logits(reverse):
 
 
 @pytest.mark.parametrize("reverse", [True, False], ids=["rev", "fwd"])
-def test_tiny_tail_is_exact(reverse):
+def test_tiny_tail_is_exact(reverse, fwd_variant):
     """A sharp teacher leaves ~1e-30 mass in the tail: its log-mass must still be exact.
 
     ``1 - sum(top)`` would give 0 (log = -inf) and a clamp at 1e-7 would give -16; the KL's tail
@@ -291,7 +308,7 @@ def test_tiny_tail_is_exact(reverse):
 
 
 @pytest.mark.parametrize("reverse", [True, False], ids=["rev", "fwd"])
-def test_student_excludes_teacher_mass(reverse):
+def test_student_excludes_teacher_mass(reverse, fwd_variant):
     """The student gives e^-110 of the teacher's mass to some buckets (a top-M entry in row 0,
     the whole tail in row 1): S_j underflows in float32 and Q_b / P_b overflows, yet the
     gradients are finite and exact (forward KL: d/ds_j = S_j - T_j-share, not 0 * inf)."""
@@ -318,7 +335,7 @@ def test_one_side_gradient(grads):
 
 
 @pytest.mark.parametrize("m", [20, 0], ids=["M20", "full"])
-def test_strided_rows_and_no_out_of_bounds_reads(m):
+def test_strided_rows_and_no_out_of_bounds_reads(m, fwd_variant):
     """Rows of a wider buffer (row stride > V) are read in place; the buffer around them holds
     NaN, so a read past a row's V entries (or before/after the rows) would poison the outputs."""
     gen = torch.Generator().manual_seed(5)
@@ -415,6 +432,30 @@ def test_bad_input(kwargs, exc, match):
         topk_tail_kl_fwd_triton(**args)
 
 
+def test_kernel_variant_switch_is_validated(monkeypatch):
+    """A switch set to no variant fails loudly, naming the variable; so does a bad argument."""
+    x = torch.zeros(2, 10, device=DEVICE)
+    tgt = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    env = SWITCHES[FWD_SWITCH].env
+    monkeypatch.setenv(env, "v9")
+    with pytest.raises(ValueError, match=env):
+        topk_tail_kl_fwd_triton(x, x, tgt, 4, 1.0, True, IGNORE, block_v=16, num_warps=4)
+    monkeypatch.delenv(env)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        topk_tail_kl_fwd_triton(x, x, tgt, 4, 1.0, True, IGNORE, variant="v9")
+
+
+def test_use_variant_restores_the_setting(monkeypatch):
+    from lopd_kernels.kernel_variants import use_variant, variant
+
+    env = SWITCHES[FWD_SWITCH].env
+    monkeypatch.delenv(env, raising=False)
+    assert variant(FWD_SWITCH) == SWITCHES[FWD_SWITCH].default == "v1"
+    with use_variant(FWD_SWITCH, "v2"):
+        assert variant(FWD_SWITCH) == "v2"
+    assert variant(FWD_SWITCH) == "v1" and env not in os.environ
+
+
 def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = torch.zeros(2, 10)
@@ -431,6 +472,7 @@ def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch):
 _COMPILE_SCRIPT = """
 from tests.triton_compile import compile_kernel
 import lopd_kernels.triton.topk_tail_kl as k
+import lopd_kernels.triton.topk_tail_kl_fused_kernels as f
 
 def arg_type(name):
     if name in ("s_ptr", "t_ptr", "gs_ptr", "gt_ptr"):
@@ -454,6 +496,8 @@ for arch in (80, 90):
     for full in (False, True):
         compile_for(k._bwd_kernel, arch, M=0 if full else 20, MP=32, BLOCK_V=2048,
                     REVERSE=not full, FULL=full, GRAD_S=True, GRAD_T=True)
+    # Variant v2 of the top-M forward (lopd_kernels/kernel_variants.py).
+    compile_for(f._fwd_topm_fused_kernel, arch, M=20, MP=32, BLOCK_V=2048, REVERSE=True)
 # The bitonic-merge path (small block: the network's size only changes compile time).
 compile_for(k._fwd_topm_kernel, 90, M=20, MP=32, BLOCK_V=256, REVERSE=False, BULK=True,
             BULK_MIN=12)
@@ -482,11 +526,13 @@ def test_kernels_compile_for_sm80_sm90():
     [(20, True), (20, False), (64, True), (256, False), (0, True), (0, False)],
     ids=["M20-rev", "M20-fwd", "M64-rev", "M256-fwd", "full-rev", "full-fwd"],
 )
-def test_gpu_qwen_vocab_bf16(m, reverse):
+def test_gpu_qwen_vocab_bf16(m, reverse, fwd_variant):
     """Qwen3 vocabulary (151,936) in bf16 with the default GPU launch configuration.
 
     M = 256 compiles the bitonic-merge path (tens of seconds once), hence one direction only.
     """
+    if fwd_variant != "v1" and not 1 <= m <= 64:
+        pytest.skip(f"{fwd_variant}: the launcher runs v1 for top_m={m}")
     gen = torch.Generator().manual_seed(m)
     n, v = 16, 151_936
     s = (torch.randn(n, v, generator=gen) * 4).to(torch.bfloat16).cuda()

@@ -38,6 +38,30 @@ inline constexpr const char* kTopkTailKlCpuBwd = LOPD_TOPK_TAIL_KL_BWD_SCHEMA("c
 inline constexpr const char* kTopkTailKlCudaFwd = LOPD_TOPK_TAIL_KL_FWD_SCHEMA("cuda");
 inline constexpr const char* kTopkTailKlCudaBwd = LOPD_TOPK_TAIL_KL_BWD_SCHEMA("cuda");
 
+// ---- sparse_teacher_topk_tail_kl (lopd_kernels/sparse_teacher_topk_tail_kl.py) ----
+// Top-M + tail KL against a teacher given by its top-M ids and log-probs. CPU kernel only (on
+// GPUs the Triton kernel runs). Forward: student_logits [N, V] fp32/bf16/fp16,
+// teacher_topk_logprobs [N, M] fp32 (-inf: a padding slot), teacher_topk_ids [N, M] int64,
+// target_ids [N] int64; temperature divides the student only; a teacher tail mass below
+// tail_floor (in [0, 1)) is raised to it (reverse) or dropped to 0 (forward). Returns kl[N],
+// student_logprob[N], lse[N] (fp32 log-sum-exp of student/T), bucket_logp[N,2,M+1] (fp32
+// log P_b, log Q_b in slot order, -inf at padding slots; index M is the tail). Rows whose
+// target == ignore_index are all zeros; other targets and the real slots' ids must lie in [0, V).
+#define LOPD_SPARSE_TEACHER_FWD_SCHEMA(IMPL)                                                    \
+  "sparse_teacher_topk_tail_kl_" IMPL "_fwd(Tensor student_logits, "                           \
+  "Tensor teacher_topk_logprobs, Tensor teacher_topk_ids, Tensor target_ids, "                 \
+  "float temperature, bool reverse, int ignore_index, float tail_floor) -> "                   \
+  "(Tensor kl, Tensor student_logprob, Tensor lse, Tensor bucket_logp)"
+
+// Backward. Returns grad_student [N, V] in the student's dtype.
+#define LOPD_SPARSE_TEACHER_BWD_SCHEMA(IMPL)                                                    \
+  "sparse_teacher_topk_tail_kl_" IMPL "_bwd(Tensor grad_kl, Tensor grad_student_logprob, "     \
+  "Tensor student_logits, Tensor teacher_topk_ids, Tensor target_ids, Tensor kl, Tensor lse, " \
+  "Tensor bucket_logp, float temperature, bool reverse, int ignore_index) -> Tensor"
+
+inline constexpr const char* kSparseTeacherCpuFwd = LOPD_SPARSE_TEACHER_FWD_SCHEMA("cpu");
+inline constexpr const char* kSparseTeacherCpuBwd = LOPD_SPARSE_TEACHER_BWD_SCHEMA("cpu");
+
 // ---- varlen_cross_attention (lopd_kernels/varlen_cross_attention.py) ----
 // The same arguments as the Triton ops lopd::varlen_cross_attention_triton_fwd / _bwd.
 // Forward. q [B, Lq, Hq, D], k/v packed [total_k, Hkv, D] (one dtype: fp32/bf16/fp16, contiguous,
@@ -64,6 +88,8 @@ inline constexpr const char* kVarlenCrossAttentionCudaBwd = LOPD_VARLEN_XATTN_BW
 
 #undef LOPD_TOPK_TAIL_KL_FWD_SCHEMA
 #undef LOPD_TOPK_TAIL_KL_BWD_SCHEMA
+#undef LOPD_SPARSE_TEACHER_FWD_SCHEMA
+#undef LOPD_SPARSE_TEACHER_BWD_SCHEMA
 #undef LOPD_VARLEN_XATTN_FWD_SCHEMA
 #undef LOPD_VARLEN_XATTN_BWD_SCHEMA
 

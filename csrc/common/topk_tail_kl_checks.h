@@ -6,8 +6,11 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+
+#include "common/topk_tail_kl_math.h"
 
 namespace lopd::topk_tail_kl {
 
@@ -17,7 +20,8 @@ inline void check_logits(const at::Tensor& x, const char* name, c10::DeviceType 
                          const char* backend) {
   TORCH_CHECK(x.device().type() == device_type, "topk_tail_kl (", backend, "): ", name,
               " must be a ", backend, " tensor, got ", x.device());
-  TORCH_CHECK(x.dim() == 2, "topk_tail_kl: ", name, " must be 2-D [N, V], got shape ", x.sizes());
+  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "topk_tail_kl: ", name,
+              " must be [N, V] or [B, L, V], got shape ", x.sizes());
   const auto dt = x.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "topk_tail_kl (",
               backend, "): ", name, " must be float32, bfloat16 or float16, got ", dt,
@@ -35,8 +39,24 @@ inline void check_logits_pair(const at::Tensor& student, const at::Tensor& teach
   TORCH_CHECK(student.sizes() == teacher.sizes(),
               "topk_tail_kl: student_logits and teacher_logits must have the same shape, got ",
               student.sizes(), " and ", teacher.sizes());
-  TORCH_CHECK(student.size(1) >= 1,
+  TORCH_CHECK(student.size(-1) >= 1,
               "topk_tail_kl: the vocabulary (last dim of student_logits) is empty");
+}
+
+// Rows N of [N, V] or [B, L, V] logits (B * L).
+inline int64_t rows_of(const at::Tensor& x) {
+  return x.dim() == 2 ? x.size(0) : x.size(0) * x.size(1);
+}
+
+// The logits as the kernels read them: in place when the vocabulary axis is dense (any other
+// strides: see RowLayout), else a contiguous copy.
+inline at::Tensor dense_vocab(const at::Tensor& x) {
+  return x.stride(-1) == 1 || x.size(-1) <= 1 ? x : x.contiguous();
+}
+
+inline RowLayout row_layout(const at::Tensor& x) {
+  if (x.dim() == 2) return RowLayout{std::max<int64_t>(x.size(0), 1), 0, x.stride(0)};
+  return RowLayout{std::max<int64_t>(x.size(1), 1), x.stride(0), x.stride(1)};
 }
 
 inline void check_row_vector(const at::Tensor& x, const char* name, int64_t n,
@@ -61,8 +81,8 @@ inline void check_fwd_args(const at::Tensor& student, const at::Tensor& teacher,
                            const at::Tensor& target_ids, int64_t top_m,
                            c10::DeviceType device_type, const char* backend) {
   check_logits_pair(student, teacher, device_type, backend);
-  const int64_t v = student.size(1);
-  check_row_vector(target_ids, "target_ids", student.size(0), at::kLong, student.device());
+  const int64_t v = student.size(-1);
+  check_row_vector(target_ids, "target_ids", rows_of(student), at::kLong, student.device());
   TORCH_CHECK(top_m == 0 || (top_m >= 1 && top_m < v), "topk_tail_kl: top_m must be 0 (full ",
               "vocabulary) or in [1, V = ", v, "), got ", top_m);
 }
@@ -76,8 +96,8 @@ inline int64_t check_bwd_args(const at::Tensor& grad_kl, const at::Tensor& grad_
                               c10::DeviceType device_type, const char* backend) {
   check_logits_pair(student, teacher, device_type, backend);
   const auto dev = student.device();
-  const int64_t n = student.size(0);
-  const int64_t v = student.size(1);
+  const int64_t n = rows_of(student);
+  const int64_t v = student.size(-1);
   check_row_vector(target_ids, "target_ids", n, at::kLong, dev);
   check_row_vector(grad_kl, "grad_kl", n, at::kFloat, dev);
   check_row_vector(grad_student_logprob, "grad_student_logprob", n, at::kFloat, dev);

@@ -20,6 +20,18 @@ namespace lopd::topk_tail_kl {
 
 #define LOPD_NEG_INF (-INFINITY)
 
+// Where row r of the logits starts, in elements: [N, V] logits with any row stride (one item
+// of N rows), or [B, L, V] with any item and position strides (logits[:, :-1] of a causal LM,
+// which no [N, V] view covers), read in place. The vocabulary axis is always dense.
+struct RowLayout {
+  int64_t per_item;     // rows per item (L; N for [N, V])
+  int64_t item_stride;  // 0 for [N, V]
+  int64_t row_stride;
+  LOPD_HOST_DEVICE int64_t offset(int64_t row) const {
+    return (row / per_item) * item_stride + (row % per_item) * row_stride;
+  }
+};
+
 // ---------------------------------------------------------------------------------------------
 // Online log-sum-exp. A state (max, sum) represents max + log(sum); an empty set is (-inf, 0).
 // `sum` is always relative to `max`, so no term ever overflows, and a state whose max is -inf

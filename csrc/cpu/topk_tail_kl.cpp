@@ -39,11 +39,15 @@ topk_tail_kl_fwd_cpu(const at::Tensor& student_logits, const at::Tensor& teacher
                      bool reverse, int64_t ignore_index) {
   checks::check_fwd_args(student_logits, teacher_logits, target_ids, top_m, c10::DeviceType::CPU,
                          "CPU");
-  const int64_t n = student_logits.size(0);
-  const int64_t v = student_logits.size(1);
+  const int64_t n = checks::rows_of(student_logits);
+  const int64_t v = student_logits.size(-1);
   TopKTailKLFwdArgs a;
-  a.student = student_logits.contiguous();
-  a.teacher = teacher_logits.contiguous();
+  a.student = checks::dense_vocab(student_logits);  // strided rows are read in place
+  a.teacher = checks::dense_vocab(teacher_logits);
+  a.n_rows = n;
+  a.vocab = v;
+  a.s_layout = checks::row_layout(a.student);
+  a.t_layout = checks::row_layout(a.teacher);
   a.target = target_ids.contiguous();
   check_targets(a.target, v, ignore_index);
   a.top_m = top_m;
@@ -71,13 +75,17 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cpu(
   checks::check_bwd_args(grad_kl, grad_student_logprob, grad_teacher_logprob, student_logits,
                          teacher_logits, target_ids, topk_ids, kl, lse, bucket_logp,
                          c10::DeviceType::CPU, "CPU");
-  const int64_t v = student_logits.size(1);
+  const int64_t v = student_logits.size(-1);
   TopKTailKLBwdArgs a;
   a.grad_kl = grad_kl.contiguous();
   a.grad_student_logprob = grad_student_logprob.contiguous();
   a.grad_teacher_logprob = grad_teacher_logprob.contiguous();
-  a.student = student_logits.contiguous();
-  a.teacher = teacher_logits.contiguous();
+  a.student = checks::dense_vocab(student_logits);
+  a.teacher = checks::dense_vocab(teacher_logits);
+  a.n_rows = checks::rows_of(student_logits);
+  a.vocab = v;
+  a.s_layout = checks::row_layout(a.student);
+  a.t_layout = checks::row_layout(a.teacher);
   a.target = target_ids.contiguous();
   check_targets(a.target, v, ignore_index);
   a.topk_ids = topk_ids.contiguous();
@@ -88,7 +96,8 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cpu(
   a.reverse = reverse;
   a.ignore_index = ignore_index;
   // The two [N, V] gradients are the op's only large allocations: recycled buffers (see
-  // cpu/buffer_cache.h: fresh pages would be zeroed by the OS before the kernel writes them).
+  // cpu/buffer_cache.h: fresh pages would be zeroed by the OS before the kernel writes them),
+  // dense in the logits' shape (row r at r * V).
   if (student_requires_grad) {
     a.grad_student = empty_recycled(a.student.sizes(), a.student.options());
   }

@@ -4,14 +4,20 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "common/topk_tail_kl_math.h"
 #include "cpu/isa_dispatch.h"
 
 namespace lopd::cpu {
 
-// All tensors contiguous and already checked; outputs preallocated by the op.
+// All tensors already checked; outputs preallocated by the op. The logits are [N, V] or
+// [B, L, V] with a dense vocabulary axis, rows anywhere (row n at layout.offset(n)); every other
+// tensor is contiguous.
 struct TopKTailKLFwdArgs {
-  at::Tensor student;  // [N, V] float32 | bfloat16 | float16
-  at::Tensor teacher;  // [N, V] float32 | bfloat16 | float16 (may differ from student)
+  at::Tensor student;  // [N, V] | [B, L, V] float32 | bfloat16 | float16
+  at::Tensor teacher;  // the same shape; float32 | bfloat16 | float16 (may differ from student)
+  int64_t n_rows;      // N (B * L)
+  int64_t vocab;       // V
+  ::lopd::topk_tail_kl::RowLayout s_layout, t_layout;
   at::Tensor target;   // [N] int64
   int64_t top_m;       // 0 (full vocabulary) or in [1, V)
   float inv_temperature;
@@ -29,8 +35,11 @@ struct TopKTailKLBwdArgs {
   at::Tensor grad_kl;               // [N] float32
   at::Tensor grad_student_logprob;  // [N] float32
   at::Tensor grad_teacher_logprob;  // [N] float32 (includes the privilege's upstream gradient)
-  at::Tensor student;               // [N, V]
-  at::Tensor teacher;               // [N, V]
+  at::Tensor student;               // [N, V] | [B, L, V] (rows at s_layout)
+  at::Tensor teacher;               // the same shape (rows at t_layout)
+  int64_t n_rows;                   // N (B * L)
+  int64_t vocab;                    // V
+  ::lopd::topk_tail_kl::RowLayout s_layout, t_layout;
   at::Tensor target;                // [N] int64
   at::Tensor topk_ids;              // [N, M] int64
   at::Tensor kl;                    // [N] float32
@@ -39,8 +48,8 @@ struct TopKTailKLBwdArgs {
   float inv_temperature;
   bool reverse;
   int64_t ignore_index;
-  at::Tensor grad_student;  // [N, V] in student's dtype, or undefined when not required
-  at::Tensor grad_teacher;  // [N, V] in teacher's dtype, or undefined when not required
+  at::Tensor grad_student;  // dense, student's shape and dtype, or undefined when not required
+  at::Tensor grad_teacher;  // dense, teacher's shape and dtype, or undefined when not required
 };
 
 }  // namespace lopd::cpu

@@ -546,14 +546,16 @@ topk_tail_kl_fwd_cuda(const at::Tensor& student_logits, const at::Tensor& teache
                       bool reverse, int64_t ignore_index) {
   checks::check_fwd_args(student_logits, teacher_logits, target_ids, top_m,
                          LOPD_SIMT_DEVICE_TYPE, LOPD_SIMT_BACKEND);
-  const int64_t n = student_logits.size(0);
-  const int64_t v = student_logits.size(1);
+  const int64_t n = checks::rows_of(student_logits);
+  const int64_t v = student_logits.size(-1);
   TORCH_CHECK(v < (int64_t(1) << 32), "topk_tail_kl (" LOPD_SIMT_BACKEND "): V must be < 2^32, got ", v);
   TORCH_CHECK(top_m <= kMaxTopM, "topk_tail_kl (" LOPD_SIMT_BACKEND "): top_m must be <= ", kMaxTopM, ", got ",
               top_m, " (use top_m=None for the full vocabulary)");
   LOPD_DEVICE_GUARD(student_logits.device());
-  const at::Tensor s = student_logits.contiguous();
-  const at::Tensor t = teacher_logits.contiguous();
+  // The CUDA kernels take dense [N, V] rows: [B, L, V] or strided logits are copied here (the
+  // CPU and Triton kernels read them in place).
+  const at::Tensor s = student_logits.reshape({n, v}).contiguous();
+  const at::Tensor t = teacher_logits.reshape({n, v}).contiguous();
   const at::Tensor tgt = target_ids.contiguous();
   const auto f32 = s.options().dtype(at::kFloat);
   at::Tensor kl = at::empty({n}, f32);
@@ -590,11 +592,11 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cuda(
       grad_kl, grad_student_logprob, grad_teacher_logprob, student_logits, teacher_logits,
       target_ids, topk_ids, kl, lse, bucket_logp, LOPD_SIMT_DEVICE_TYPE, LOPD_SIMT_BACKEND);
   const auto dev = student_logits.device();
-  const int64_t n = student_logits.size(0);
-  const int64_t v = student_logits.size(1);
+  const int64_t n = checks::rows_of(student_logits);
+  const int64_t v = student_logits.size(-1);
   LOPD_DEVICE_GUARD(dev);
-  const at::Tensor s = student_logits.contiguous();
-  const at::Tensor t = teacher_logits.contiguous();
+  const at::Tensor s = student_logits.reshape({n, v}).contiguous();
+  const at::Tensor t = teacher_logits.reshape({n, v}).contiguous();
   at::Tensor gs = student_requires_grad ? at::empty_like(s) : at::Tensor();
   at::Tensor gt = teacher_requires_grad ? at::empty_like(t) : at::Tensor();
   if (n > 0 && (student_requires_grad || teacher_requires_grad)) {
@@ -619,8 +621,9 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cuda(
   }
   // A side without gradient gets an empty float32 [0] tensor (the same for every backend).
   const auto none = student_logits.options().dtype(at::kFloat);
-  return {student_requires_grad ? gs : at::empty({0}, none),
-          teacher_requires_grad ? gt : at::empty({0}, none)};
+  // Gradients in the logits' shape ([N, V] or [B, L, V]), dense.
+  return {student_requires_grad ? gs.view(student_logits.sizes()) : at::empty({0}, none),
+          teacher_requires_grad ? gt.view(teacher_logits.sizes()) : at::empty({0}, none)};
 }
 
 }  // namespace

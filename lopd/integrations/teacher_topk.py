@@ -6,14 +6,10 @@ for the top-M + tail divergence (paper eq. 9-11): the teacher's bucket masses ar
 probabilities plus the tail ``1 - sum_i exp(logprob_i)``, computed as ``-expm1(logsumexp)``
 (stable when the top-M mass is close to 1).
 
-:func:`topk_tail_kl_from_teacher_topk` runs the dense kernel :func:`lopd_kernels.topk_tail_kl`
-on a teacher rebuilt from those numbers: the M given log-probs at their ids, the tail mass spread
-evenly over the other ``V - M`` ids. Every bucket mass is then exactly the server's, so the KL,
-its gradient to the student and the tail are exact; the kernel's own top-M selection recovers
-the given ids because each spread tail entry is below the smallest given probability (true of any
-genuine top-M; rows where it is not are inconsistent). The cost is one ``[N, V]`` float32 teacher
-buffer next to the student logits the caller already holds (a dedicated sparse-teacher op, which
-avoids it, is issue 19 item 2).
+:func:`topk_tail_kl_from_teacher_topk` runs :func:`lopd_kernels.sparse_teacher_topk_tail_kl`, the
+op made for this input (no ``[N, V]`` teacher buffer; C++ on CPU, Triton on GPU): the student's
+tail is its mass outside the given ids, so the KL and its student gradient equal the dense
+kernel's on the teacher's full logits. What this function adds is verl's row policy below.
 
 Rows are checked, never silently wrong: a top-M mass above ``1 + mass_tolerance``, a duplicate
 or out-of-range id, or a tail too heavy for the given ids to be the teacher's top-M makes a row
@@ -90,13 +86,14 @@ def topk_tail_kl_from_teacher_topk(
             softmax, 1 <= M < V.
         teacher_topk_ids: ``[..., M]`` integer ids of those entries.
         divergence: ``"reverse"`` (KL(student || teacher), the paper's) or ``"forward"``.
-        tail_floor: smallest teacher tail mass used (a top-M mass of 1 up to rounding leaves a
-            zero tail, which makes the reverse KL infinite); lowered per row to at most half
-            the smallest given probability per tail entry, so the given ids stay the top-M.
+        tail_floor: teacher tail masses below it are rounding noise: raised to it for the
+            reverse KL (a top-M mass of 1 up to rounding would make it infinite), dropped to 0
+            for the forward KL (see :mod:`lopd_kernels.sparse_teacher_topk_tail_kl`).
         mass_tolerance: how far above 1 the top-M mass may be (server rounding) before the row
             counts as inconsistent.
         on_invalid: ``"raise"`` or ``"ignore"`` (see the module docstring).
-        backend: passed to :func:`lopd_kernels.topk_tail_kl`.
+        backend: passed to :func:`lopd_kernels.sparse_teacher_topk_tail_kl` (``"auto"``,
+            ``"torch"``, ``"cpu"``, ``"triton"``).
 
     Returns:
         :class:`TeacherTopKKL`.
@@ -130,41 +127,34 @@ def topk_tail_kl_from_teacher_topk(
     s = student_logits.reshape(-1, vocab)
 
     top_log_mass = torch.logsumexp(lp, -1)  # [N]
-    # Tail mass 1 - exp(top_log_mass), stable near 1 (-inf when the top-M holds all the mass).
+    # Tail mass 1 - exp(top_log_mass), stable near 1 (-inf when the top-M holds all the mass),
+    # spread over the V - M other ids: if one of them must exceed the smallest given
+    # probability, the given ids cannot be the teacher's top-M.
     tail_log_mass = torch.log(-torch.expm1(top_log_mass.clamp(max=0.0)))
-    log_spread = math.log(vocab - m)
-    raw_entry = tail_log_mass - log_spread  # [N] each of the V - M spread entries
+    raw_entry = tail_log_mass - math.log(vocab - m)  # [N] the average other id
     reasons = _invalid_rows(lp, ids, vocab, raw_entry, mass_tolerance)
-    # Floor the tail so the bucket stays > 0 (a finite reverse KL), but never so high that a
-    # spread entry reaches the smallest given probability (the kernel's top-M must stay the
-    # given ids): a sharp teacher's top-M may hold entries far below the floor.
-    floor_entry = torch.minimum(
-        torch.full_like(raw_entry, math.log(tail_floor) - log_spread),
-        lp.min(-1).values - math.log(2.0),
-    )
-    tail_entry = torch.maximum(raw_entry, floor_entry)
     invalid = torch.stack(list(reasons.values())).any(0)
     if on_invalid == "raise" and bool(invalid.any()):
         found = [name for name, rows in reasons.items() if bool(rows.any())]
         raise ValueError(f"inconsistent teacher top-M at {int(invalid.sum())} row(s): {found}")
 
-    safe_ids = torch.where(invalid.unsqueeze(1), torch.arange(m, device=ids.device), ids)
-    safe_lp = torch.where(invalid.unsqueeze(1), torch.zeros_like(lp), lp)
-    safe_entry = torch.where(invalid, torch.full_like(tail_entry, -30.0), tail_entry)
-    with torch.no_grad():
-        teacher = safe_entry.unsqueeze(1).expand(-1, vocab).clone()
-        teacher.scatter_(1, safe_ids, safe_lp)
-    # The target feeds only the sampled-token log-probs, unused here; invalid rows are ignored.
-    target = torch.where(invalid, torch.full_like(ids[:, 0], _IGNORE), safe_ids[:, 0])
-    out = lk.topk_tail_kl(
-        s, teacher, target, top_m=m, divergence=divergence, ignore_index=_IGNORE, backend=backend
+    # The target feeds only the sampled-token log-prob, unused here. Invalid rows are ignored
+    # rows of the op: zeros, no gradient, their teacher entries never read.
+    target = torch.where(invalid, _IGNORE, 0)
+    out = lk.sparse_teacher_topk_tail_kl(
+        s,
+        lp,
+        ids,
+        target,
+        divergence=divergence,
+        ignore_index=_IGNORE,
+        tail_floor=tail_floor,
+        mass_tolerance=mass_tolerance,
+        backend=backend,
     )
-    with torch.no_grad():
-        s32 = s.detach().float()
-        student_mass = (s32.gather(1, safe_ids).logsumexp(-1) - s32.logsumexp(-1)).exp()
     return TeacherTopKKL(
         kl=out.kl.reshape(lead),
-        student_mass=student_mass.masked_fill(invalid, 0.0).reshape(lead),
+        student_mass=out.student_topk_mass.reshape(lead),
         teacher_mass=top_log_mass.exp().reshape(lead),
         invalid=invalid.reshape(lead),
     )

@@ -19,7 +19,10 @@ import torch
 import triton
 
 from lopd_kernels._constants import KERNEL_DTYPES, TRITON_TOPK_MAX_TOP_M
+from lopd_kernels.kernel_variants import SWITCHES
+from lopd_kernels.kernel_variants import variant as selected_variant
 from lopd_kernels.triton._common import LOG2E
+from lopd_kernels.triton.topk_tail_kl_fused_kernels import _fwd_topm_fused_kernel
 from lopd_kernels.triton.topk_tail_kl_kernels import _bwd_kernel, _fwd_full_kernel, _fwd_topm_kernel
 
 __all__ = ["MAX_TOP_M", "topk_tail_kl_bwd_triton", "topk_tail_kl_fwd_triton"]
@@ -46,6 +49,12 @@ _FWD_BULK_TOP_M = 64
 _FWD_BULK_MIN = 12
 _BWD_BLOCK_V = 2048
 _BWD_WARPS = 8
+#: The switch choosing the top-M forward kernel (lopd_kernels/kernel_variants.py).
+FWD_SWITCH = "topk_tail_kl.triton_fwd"
+# The v2 top-M forward left alone takes 95 registers (two programs per SM); capped at 80 (v1's
+# 74 allocate as 80 too: registers go per warp in units of 256) it keeps v1's three programs
+# per SM with no spill and one more instruction per block (tools/kernel_report.py).
+_FWD_V2_MAXNREG = 80
 
 
 # --------------------------------------------------------------------------------------------
@@ -67,12 +76,26 @@ def _check_runnable(device: torch.device) -> None:
 def _check_logits(name: str, x: torch.Tensor) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [N, V], got shape {tuple(x.shape)}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"{name} must be [N, V] or [B, L, V], got shape {tuple(x.shape)}")
     if x.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
-    # Rows may be strided (e.g. a slice of a padded buffer); the vocabulary axis must be dense.
-    return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
+    # Rows may be strided (a slice of a padded buffer, logits[:, :-1]): the kernels take the
+    # strides. Only the vocabulary axis must be dense.
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def _rows(x: torch.Tensor) -> int:
+    """Number of rows N of ``[N, V]`` or ``[B, L, V]`` logits (``B * L``)."""
+    return x.shape[0] if x.dim() == 2 else x.shape[0] * x.shape[1]
+
+
+def _row_layout(x: torch.Tensor) -> tuple[int, int, int]:
+    """``(L, item stride, row stride)``: row ``r`` of ``x`` starts at
+    ``(r // L) * item_stride + (r % L) * row_stride`` (``[N, V]``: one item of ``N`` rows)."""
+    if x.dim() == 2:
+        return max(x.shape[0], 1), 0, x.stride(0)
+    return max(x.shape[1], 1), x.stride(0), x.stride(1)
 
 
 def _check_rows(name: str, x: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
@@ -96,22 +119,22 @@ def _check_common(
     if s.shape != t.shape:
         raise ValueError(
             f"student_logits {tuple(s.shape)} and teacher_logits {tuple(t.shape)} must have the "
-            "same shape [N, V]"
+            "same shape [N, V] or [B, L, V]"
         )
     if s.device != t.device:
         raise ValueError(f"student_logits is on {s.device}, teacher_logits on {t.device}")
-    if not isinstance(target_ids, torch.Tensor) or target_ids.shape != (s.shape[0],):
+    if not isinstance(target_ids, torch.Tensor) or target_ids.shape != (_rows(s),):
         got = tuple(target_ids.shape) if isinstance(target_ids, torch.Tensor) else target_ids
-        raise ValueError(f"target_ids must have shape ({s.shape[0]},), got {got}")
+        raise ValueError(f"target_ids must have shape ({_rows(s)},), got {got}")
     if target_ids.dtype != torch.int64:
         raise TypeError(f"target_ids must be int64, got {target_ids.dtype}")
     if target_ids.device != s.device:
         raise ValueError(f"target_ids is on {target_ids.device}, student_logits on {s.device}")
-    if s.shape[1] < 1:
+    if s.shape[-1] < 1:
         raise ValueError("student_logits must have a vocabulary size V >= 1")
-    if s.shape[1] >= 2**30:
+    if s.shape[-1] >= 2**30:
         # Keys hold int32 indices, and block offsets (int32) run up to V + 2 * BLOCK_V.
-        raise ValueError(f"student_logits: vocabulary size {s.shape[1]} must be below 2**30")
+        raise ValueError(f"student_logits: vocabulary size {s.shape[-1]} must be below 2**30")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)) or not (
         temperature > 0
     ):
@@ -145,12 +168,14 @@ def topk_tail_kl_fwd_triton(
     block_v: int | None = None,
     num_warps: int | None = None,
     bulk_min: int | None = None,
+    variant: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward of ``topk_tail_kl`` in Triton (the ``lopd::topk_tail_kl_cpu_fwd`` contract).
 
     Args:
-        student_logits: [N, V] float32 / float16 / bfloat16, unit stride along V.
-        teacher_logits: [N, V], same shape and device; its dtype may differ from the student's.
+        student_logits: [N, V] or [B, L, V] float32 / float16 / bfloat16, unit stride along V,
+            any other strides (read in place: ``logits[:, :-1]`` is not copied).
+        teacher_logits: the same shape and device; its dtype may differ from the student's.
         target_ids: [N] int64 sampled token ids, or ``ignore_index``.
         top_m: M in ``[1, min(V, 256)]``, or 0 for the full-vocabulary KL (no tail bucket).
         temperature: T > 0; logits are divided by T before everything.
@@ -162,6 +187,9 @@ def topk_tail_kl_fwd_triton(
         bulk_min: a block with more top-M candidates than this is merged into the running
             top-M with one bitonic merge, one with fewer by sequential inserts; negative: always
             inserts (the merge is not compiled). Default: 12 when ``top_m > 64``, else -1.
+        variant: the top-M kernel, ``"v1"`` or ``"v2"`` (:data:`FWD_SWITCH` in
+            :mod:`lopd_kernels.kernel_variants`; default: what the switch selects now). ``v2``
+            has no bitonic merge: with ``bulk_min >= 0`` the ``v1`` kernel runs.
 
     Returns:
         ``(kl [N], student_logprob [N], teacher_logprob [N], topk_ids [N, M] int64,
@@ -172,7 +200,7 @@ def topk_tail_kl_fwd_triton(
         the single bucket is the whole vocabulary, of mass 1 on both sides.
     """
     s, t, tgt = _check_common(student_logits, teacher_logits, target_ids, temperature)
-    n, v = s.shape
+    n, v = _rows(s), s.shape[-1]
     if not isinstance(top_m, int) or isinstance(top_m, bool) or top_m < 0:
         raise ValueError(f"top_m must be an int >= 0 (0: full vocabulary), got {top_m!r}")
     if top_m > min(v, MAX_TOP_M):
@@ -184,6 +212,10 @@ def topk_tail_kl_fwd_triton(
     block_v = _block_size(block_v or default_block, v, _register_width(top_m))
     if bulk_min is None:
         bulk_min = _FWD_BULK_MIN if top_m > _FWD_BULK_TOP_M else -1
+    if variant is None:
+        variant = selected_variant(FWD_SWITCH)
+    elif variant not in SWITCHES[FWD_SWITCH].choices:
+        raise ValueError(f"variant must be one of {SWITCHES[FWD_SWITCH].choices}, got {variant!r}")
     warps = num_warps or _FWD_WARPS
 
     dev = s.device
@@ -197,11 +229,19 @@ def topk_tail_kl_fwd_triton(
         return kl, slp, tlp, ids, lse, blp
 
     scale2 = _LOG2E_HOST / float(temperature)
-    common = (v, s.stride(0), t.stride(0), scale2, int(ignore_index))
+    rows_per_item, s_item, s_row = _row_layout(s)
+    _, t_item, t_row = _row_layout(t)
+    common = (v, rows_per_item, s_item, s_row, t_item, t_row, scale2, int(ignore_index))
     if top_m == 0:
         _fwd_full_kernel[(n,)](
             s, t, tgt, kl, slp, tlp, lse, blp, *common,
             BLOCK_V=block_v, REVERSE=bool(reverse), num_warps=warps,
+        )  # fmt: skip
+    elif variant == "v2" and bulk_min < 0:
+        _fwd_topm_fused_kernel[(n,)](
+            s, t, tgt, kl, slp, tlp, ids, lse, blp, *common,
+            M=top_m, MP=_register_width(top_m), BLOCK_V=block_v, REVERSE=bool(reverse),
+            num_warps=warps, maxnreg=_FWD_V2_MAXNREG,
         )  # fmt: skip
     else:
         _fwd_topm_kernel[(n,)](
@@ -244,11 +284,11 @@ def topk_tail_kl_bwd_triton(
         block_v, num_warps: launch tuning, as in the forward.
 
     Returns:
-        ``(grad_student, grad_teacher)``: [N, V] in each logits' dtype, or an empty float32 [0]
-        tensor for a side that does not require grad.
+        ``(grad_student, grad_teacher)``: dense, in each logits' shape ([N, V] or [B, L, V])
+        and dtype, or an empty float32 [0] tensor for a side that does not require grad.
     """
     s, t, tgt = _check_common(student_logits, teacher_logits, target_ids, temperature)
-    n, v = s.shape
+    n, v = _rows(s), s.shape[-1]
     dev = s.device
     if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_ids.dtype != torch.int64:
         raise ValueError(
@@ -274,8 +314,9 @@ def topk_tail_kl_bwd_triton(
     # A side without gradient gets its own empty float32 [0] tensor (the op's fake does the
     # same; outputs of a custom op must not alias each other).
     f32 = torch.float32
-    gs = torch.empty((n, v), dtype=s.dtype, device=dev) if student_requires_grad else None
-    gt = torch.empty((n, v), dtype=t.dtype, device=dev) if teacher_requires_grad else None
+    # Gradients come out dense, in the logits' shape ([N, V] or [B, L, V]): row r at r * V.
+    gs = torch.empty(s.shape, dtype=s.dtype, device=dev) if student_requires_grad else None
+    gt = torch.empty(t.shape, dtype=t.dtype, device=dev) if teacher_requires_grad else None
     gs = gs if gs is not None else torch.empty(0, dtype=f32, device=dev)
     gt = gt if gt is not None else torch.empty(0, dtype=f32, device=dev)
     if n == 0 or not (student_requires_grad or teacher_requires_grad):
@@ -285,9 +326,11 @@ def topk_tail_kl_bwd_triton(
     # A side without gradient still needs a pointer of some float dtype: reuse the other.
     gs_arg = gs if student_requires_grad else gt
     gt_arg = gt if teacher_requires_grad else gs
+    rows_per_item, s_item, s_row = _row_layout(s)
+    _, t_item, t_row = _row_layout(t)
     _bwd_kernel[(n,)](
         gkl, gsl, gtl, s, t, tgt, ids, kl, lse, blp, gs_arg, gt_arg,
-        v, s.stride(0), t.stride(0), gs_arg.stride(0), gt_arg.stride(0),
+        v, rows_per_item, s_item, s_row, t_item, t_row, v, v,
         _LOG2E_HOST / float(temperature), 1.0 / float(temperature), int(ignore_index),
         M=top_m, MP=_register_width(top_m), BLOCK_V=block_v, REVERSE=bool(reverse),
         FULL=top_m == 0, GRAD_S=bool(student_requires_grad),

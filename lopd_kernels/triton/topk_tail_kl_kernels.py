@@ -6,6 +6,11 @@ The maths is ``docs/math.md``; the launchers (argument checks, grids, launch def
 
 Design (one program per row, int64 row offsets, float32 math whatever the input dtype):
 
+* **Rows in place**: the logits are ``[N, V]`` with any row stride or ``[B, L, V]`` with any
+  item and position strides (``logits[:, :-1]`` of a causal LM, which no 2-D view covers);
+  row ``r`` starts at ``(r // L) * stride_b + (r % L) * stride_row``. Only the vocabulary axis
+  must be dense: nothing is copied.
+
 * **Forward, top-M** (``top_m >= 1``): a single streaming pass over the vocabulary in blocks of
   ``BLOCK_V`` reads each logit once. It keeps
 
@@ -194,8 +199,8 @@ def _bucket_grads(lp, lq, kl, u_kl, u_ls, u_lt, inv_t, REVERSE: tl.constexpr):
 
 @triton.jit
 def _fwd_topm_kernel(
-    s_ptr,  # [N, V] student logits (row stride stride_s, unit column stride)
-    t_ptr,  # [N, V] teacher logits
+    s_ptr,  # [N, V] or [B, L, V] student logits (strided rows, unit column stride)
+    t_ptr,  # the same for the teacher
     tgt_ptr,  # [N] int64 targets
     kl_ptr,  # [N] fp32 out
     slp_ptr,  # [N] fp32 out: student log-prob of the target
@@ -204,7 +209,10 @@ def _fwd_topm_kernel(
     lse_ptr,  # [N, 2] fp32 out: natural log-sum-exp of student / T and teacher / T
     blp_ptr,  # [N, 2, M + 1] fp32 out: log P_b, log Q_b; b = M is the tail
     V,
-    stride_s,
+    L,  # rows per batch item: row r is item r // L, position r % L ([B, L, V] inputs; else N)
+    stride_sb,  # student item stride (0 for [N, V] inputs)
+    stride_s,  # student row stride
+    stride_tb,
     stride_t,
     scale2,  # log2(e) / T: logits -> base-2 log-space
     ignore_index,
@@ -216,8 +224,8 @@ def _fwd_topm_kernel(
     BULK_MIN: tl.constexpr,  # "many": more than this; fewer go through sequential inserts
 ):
     row = tl.program_id(0).to(tl.int64)
-    s_row = s_ptr + row * stride_s
-    t_row = t_ptr + row * stride_t
+    s_row = s_ptr + (row // L) * stride_sb + (row % L) * stride_s
+    t_row = t_ptr + (row // L) * stride_tb + (row % L) * stride_t
     ids_row = ids_ptr + row * M
     blp_row = blp_ptr + row * (2 * (M + 1))
     slot = tl.arange(0, MP)
@@ -362,7 +370,10 @@ def _fwd_full_kernel(
     lse_ptr,  # [N, 2] fp32 out
     blp_ptr,  # [N, 2, 1] fp32 out: 0, 0 (the single bucket, the whole vocabulary, has mass 1)
     V,
+    L,
+    stride_sb,
     stride_s,
+    stride_tb,
     stride_t,
     scale2,
     ignore_index,
@@ -370,8 +381,8 @@ def _fwd_full_kernel(
     REVERSE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    s_row = s_ptr + row * stride_s
-    t_row = t_ptr + row * stride_t
+    s_row = s_ptr + (row // L) * stride_sb + (row % L) * stride_s
+    t_row = t_ptr + (row // L) * stride_tb + (row % L) * stride_t
     tgt = tl.load(tgt_ptr + row)
     tl.store(blp_ptr + row * 2 + tl.arange(0, 2), tl.zeros([2], tl.float32))
 
@@ -460,7 +471,10 @@ def _bwd_kernel(
     gs_ptr,  # [N, V] out, student dtype (unused unless GRAD_S)
     gt_ptr,  # [N, V] out, teacher dtype (unused unless GRAD_T)
     V,
+    L,
+    stride_sb,
     stride_s,
+    stride_tb,
     stride_t,
     stride_gs,
     stride_gt,
@@ -476,8 +490,8 @@ def _bwd_kernel(
     GRAD_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    s_row = s_ptr + row * stride_s
-    t_row = t_ptr + row * stride_t
+    s_row = s_ptr + (row // L) * stride_sb + (row % L) * stride_s
+    t_row = t_ptr + (row // L) * stride_tb + (row % L) * stride_t
     gs_row = gs_ptr + row * stride_gs
     gt_row = gt_ptr + row * stride_gt
     tgt = tl.load(tgt_ptr + row)

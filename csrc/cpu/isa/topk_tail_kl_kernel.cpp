@@ -310,8 +310,8 @@ RowResult fwd_full_row(const TW* w, const TO* o, int64_t V, float inv) {
 
 template <typename TS, typename TT>
 void fwd_impl(const TopKTailKLFwdArgs& a) {
-  const int64_t N = a.student.size(0);
-  const int64_t V = a.student.size(1);
+  const int64_t N = a.n_rows;
+  const int64_t V = a.vocab;
   const int64_t M = a.top_m;
   const TS* s_base = a.student.data_ptr<TS>();
   const TT* t_base = a.teacher.data_ptr<TT>();
@@ -338,8 +338,8 @@ void fwd_impl(const TopKTailKLFwdArgs& a) {
         std::fill(bucket_n, bucket_n + 2 * (M + 1), 0.0f);
         continue;
       }
-      const TS* s = s_base + n * V;
-      const TT* t = t_base + n * V;
+      const TS* s = s_base + a.s_layout.offset(n);
+      const TT* t = t_base + a.t_layout.offset(n);
       RowResult r;
       if (M > 0) {
         r = fwd_topk_row(s, t, V, M, inv, a.reverse, scr, ids_n, bucket_n);
@@ -444,8 +444,8 @@ void bwd_full_row(const TS* s, const TT* t, TS* gs, TT* gt, int64_t V, float lse
 
 template <typename TS, typename TT>
 void bwd_impl(const TopKTailKLBwdArgs& a) {
-  const int64_t N = a.student.size(0);
-  const int64_t V = a.student.size(1);
+  const int64_t N = a.n_rows;
+  const int64_t V = a.vocab;
   const int64_t M = a.topk_ids.size(1);
   const TS* s_base = a.student.data_ptr<TS>();
   const TT* t_base = a.teacher.data_ptr<TT>();
@@ -473,8 +473,8 @@ void bwd_impl(const TopKTailKLBwdArgs& a) {
         if (gt != nullptr) std::memset(static_cast<void*>(gt), 0, sizeof(TT) * V);
         continue;
       }
-      const TS* s = s_base + n * V;
-      const TT* t = t_base + n * V;
+      const TS* s = s_base + a.s_layout.offset(n);
+      const TT* t = t_base + a.t_layout.offset(n);
       const float lse_s = lse[2 * n];
       const float lse_t = lse[2 * n + 1];
       if (M == 0) {
