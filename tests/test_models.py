@@ -111,9 +111,8 @@ def test_shipped_asset(shipped):
     assert not model.training
     info = json.loads((TINY_ASSET_DIR / "build_info.json").read_text())
     assert info["weights_sha256"] == weights_hash(model)
-    # The shipped weights predate the reference-conditioned recipe (lopd.models, "Status"): its
-    # build_info records the bare-demonstration recipe it was built with.
-    assert info["config"]["seed"] == 0 and info["config"]["sft_steps"] == info["sft_steps_taken"]
+    # The shipped weights are what `python -m lopd.models build-tiny` builds: the default recipe.
+    assert info["config"] == TinyBuildConfig().to_dict()
     assert model.config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert model.config.vocab_size == len(tok)
 

@@ -34,9 +34,10 @@ def test_eval_split_of_a_tasks_file(tmp_path):
     path = tmp_path / "tasks.jsonl"
     tasks = builtin_tasks("tool_use", "train", n=3) + builtin_tasks("tool_use", "val", n=2)
     save_tasks_jsonl(tasks, path)
-    cfg = load_config("smoke", overrides=[f"data.tasks_path={path}", "data.eval_split=val"])
+    files = [f"data.tasks_path={path}", "data.n_train=3", "data.n_test=2"]
+    cfg = load_config("smoke", overrides=[*files, "data.eval_split=val"])
     train, val = load_tasks(cfg)
     assert ids(train) == ids(tasks[:3]) and ids(val) == ids(tasks[3:])
-    cfg = load_config("smoke", overrides=[f"data.tasks_path={path}"])
+    cfg = load_config("smoke", overrides=files)
     with pytest.raises(ConfigError, match="split='test'"):
         load_tasks(cfg)
