@@ -237,6 +237,14 @@ class Config:
         }.items():
             if value <= 0:
                 raise ConfigError(f"{name} must be > 0, got {value}")
+        if (
+            self.data.eval_split == "val"
+            and self.data.domain == "coding"
+            and not self.data.tasks_path
+        ):
+            raise ConfigError("data.eval_split 'val': the built-in coding tasks have no val split")
+        if self.data.task_seed is not None and self.data.task_seed < 0:
+            raise ConfigError(f"data.task_seed must be >= 0 or null, got {self.data.task_seed}")
         if self.lopd.top_m is not None and self.lopd.top_m < 1:
             raise ConfigError(f"lopd.top_m must be >= 1 or null, got {self.lopd.top_m}")
         if not 0.0 < self.gen.top_p <= 1.0:
@@ -248,6 +256,7 @@ class Config:
         choices = {
             "lopd.divergence": (self.lopd.divergence, DIVERGENCES),
             "data.domain": (self.data.domain, ("tool_use", "coding")),
+            "data.eval_split": (self.data.eval_split, ("test", "val")),
             "model.dtype": (self.model.dtype, ("float32", "bfloat16", "float16")),
         }
         for name, (value, allowed) in choices.items():

@@ -62,15 +62,22 @@ class DataConfig:
 
     Attributes:
         domain: ``tool_use`` or ``coding`` (built-in task generators of ``lopd.envs``).
-        tasks_path: a JSONL file of tasks (one ``Task`` dict per line, with ``split`` ``train``
-            or ``test``); ``None`` uses the built-in generator.
+        tasks_path: a JSONL file of tasks (one ``Task`` dict per line, with ``split`` ``train``,
+            ``val`` or ``test``); ``None`` uses the built-in generator.
+        task_seed: task-set seed of the built-in generator (its databases, entities and values;
+            ``None``: the run seed, the earlier behaviour), so a comparison can be rerun on task
+            sets the defaults were not tuned on.
+        eval_split: the held-out split evaluated: ``test`` (reported figures) or ``val`` (what
+            every choice of a default is tuned on).
         n_train: number of training tasks: the first ``n_train`` of the source; a source with
             fewer is a start-up error naming both numbers.
-        n_test: number of held-out evaluation tasks (the same rule).
+        n_test: number of held-out evaluation tasks of ``eval_split`` (the same rule).
     """
 
     domain: str = "tool_use"
     tasks_path: str | None = None
+    task_seed: int | None = None
+    eval_split: str = "test"
     n_train: int = 48
     n_test: int = 32
 

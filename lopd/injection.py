@@ -31,6 +31,7 @@ __all__ = [
     "build_teacher_prompt",
     "build_teacher_sequence",
     "frame_user_message",
+    "frame_with_references",
     "inject_latents",
     "pad_batch",
 ]
@@ -63,6 +64,22 @@ def frame_user_message(user: str, domain: str) -> str:
         raise ValueError(f"domain must be one of {sorted(FRAMING)}, got {domain!r}")
     before, after = FRAMING[domain]
     return f"{before}\n\n{LATENT_SENTINEL}\n\n{after}\n\n{user}"
+
+
+def frame_with_references(user: str, domain: str, references: Sequence[str]) -> str:
+    """The first user message with experiences as *text* where the latents would go.
+
+    The same A.5 framing as :func:`frame_user_message`, the sentinel replaced by the references
+    (each one :func:`~lopd.memory.format_experience` text) separated by blank lines: the prompt of
+    "base + retrieved trajectory as text", and of the tiny model's reference-conditioned training
+    episodes.
+
+    Raises:
+        ValueError: no references, or an unknown ``domain``.
+    """
+    if not references:
+        raise ValueError("references must hold at least one experience text")
+    return frame_user_message(user, domain).replace(LATENT_SENTINEL, "\n\n".join(references))
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,9 @@ T = TypeVar("T")
 def load_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
     """The ``(train, held-out)`` tasks of ``cfg.data``.
 
+    The held-out tasks are those of ``data.eval_split``; the built-in generator uses task-set
+    seed ``data.task_seed`` (the run seed when ``None``).
+
     Raises:
         ConfigError: the tasks file has no task of one of the splits, or the source has fewer
             tasks than ``data.n_train`` / ``data.n_test`` request (naming both numbers).
@@ -36,28 +39,31 @@ def load_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
 
         tasks = load_tasks_jsonl(d.tasks_path)
         train = [t for t in tasks if t.split == "train"]
-        test = [t for t in tasks if t.split == "test"]
+        heldout = [t for t in tasks if t.split == d.eval_split]
         if not train:
             raise ConfigError(f"data.tasks_path {d.tasks_path!r} holds no split='train' task")
-        if not test:
-            raise ConfigError(f"data.tasks_path {d.tasks_path!r} holds no split='test' task")
+        if not heldout:
+            raise ConfigError(
+                f"data.tasks_path {d.tasks_path!r} holds no split={d.eval_split!r} task"
+            )
         source = f"data.tasks_path {d.tasks_path!r}"
     else:
         from lopd.envs import builtin_tasks
 
-        train = builtin_tasks(d.domain, "train", seed=cfg.seed)
-        test = builtin_tasks(d.domain, "test", seed=cfg.seed)
+        seed = cfg.seed if d.task_seed is None else d.task_seed
+        train = builtin_tasks(d.domain, "train", seed=seed)
+        heldout = builtin_tasks(d.domain, d.eval_split, seed=seed)
         source = f"the built-in {d.domain} generator"
     for name, want, have, split in (
         ("data.n_train", d.n_train, len(train), "train"),
-        ("data.n_test", d.n_test, len(test), "test"),
+        ("data.n_test", d.n_test, len(heldout), d.eval_split),
     ):
         if want > have:
             raise ConfigError(
                 f"{name}={want} but {source} has only {have} {split} tasks: set {name}={have} "
                 "or less (or pass more tasks with --tasks)"
             )
-    return train[: d.n_train], test[: d.n_test]
+    return train[: d.n_train], heldout[: d.n_test]
 
 
 class TaskSampler:

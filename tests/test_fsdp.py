@@ -75,9 +75,9 @@ def test_two_sharded_processes_train_like_one(runs):
     for a, b in zip(one["metrics"], two["metrics"], strict=True):
         for k in keys:
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-9), (a["step"], k)
-        assert (b["beta"], b["beta_next"], b["action_tokens"]) == (
-            a["beta"], a["beta_next"], a["action_tokens"],
-        )  # fmt: skip
+        # The dual update reads the all-reduced Delta, equal only up to float rounding.
+        assert (b["beta"], b["beta_next"]) == pytest.approx((a["beta"], a["beta_next"]), rel=1e-5)
+        assert b["action_tokens"] == a["action_tokens"]
     assert two["metrics"][0]["loss"] == pytest.approx(one["metrics"][0]["loss"], rel=1e-12)
     assert one["weights"].keys() == two["weights"].keys()
     for name, w in one["weights"].items():

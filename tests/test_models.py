@@ -8,18 +8,21 @@ import pytest
 import torch
 
 from lopd.envs import builtin_tasks
+from lopd.injection import FRAMING
 from lopd.models import (
     SPECIAL_TOKENS,
     TINY_ASSET_DIR,
     TinyBuildConfig,
     build_tiny,
     build_tokenizer,
+    evaluate_reward,
     load_model,
     weights_hash,
 )
 from lopd.rollout import GenerationConfig, rollout
+from lopd.tiny_data import reference_env_factory, same_template_references, tokenizer_corpus
 
-# A build small enough for a test: a 1-layer, 32-wide model, 6 demonstrations, 3 SFT steps.
+# A build small enough for a test: a 1-layer, 32-wide model, 3 SFT steps of 2 episodes.
 SMALL = dict(
     hidden_size=32,
     intermediate_size=64,
@@ -27,9 +30,10 @@ SMALL = dict(
     num_heads=2,
     num_kv_heads=1,
     head_dim=16,
-    sft_tasks=6,
     sft_steps=3,
     batch_size=2,
+    excerpt_steps=2,
+    excerpt_batch_size=2,
     eval_tasks=0,
     threads=1,
 )
@@ -60,6 +64,25 @@ def test_tokenizer_round_trips_and_splits_lines():
         build_tokenizer(["x"], min_count=0)
 
 
+def test_tokenizer_makes_copying_one_token_per_value():
+    """The recipe's tokenizer: numbers below 1000 are single tokens; a value starts with the same
+    token (word or prefix) in the instruction, the tool result and the tool call; the A.5 framing
+    costs about a token per word. (The shipped asset predates this tokenizer: see lopd.models.)"""
+    tok = build_tokenizer(tokenizer_corpus(builtin_tasks("tool_use", split="train")[:90]))
+    pieces = lambda text: tok.convert_ids_to_tokens(
+        tok(text, add_special_tokens=False)["input_ids"]
+    )
+    assert all(pieces(str(n)) == [str(n)] for n in range(0, 1000, 37))
+    instruction = pieces("Ship order #482 to Elm Rd 60. Set the ER limit of policy PN-7 to $450.")
+    call = pieces('{"number": "#482", "address": "Elm Rd 60", "number": "PN-7", "limit": "$450"}')
+    for value in (["#", "482"], ["Elm", " Rd", " ", "60"], ["PN-", "7"], ["$", "450"]):
+        for seq in (instruction, call):
+            assert any(seq[i : i + len(value)] == value for i in range(len(seq))), (value, seq)
+    before, after = FRAMING["tool_use"]
+    words = len((before + " " + after).split())
+    assert len(pieces(before + after)) <= 1.5 * words
+
+
 def test_build_is_deterministic(tmp_path):
     a = build_tiny(TinyBuildConfig(seed=3, **SMALL), out=tmp_path / "a", verbose=False)
     b = build_tiny(TinyBuildConfig(seed=3, **SMALL), out=None, verbose=False)
@@ -88,18 +111,31 @@ def test_shipped_asset(shipped):
     assert not model.training
     info = json.loads((TINY_ASSET_DIR / "build_info.json").read_text())
     assert info["weights_sha256"] == weights_hash(model)
-    assert 0.2 <= info["heldout_reward"] <= 0.6
+    # The shipped weights are what `python -m lopd.models build-tiny` builds: the default recipe.
+    assert info["config"] == TinyBuildConfig().to_dict()
     assert model.config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert model.config.vocab_size == len(tok)
 
 
-def test_shipped_heldout_reward_in_range(shipped):
-    """A 30-task held-out sample under the default sampling (the build prints the full figure)."""
+def test_reference_prompt_rollout(shipped):
+    """Rollouts with references as text: the first user message is the A.5 framing around the
+    reference and ends with the task's instruction; everything else is the task's environment.
+    (The reward effect of a reference is measured, not asserted: README, "reference probe".)"""
     model, tok = shipped
-    tasks = builtin_tasks("tool_use", split="test", n=30)
-    trajs = rollout(model, tok, tasks, GenerationConfig(), seed=0, batch_size=30)
-    mean = sum(t.reward for t in trajs) / len(trajs)
-    assert 0.2 <= mean <= 0.6, mean
+    val = builtin_tasks("tool_use", split="val", n=4)
+    refs = same_template_references(val, builtin_tasks("tool_use", split="train"), seed=0)
+    trajs = rollout(
+        model, tok, val, GenerationConfig(), seed=0, make_env=reference_env_factory(refs)
+    )
+    before, _ = FRAMING["tool_use"]
+    for task, traj in zip(val, trajs):
+        user = traj.messages[1]["content"]
+        assert user.startswith(before) and user.endswith(task.instruction)
+        assert refs[task.task_id][0] in user and 0.0 <= traj.reward <= 1.0
+    bare = evaluate_reward(model, tok, val, seed=0)
+    assert 0.0 <= bare <= 1.0
+    with pytest.raises(KeyError):
+        evaluate_reward(model, tok, val, references={})
 
 
 def test_load_model_dtype_and_errors(tmp_path):

@@ -55,10 +55,13 @@ def _metrics(run_dir: Path) -> list[dict]:
         ("sdpo.ema_rate=1.5", "sdpo.ema_rate"),
         ("opsd.divergence=up", "opsd.divergence"),
         ("opsd.top_m=0", "opsd.top_m"),
+        ("data.eval_split=train", "data.eval_split"),
+        ("data.task_seed=-1", "data.task_seed"),
+        ("data.domain=coding data.eval_split=val", "data.eval_split"),
     ],
 )
 def test_bad_config_values_stop_at_startup_naming_the_field(override, field):
-    cfg = load_config("smoke", overrides=[override])
+    cfg = load_config("smoke", overrides=override.split())
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         cfg.validate()
 

@@ -5,6 +5,7 @@ Entry points::
     from lopd.envs import builtin_tasks, make_env, oracle_actions
 
     tasks = builtin_tasks("tool_use", "train")        # 600 tasks over shop/insurance/logistics
+    val = builtin_tasks("tool_use", "val")            # 120 tuning tasks; "test": 120 more
     env = make_env(tasks[0])
     first_user_message = env.reset(tasks[0])
     obs, done = env.step('<tool_call>\\n{"name": "find_customer", ...}\\n</tool_call>')
@@ -88,16 +89,21 @@ def builtin_tasks(
 ) -> list[Task]:
     """The built-in task set of a domain.
 
-    Tool use: 200 train / 40 test tasks per world (600 / 120 in all), interleaved across worlds so
-    any prefix mixes them; deterministic in ``seed``; the test split uses other database seeds and
-    never repeats a train entity combination.
+    Tool use: 200 train / 40 val / 40 test tasks per world (600 / 120 / 120 in all),
+    interleaved across worlds so any prefix mixes them; deterministic in ``seed``, the task-set
+    seed: every seed is another task set (other databases and entity combinations) with the same
+    guarantees. The splits draw their databases from disjoint seed classes (whatever the
+    task-set seed) and never repeat an instruction of an earlier split (train, val, test).
+    Every choice of the embedded default is tuned on ``val``; ``test`` is for reporting.
+    ``python -m lopd.envs export --seed S --out tasks.jsonl`` writes a task set to a file.
 
     Coding: the 30 easy problems of ``lopd/assets/coding_tasks.jsonl`` (23 train / 7 test; stdin
-    and function-call tests, each with a reference solution). ``seed`` shuffles their order.
+    and function-call tests, each with a reference solution; no val split). ``seed`` shuffles
+    their order.
 
     Args:
         domain: ``"tool_use"`` or ``"coding"``.
-        split: ``"train"`` or ``"test"``.
+        split: ``"train"``, ``"val"`` (tool use only) or ``"test"``.
         n: keep the first ``n`` tasks (all if None).
         seed: task-set seed.
 
@@ -110,7 +116,7 @@ def builtin_tasks(
         return tool_use_tasks(split, n, seed)
     if domain == "coding":
         if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+            raise ValueError(f"split must be 'train' or 'test' for coding, got {split!r}")
         with resources.as_file(resources.files("lopd") / "assets" / "coding_tasks.jsonl") as p:
             tasks = [t for t in load_tasks_jsonl(p) if t.split == split]
         if seed:

@@ -3,7 +3,7 @@
 Native format: one :class:`~lopd.types.Task` per line, as ``Task.to_dict()`` writes it::
 
     {"task_id": "...", "domain": "tool_use"|"coding", "world": "...", "instruction": "...",
-     "spec": {...}, "split": "train"|"test"}
+     "spec": {...}, "split": "train"|"val"|"test"}
 
 For tool use, ``world`` must be a registered world (:func:`lopd.envs.register_world`) and the spec
 holds the initial database (``"db"``, or a ``"seed"`` for the world's generator) and the
@@ -44,7 +44,13 @@ class TaskFormatError(ValueError):
     """A JSONL line that is not a valid task in any supported format (message names the line)."""
 
 
+SPLITS = ("train", "val", "test")
+"""The split labels a task file may use (``val``: for tuning, never for reporting)."""
+
+
 def _validate(task: Task, where: str) -> Task:
+    if task.split not in SPLITS:
+        raise TaskFormatError(f"{where}: split must be one of {list(SPLITS)}, got {task.split!r}")
     if task.domain not in ("tool_use", "coding"):
         raise TaskFormatError(
             f"{where}: domain must be 'tool_use' or 'coding', got {task.domain!r}"
@@ -81,6 +87,11 @@ def _validate(task: Task, where: str) -> Task:
             evaluate_checks(task.spec["checks"], {}, {})
         except Exception as e:
             raise TaskFormatError(f"{where}: invalid check ({type(e).__name__}: {e})") from None
+        if "conventions" in task.spec:
+            try:
+                get_world(task.world)({}, task.spec["conventions"])
+            except ValueError as e:
+                raise TaskFormatError(f"{where}: {e}") from None
     return task
 
 

@@ -11,6 +11,7 @@ A tool-use :class:`~lopd.types.Task` carries everything as JSON in ``task.spec``
     {
       "seed": 1234,                 # builds the initial database (World.build_db)
       "db": {...},                  # optional: an explicit initial database (overrides "seed")
+      "conventions": {...},         # optional: slot -> alternative (default: the world's own)
       "template": "change_address", # the template that wrote the task (informative)
       "params": {...},              # the entities the template picked (informative, dedup key)
       "checks": [...],              # final-state checks, see below
@@ -27,9 +28,16 @@ Checks (all evaluated on the final database, some against the initial one):
   records" guard. Every initial record still exists and equals its initial value except the
   allowed fields, and each table gained exactly ``new.get(t, 0)`` records.
 
-Reward = fraction of the checks that hold, except that an episode which leaves the database
-untouched scores 0: guard checks hold trivially for an unchanged database and must not pay for
-inaction.
+Any check may carry ``"gate": true``. Reward = the fraction of the non-gate checks that hold,
+except that it is 0 when any gate check fails or when the episode left the database untouched.
+A guard such as ``unchanged`` holds for a database nobody touched, so it must never pay on its
+own: the built-in worlds make it a gate (collateral damage zeroes the episode), and every one of
+their non-gate checks fails on the initial database (credit needs a real change).
+
+*Conventions.* A world may declare convention slots (:attr:`World.conventions`): procedure rules
+the task text does not state (which step a modification needs first, which follow-up it needs),
+enforced by the world's tools and its tasks' checks. A task runs under the world's default
+alternatives unless its spec names others; the built-in task sets always use the defaults.
 
 Tool results are observations in one format: the JSON text of the result object (a few dozen
 tokens), or ``Error: <reason>`` for a failed call. See :class:`ToolUseEnv` for the turn rules.
@@ -162,18 +170,53 @@ class World:
     Subclasses set ``name``, ``tools_spec`` and ``templates``, implement :meth:`build_db`, one
     ``tool_<name>(**args) -> dict`` per tool (raise :class:`ToolError` on failure) and one
     ``gen_<template>(rng) -> Draft`` per template, and register with :func:`register_world`.
+    Optional ``conventions``: ``slot -> alternatives``, the first alternative being the world's
+    default; tools and templates read the active one with :meth:`convention`.
+
+    Args:
+        db: the live database.
+        conventions: ``slot -> alternative`` overrides (``None``: the defaults).
 
     Attributes:
         db: the live database, ``{table: {record_id: record}}``.
+        active: the active alternative of every convention slot.
+
+    Raises:
+        ValueError: an unknown slot or alternative in ``conventions``.
     """
 
     name: ClassVar[str] = ""
     tools_spec: ClassVar[tuple[ToolSpec, ...]] = ()
     templates: ClassVar[tuple[str, ...]] = ()
+    conventions: ClassVar[dict[str, tuple[str, ...]]] = {}
 
-    def __init__(self, db: Db) -> None:
+    def __init__(self, db: Db, conventions: dict[str, str] | None = None) -> None:
         self.db = db
         self._specs = {t.name: t for t in self.tools_spec}
+        self.active = self.default_conventions()
+        if not isinstance(conventions, (dict, type(None))):
+            raise ValueError(f"conventions must be an object, got {type(conventions).__name__}")
+        for slot, alt in (conventions or {}).items():
+            if slot not in self.conventions:
+                raise ValueError(
+                    f"world {self.name!r} has no convention slot {slot!r}; "
+                    f"slots: {sorted(self.conventions)}"
+                )
+            if alt not in self.conventions[slot]:
+                raise ValueError(
+                    f"convention {slot!r} of world {self.name!r} has no alternative {alt!r}; "
+                    f"alternatives: {list(self.conventions[slot])}"
+                )
+            self.active[slot] = alt
+
+    @classmethod
+    def default_conventions(cls) -> dict[str, str]:
+        """The world's own alternative of every slot (the first one listed)."""
+        return {slot: alts[0] for slot, alts in cls.conventions.items()}
+
+    def convention(self, slot: str) -> str:
+        """The active alternative of convention ``slot``."""
+        return self.active[slot]
 
     @classmethod
     def build_db(cls, seed: int) -> Db:
@@ -296,6 +339,21 @@ def evaluate_checks(checks: list[dict[str, Any]], db: Db, initial: Db) -> list[b
     return [_check_holds(c, db, initial) for c in checks]
 
 
+def score_checks(checks: list[dict[str, Any]], results: list[bool]) -> float:
+    """The reward of per-check results: 0 if a gate fails, else the fraction of non-gate ones.
+
+    A task whose checks are all gates scores 1 when they all hold; no checks score 0.
+    """
+    if len(checks) != len(results):
+        raise ValueError(f"{len(checks)} checks but {len(results)} results")
+    if any(not ok for c, ok in zip(checks, results) if c.get("gate")):
+        return 0.0
+    scored = [ok for c, ok in zip(checks, results) if not c.get("gate")]
+    if not scored:
+        return 1.0 if checks else 0.0
+    return sum(scored) / len(scored)
+
+
 # --------------------------------------------------------------------------- env
 
 
@@ -367,7 +425,7 @@ class ToolUseEnv(Env):
             raise ValueError(f"task {task.task_id} has domain {task.domain!r}, not 'tool_use'")
         world_cls = get_world(task.world)
         self._initial = initial_db(task)
-        self.world = world_cls(copy.deepcopy(self._initial))
+        self.world = world_cls(copy.deepcopy(self._initial), task.spec.get("conventions"))
         self._seen = set()
         return task.instruction
 
@@ -424,35 +482,68 @@ class ToolUseEnv(Env):
         return evaluate_checks(self.task.spec["checks"], self.world.db, self._initial)
 
     def reward(self) -> float:
-        """Fraction of the task's checks holding on the current database; 0 if it is unchanged."""
+        """The task's checks scored by :func:`score_checks`; 0 if the database is unchanged."""
         if self.world is None or self.task is None:
             raise RuntimeError("reward() called before reset(task)")
         if self.world.db == self._initial:
             return 0.0
-        results = self.check_results()
-        return sum(results) / len(results) if results else 0.0
+        return score_checks(self.task.spec["checks"], self.check_results())
 
 
 # --------------------------------------------------------------------------- task generation
 
 
-TRAIN_PER_WORLD = 200
-TEST_PER_WORLD = 40
+SPLITS = ("train", "val", "test")
+"""The built-in splits. Every choice of the embedded default is tuned on ``val``, never ``test``."""
+
+PER_WORLD = {"train": 200, "val": 40, "test": 40}
+"""Tasks per world and split of a built-in task set."""
 
 
-def make_task(world: str, template: str, seed: int, task_id: str, split: str) -> Task:
-    """Generate one task of ``world`` from ``template`` with database seed ``seed``."""
+def make_task(
+    world: str,
+    template: str,
+    seed: int,
+    task_id: str,
+    split: str,
+    conventions: dict[str, str] | None = None,
+) -> Task:
+    """Generate one task of ``world`` from ``template`` with database seed ``seed``.
+
+    Args:
+        world: registered world name.
+        template: one of the world's templates.
+        seed: database seed (:meth:`World.build_db`); also seeds the template's picks.
+        task_id: the task's id.
+        split: its split label.
+        conventions: convention overrides (``None``: the world's defaults, not stored in the
+            spec). The entities picked depend only on ``(world, template, seed)``, so the same
+            task under other conventions differs only in its oracle and checks.
+    """
     cls = get_world(world)
-    w = cls(cls.build_db(seed))
+    w = cls(cls.build_db(seed), conventions)
     draft = w.generate(template, random.Random(f"{world}/{template}/{seed}"))
-    spec = {
-        "seed": seed,
-        "template": template,
-        "params": draft.params,
-        "checks": draft.checks,
-        "oracle": [{"name": c.name, "arguments": c.arguments} for c in draft.oracle],
-    }
+    spec: dict[str, Any] = {"seed": seed}
+    if conventions:
+        spec["conventions"] = dict(w.active)
+    spec.update(
+        {
+            "template": template,
+            "params": draft.params,
+            "checks": draft.checks,
+            "oracle": [{"name": c.name, "arguments": c.arguments} for c in draft.oracle],
+        }
+    )
     return Task(task_id, "tool_use", world, draft.instruction, spec, split)
+
+
+def split_db_seed(rng: random.Random, split: str) -> int:
+    """A database seed of ``split``: residue ``SPLITS.index(split)`` mod 3.
+
+    The splits draw databases from disjoint seed classes, so no database of a held-out split is
+    ever a database of the train split, whatever the task-set seeds of the two.
+    """
+    return 3 * rng.getrandbits(29) + SPLITS.index(split)
 
 
 def _generate_split(world: str, split: str, count: int, seed: int, exclude: set[str]) -> list[Task]:
@@ -464,7 +555,7 @@ def _generate_split(world: str, split: str, count: int, seed: int, exclude: set[
     while len(tasks) < count:
         template = cls.templates[i % len(cls.templates)]
         i += 1
-        task_seed = rng.getrandbits(31)
+        task_seed = split_db_seed(rng, split)
         try:
             t = make_task(world, template, task_seed, f"{world}-{split}-{len(tasks):05d}", split)
         except TemplateNotApplicable:
@@ -481,22 +572,26 @@ _CACHE: dict[tuple[str, str, int], list[Task]] = {}
 
 
 def world_tasks(world: str, split: str = "train", seed: int = 0) -> list[Task]:
-    """The default split of one world (200 train / 40 test tasks), cached.
+    """One world's tasks of a built-in task set (200 train / 40 val / 40 test), cached.
 
-    Test tasks use a different seed stream and never repeat a train instruction (entity combo).
+    Args:
+        world: registered world name.
+        split: ``"train"``, ``"val"`` or ``"test"``.
+        seed: the task-set seed: every seed is another task set (other databases, entities).
+
+    The splits use disjoint database seeds (:func:`split_db_seed`); ``val`` never repeats a train
+    instruction (entity combination), ``test`` never repeats a train or val one.
 
     Raises:
-        ValueError: ``split`` is not ``"train"`` or ``"test"``.
+        ValueError: unknown ``split``.
     """
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
     key = (world, split, seed)
     if key not in _CACHE:
-        if split == "train":
-            _CACHE[key] = _generate_split(world, "train", TRAIN_PER_WORLD, seed, set())
-        else:
-            train = {t.instruction for t in world_tasks(world, "train", seed)}
-            _CACHE[key] = _generate_split(world, "test", TEST_PER_WORLD, seed, train)
+        earlier = SPLITS[: SPLITS.index(split)]
+        exclude = {t.instruction for s in earlier for t in world_tasks(world, s, seed)}
+        _CACHE[key] = _generate_split(world, split, PER_WORLD[split], seed, exclude)
     return [copy.deepcopy(t) for t in _CACHE[key]]
 
 
