@@ -51,6 +51,9 @@ from lopd.config_sections import (
 )
 from lopd_kernels import DIVERGENCES
 
+ENGINES = ("hf", "vllm")
+"""The rollout engines ``gen.engine`` names (:mod:`lopd.rollout`, :mod:`lopd.vllm_engine`)."""
+
 __all__ = [
     "COMPARE_BUDGETS",
     "PRESETS",
@@ -379,11 +382,40 @@ class Config:
                     "model.attn_implementation=flash_attention_2 needs a CUDA device, got "
                     "model.device=cpu"
                 )
+        self._validate_engine()
         if self.model.dtype == "float16" and self.model.parallel == "fsdp2":
             raise ConfigError(
                 "model.dtype=float16 with model.parallel=fsdp2 is not supported (the loss "
                 "scaler does not unscale sharded gradients); use bfloat16"
             )
+
+    def _validate_engine(self) -> None:
+        """``gen.engine`` and the combinations the vLLM engine does not support."""
+        g = self.gen
+        if g.engine not in ENGINES:
+            raise ConfigError(f"gen.engine must be one of {ENGINES}, got {g.engine!r}")
+        if g.engine != "vllm":
+            return
+        if not 0.0 < g.vllm_gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                "gen.vllm_gpu_memory_utilization must be in (0, 1], got "
+                f"{g.vllm_gpu_memory_utilization}"
+            )
+        if g.vllm_kv_cache_gib is not None and not g.vllm_kv_cache_gib > 0:
+            raise ConfigError(
+                f"gen.vllm_kv_cache_gib must be null or > 0, got {g.vllm_kv_cache_gib}"
+            )
+        if self.model.parallel == "fsdp2":
+            raise ConfigError(
+                "gen.engine=vllm with model.parallel=fsdp2 is not supported (the engine needs "
+                "the full student on every rank); use model.parallel=ddp or gen.engine=hf"
+            )
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            from lopd.vllm_engine import INSTALL_HINT
+
+            raise ConfigError(f"gen.engine=vllm needs vLLM, which is not installed: {INSTALL_HINT}")
 
     def check_bank_size(self, bank_size: int) -> None:
         """J must not exceed what the retriever can return (the bank minus the task itself).

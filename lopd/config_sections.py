@@ -101,6 +101,15 @@ class GenConfig:
             naming the count and the longest) or ``drop`` (skip it, counted in the log and
             ``summary.json``).
         rollout_batch_size: episodes generated together (rows of one forward).
+        engine: what generates the rollouts: ``hf`` (the built-in Hugging Face / torch decode
+            of :mod:`lopd.rollout`) or ``vllm`` (:mod:`lopd.vllm_engine`: the student's and
+            the base + composer evaluation's turns through a vLLM engine, weights synced after
+            every optimizer step; ``pip install 'lopd[vllm]'``). The losses' forwards and the
+            experience bank's base-model rollouts stay on the torch path either way.
+        vllm_gpu_memory_utilization: with ``engine=vllm`` on CUDA, the fraction of the GPU the
+            engine may take (the torch models share it).
+        vllm_kv_cache_gib: with ``engine=vllm``, the engine's KV cache size in GiB; ``null``
+            keeps vLLM's default (on CPU, ``VLLM_CPU_KVCACHE_SPACE`` or 4 GiB).
     """
 
     max_new_tokens: int = 48
@@ -112,6 +121,9 @@ class GenConfig:
     max_prompt_tokens: int | None = None
     prompt_overflow: str = "error"
     rollout_batch_size: int = 32
+    engine: str = "hf"
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_kv_cache_gib: float | None = None
 
 
 @dataclass

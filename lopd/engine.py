@@ -4,13 +4,19 @@ Every rollout a method generates goes through :meth:`RolloutEngine.generate`, wh
 (``rollouts`` in the metrics: the budget all methods are compared at; the experience bank's
 base-model rollouts are counted once, on rank 0). Held-out evaluation rollouts are generated
 with ``count=False``.
+
+With ``gen.engine=vllm`` the turns come from a :class:`~lopd.vllm_engine.VLLMRollout`: before each
+rollout the engine is given the weights of the model being rolled out (the student, or the frozen
+backbone of a :class:`~lopd.evaluate.LatentConditionedLM`, whose latents then enter as
+``prompt_embeds``); :meth:`RolloutEngine.weights_updated` marks the student's weights as changed
+after an optimizer step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -18,6 +24,9 @@ from lopd.config import GenConfig
 from lopd.fsdp import Sharding
 from lopd.precision import Precision
 from lopd.types import Task, Trajectory
+
+if TYPE_CHECKING:
+    from lopd.vllm_engine import VLLMRollout
 
 __all__ = ["RolloutEngine"]
 
@@ -32,6 +41,7 @@ class RolloutEngine:
         sharding: the run's :class:`~lopd.fsdp.Sharding` (generation gathers sharded models).
         precision: the run's precision; generation runs under its autocast (the student's
             float32 master weights compute in the 16-bit dtype, cast once per rollout call).
+        vllm: the vLLM engine (``gen.engine=vllm``); ``None`` generates with the HF path.
 
     Attributes:
         rollouts: rollouts generated on this rank so far (all phases; see the module docstring).
@@ -43,12 +53,26 @@ class RolloutEngine:
         gen: GenConfig,
         sharding: Sharding,
         precision: Precision | None = None,
+        vllm: VLLMRollout | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.gen = gen
         self.sharding = sharding
         self.precision = precision
+        self.vllm = vllm
         self.rollouts = 0
+        # Bumped whenever a model's weights change in place (the vLLM engine reloads then).
+        self.weights_version = 0
+
+    def weights_updated(self, student: nn.Module | None = None) -> None:
+        """The trainer changed weights in place (an optimizer step, a restored checkpoint).
+
+        With the vLLM engine, ``student``'s weights are pushed to it at once, so the next
+        rollout does not pay for the sync; any other model is reloaded when next rolled out.
+        """
+        self.weights_version += 1
+        if self.vllm is not None and student is not None:
+            self.vllm.load_weights(student, self.weights_version)
 
     def generation_config(self, temperature: float | None = None) -> Any:
         """:class:`~lopd.rollout.GenerationConfig` of the ``gen`` section (``temperature``
@@ -93,6 +117,8 @@ class RolloutEngine:
         with self.sharding.gathered(), autocast:
             if not tasks:
                 return []
+            if self.vllm is not None:
+                kwargs["turn_generator"] = self._vllm_turns(model, seed, temperature)
             trajs = rollout(
                 model,
                 self.tokenizer,
@@ -104,3 +130,22 @@ class RolloutEngine:
         if count:
             self.rollouts += len(trajs)
         return trajs
+
+    def _vllm_turns(self, model: nn.Module, seed: int, temperature: float | None) -> Any:
+        """The vLLM turn generator for rolling out ``model`` (its weights loaded first)."""
+        from lopd.chat import stop_token_ids
+        from lopd.evaluate import LatentConditionedLM
+
+        assert self.vllm is not None
+        prompt_embeds = None
+        weights = model
+        if isinstance(model, LatentConditionedLM):
+            # The frozen backbone generates; its latents enter through the prompt embeddings.
+            weights, prompt_embeds = model.backbone, model.prompt_embeds
+        self.vllm.load_weights(weights, self.weights_version)
+        return self.vllm.turn_generator(
+            self.generation_config(temperature),
+            stop_token_ids(self.tokenizer),
+            seed=seed,
+            prompt_embeds=prompt_embeds,
+        )

@@ -143,6 +143,18 @@ class LatentConditionedLM(nn.Module):
                 return hit
         return None
 
+    def prompt_embeds(self, ids: Sequence[int]) -> torch.Tensor:
+        """``[L, d]`` input embeddings of one context with its task's latents injected (what a
+        prefill of :meth:`forward` feeds the backbone; the vLLM engine's ``prompt_embeds``)."""
+        hit = self._lookup(list(ids))
+        if hit is None:
+            raise RuntimeError("the context does not start with any registered latent prompt")
+        lat, start = hit
+        table = self.backbone.get_input_embeddings()
+        with torch.no_grad():
+            embeds = table(torch.tensor(list(ids), dtype=torch.long, device=table.weight.device))
+            return torch.cat([embeds[:start], lat.to(embeds.dtype), embeds[start + len(lat) :]])
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -481,6 +481,12 @@ def _ensure_tiny(seed: int = 0) -> Path:
     return cached
 
 
+def resolve_model_dir(path: str | Path | None) -> Path:
+    """The checkpoint directory :func:`load_model` reads for ``path`` (``None``: the tiny
+    model's)."""
+    return _ensure_tiny() if path is None else Path(path)
+
+
 def load_model(
     path: str | Path | None = None,
     device: str | torch.device = "cpu",

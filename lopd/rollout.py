@@ -26,6 +26,10 @@ avoids complicating: no ragged cache surgery when rows receive observations of d
 Determinism: with a ``seed``, the output is a function of (model weights, tasks, config, seed,
 ``batch_size``, device and thread count): the sampled noise is drawn from one generator in a
 fixed order.
+
+The episode loop does not depend on how a turn is generated: ``turn_generator`` (a
+:data:`TurnGenerator`) replaces the Hugging Face decode above, e.g. by a vLLM engine
+(:mod:`lopd.vllm_engine`, ``gen.engine=vllm``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ import torch
 
 from lopd.chat import end_of_turn_id, render_observation, render_prompt, stop_token_ids
 from lopd.types import Task, Trajectory
+
+TurnGenerator = Callable[[list[list[int]], list[int]], list[list[int]]]
+"""``(contexts, budgets) -> sampled``: one assistant turn for every context (token ids of the
+whole conversation so far), at most ``budgets[i]`` tokens for row ``i``; each row's sampled ids end
+with its stop token when it stopped on one (the contract of the built-in decode)."""
 
 
 @dataclass
@@ -225,6 +234,7 @@ def rollout(
     progress: bool = False,
     batch_size: int = 32,
     make_env: Callable[[Task], Any] | None = None,
+    turn_generator: TurnGenerator | None = None,
 ) -> list[Trajectory]:
     """Roll ``model`` out on every task and return the trajectories, in task order.
 
@@ -238,6 +248,9 @@ def rollout(
         progress: show a tqdm progress bar over finished episodes.
         batch_size: episodes generated together (rows of one forward).
         make_env: ``Task -> Env`` factory; defaults to :func:`lopd.envs.make_env`.
+        turn_generator: generates the turns instead of ``model`` (which may then be ``None``):
+            e.g. :meth:`lopd.vllm_engine.VLLMRollout.turn_generator`. It brings its own
+            sampling randomness; ``seed`` then only seeds the built-in decode.
 
     Returns:
         One :class:`Trajectory` per task: ``input_ids`` ``[L]`` = prompt + (sampled turn ids +
@@ -261,15 +274,10 @@ def rollout(
         from lopd.envs import make_env as default_make_env
 
         make_env = default_make_env
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(int(seed))
     eot = end_of_turn_id(tokenizer)
     stop_ids = stop_token_ids(tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[-1]
+    if turn_generator is None:
+        turn_generator = _hf_turn_generator(model, tokenizer, gen, seed, stop_ids)
 
     episodes: list[_Episode] = []
     for i, task in enumerate(tasks):
@@ -296,8 +304,9 @@ def rollout(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(episodes), desc="rollout", unit="ep")
-    was_training = model.training
-    model.eval()
+    was_training = model is not None and model.training
+    if model is not None:
+        model.eval()
     queue = deque(episodes)
     active: list[_Episode] = []
     t0 = time.perf_counter()
@@ -310,17 +319,7 @@ def rollout(
                 min(gen.max_new_tokens_per_turn, gen.max_total_tokens - len(ep.ids) - 1)
                 for ep in active
             ]
-            outs = _generate_turn(
-                model,
-                [ep.ids for ep in active],
-                budgets,
-                stop_ids,
-                pad_id,
-                gen,
-                generator,
-                device,
-                num_tokens=len(tokenizer),
-            )
+            outs = turn_generator([ep.ids for ep in active], budgets)
             still: list[_Episode] = []
             for ep, sampled in zip(active, outs):
                 if _advance(ep, sampled, tokenizer, eot, stop_ids, gen):
@@ -329,7 +328,8 @@ def rollout(
                     bar.update(1)
             active = still
     finally:
-        model.train(was_training)
+        if model is not None:
+            model.train(was_training)
         if bar is not None:
             bar.close()
     elapsed = time.perf_counter() - t0
@@ -369,6 +369,33 @@ def rollout(
             )
         )
     return trajectories
+
+
+def _hf_turn_generator(
+    model: Any,
+    tokenizer: Any,
+    gen: GenerationConfig,
+    seed: int | None,
+    stop_ids: list[int],
+) -> TurnGenerator:
+    """The built-in decode of ``model`` (:func:`_generate_turn`) as a :data:`TurnGenerator`."""
+    if model is None:
+        raise ValueError("rollout needs a model or a turn_generator")
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(int(seed))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[-1]
+    num_tokens = len(tokenizer)
+
+    def generate(contexts: list[list[int]], budgets: list[int]) -> list[list[int]]:
+        return _generate_turn(
+            model, contexts, budgets, stop_ids, pad_id, gen, generator, device, num_tokens
+        )
+
+    return generate
 
 
 def _env_failed(ep: _Episode, what: str, error: Exception) -> None:

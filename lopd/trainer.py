@@ -210,7 +210,7 @@ class Trainer:
         )
         sharding.shard(student, trainable=True)
         self.models = Models(student, backbone, None, tokenizer, pad_id, self.device, sharding)
-        self.engine = RolloutEngine(tokenizer, cfg.gen, sharding, precision)
+        self.engine = RolloutEngine(tokenizer, cfg.gen, sharding, precision, self._build_vllm())
         self.sampler = TaskSampler(cfg.seed, dist.rank, dist.world)
         train_tasks, test_tasks = load_tasks(cfg)
         self.train_tasks, self.test_tasks, self.budget = check_token_budgets(
@@ -270,6 +270,25 @@ class Trainer:
         )  # fmt: skip
         self.memory.phase("setup", self.models, self._optimizer_list())
 
+    def _build_vllm(self) -> Any:
+        """The vLLM engine of ``gen.engine=vllm`` (``None`` for the HF path)."""
+        cfg = self.cfg
+        if cfg.gen.engine != "vllm":
+            return None
+        from lopd.models import resolve_model_dir
+        from lopd.vllm_engine import VLLMRollout
+
+        self.log("gen.engine=vllm: starting the vLLM engine")
+        return VLLMRollout(
+            resolve_model_dir(cfg.model.path),
+            num_tokens=len(self.models.tokenizer),
+            dtype=self.precision.compute,
+            max_model_len=cfg.gen.max_total_tokens,
+            seed=cfg.seed,
+            gpu_memory_utilization=cfg.gen.vllm_gpu_memory_utilization,
+            kv_cache_gib=cfg.gen.vllm_kv_cache_gib,
+        )
+
     def _optimizer_list(self) -> list[torch.optim.Optimizer | None]:
         opts = getattr(self, "optimizers", None)
         return [] if opts is None else [opts.student, opts.composer]
@@ -326,6 +345,7 @@ class Trainer:
                 sums[k] = sums.get(k, 0.0) + v
         t_backward = time.perf_counter() - t0
         gnorm_s, gnorm_c = self.optimizers.sync_clip_step(self.dist)
+        self.engine.weights_updated(self.models.student)  # the vLLM engine syncs here
         # Gradients are not needed again until the next backward recreates them: freeing them
         # now keeps 4 bytes per trained parameter out of the next rollouts and evaluations.
         self.optimizers.zero_grad()
@@ -384,6 +404,7 @@ class Trainer:
         if resumed is None:
             return 0
         self.engine.rollouts = resumed.rollouts
+        self.engine.weights_updated(self.models.student)
         self.wall_before = resumed.wall_seconds
         self.log(f"resumed from {resumed.name} (step {resumed.step})")
         if not resumed.optimizer_restored and resumed.step < self.cfg.lopd.steps:
@@ -469,4 +490,7 @@ class Trainer:
         plot_rewards(run_dir.metrics, run_dir.reward_curve, summary)
 
     def close(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None and engine.vllm is not None:
+            engine.vllm.close()
         self.dist.close()
