@@ -567,16 +567,19 @@ def _paper() -> Config:
 def _compare() -> Config:
     """One run of the default comparison (``python -m lopd.compare``, 6 methods x 3 seeds).
 
-    Sized for <= 60 minutes on 2 CPU cores: 24 train / 16 held-out tasks, 4 environment steps
-    of <= 32 tokens, one bank rollout per train task, 30 cold-start steps, 8 rollouts per step,
+    Sized for <= 60 minutes on 2 CPU cores: 48 train / 16 held-out tasks, 6 environment steps
+    of <= 48 tokens, two bank rollouts per train task, 30 cold-start steps, 8 rollouts per step,
     held-out evaluation every 3 steps; the budget is :data:`COMPARE_BUDGETS` (``lopd.steps`` is
     set per method from it).
     """
     cfg = _default()
     cfg.run_dir = "runs/compare"
-    cfg.data.n_train, cfg.data.n_test = 24, 16
-    cfg.gen.max_new_tokens, cfg.gen.max_steps = 32, 4
-    cfg.bank.rollouts_per_task = 1
+    # The default's 48-token turns and 6 steps (a house-rule episode takes up to 5 calls of up
+    # to ~40 tokens) and 96 bank rollouts: the shipped tiny model fully solves 4-12% of train
+    # tasks, and LOPD, OPSD and SDFT need num_retrieved + 1 = 3 entries (with 32 x 4 and 24
+    # rollouts the bank held 1, with 48 rollouts 2 for one seed).
+    cfg.data.n_train, cfg.data.n_test = 48, 16
+    cfg.bank.rollouts_per_task = 2
     cfg.cold_start.steps = 30
     cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 8, 8
     cfg.eval.with_composer = False
@@ -612,10 +615,10 @@ PRESETS: dict[str, typing.Callable[[], Config]] = {
 """Named base configurations. ``lopd/configs/<name>.yaml`` are generated from them
 (:func:`preset_yaml`; ``python -m lopd.config --write-presets``)."""
 
-COMPARE_BUDGETS: dict[str, int] = {"compare": 120, "compare-quick": 16}
+COMPARE_BUDGETS: dict[str, int] = {"compare": 192, "compare-quick": 16}
 """Generated rollouts per run (bank included) of ``python -m lopd.compare`` for its presets:
 LOPD trains ``(budget - bank) / tasks_per_step`` steps (compare: 12), bank-free methods
-``budget / tasks_per_step`` (compare: 15)."""
+``budget / tasks_per_step`` (compare: 24)."""
 
 PRESET_DIR = Path(__file__).resolve().parent / "configs"
 """Where the generated preset YAML files live."""
