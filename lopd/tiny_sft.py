@@ -258,11 +258,11 @@ def is_grounded(demo: Demonstration, tokenizer: Any) -> bool:
 
 
 def excerpt_batches(
-    source: Any, tokenizer: Any, batch_size: int, seed: int
+    source: Any, tokenizer: Any, batch_size: int, seed: int, first_only: bool = False
 ) -> Iterator[tuple[torch.Tensor, ...]]:
     """Endless collated batches of short turn excerpts (:func:`~lopd.tiny_data.turn_excerpt`)
     of bare episodes, one random grounded action each (:func:`is_grounded`), no system turn,
-    worlds mixed.
+    worlds mixed; ``first_only``: always the first action (instruction -> first call).
 
     The tiny model's curriculum: at the start of training attention is spread evenly, so the
     gradient that teaches "take the key from the instruction" or "take the id from the tool
@@ -277,6 +277,9 @@ def excerpt_batches(
         for _ in range(batch_size):
             target = source.bare_episode(rng, rng.choice(source.worlds))
             demo = source.demonstration(tokenizer, target, None)
+            if first_only:
+                demos.append(turn_excerpt(demo, 0, turn_start))
+                continue
             excerpts = [turn_excerpt(demo, k, turn_start) for k in range(len(action_spans(demo)))]
             demos.append(rng.choice([e for e in excerpts if is_grounded(e, tokenizer)]))
         yield collate(demos, tokenizer.pad_token_id)

@@ -32,6 +32,7 @@ SMALL = dict(
     head_dim=16,
     sft_steps=3,
     batch_size=2,
+    first_call_steps=2,
     excerpt_steps=2,
     excerpt_batch_size=2,
     eval_tasks=0,

@@ -93,13 +93,14 @@ def test_model_data_never_holds_a_heldout_task(monkeypatch):
         head_dim=16,
         sft_steps=4,
         batch_size=8,
+        first_call_steps=2,
         excerpt_steps=3,
         excerpt_batch_size=4,
         eval_tasks=0,
         threads=1,
     )
     build_tiny(cfg, out=None, verbose=False)
-    assert len(seen) == 32 + 12  # the SFT's episodes and the curriculum's excerpts
+    assert len(seen) == 32 + 12 + 8  # the SFT's episodes and both curricula's excerpts
     bad_ids = {t.task_id for t in heldout}
     bad_text = {t.instruction for t in heldout}
     bad_seeds = {t.spec["seed"] for t in heldout}
@@ -186,6 +187,12 @@ def test_turn_excerpts_keep_the_instruction_and_the_last_tool_result(train, toke
     assert ((labels != -100) == (w > 0)).all() and int(w.sum()) > 6
     again = next(excerpt_batches(source, tokenizer, 6, seed=1))
     assert torch.equal(again[0], ids)  # deterministic in the seed
+    # first_only: every row is an instruction followed by the episode's first call, nothing else.
+    ids, _attn, labels, _w = next(excerpt_batches(source, tokenizer, 8, seed=2, first_only=True))
+    for row, lab in zip(ids.tolist(), labels.tolist()):
+        assert row.count(start) == 2  # the user turn and the one assistant turn
+        text = tokenizer.decode([t for t, y in zip(row, lab) if y != -100])
+        assert text.count("<tool_call>") == 1 and "Task Completed" not in text
     with pytest.raises(ValueError, match="turn-start"):
         turn_excerpt(full, 0, -1)
     with pytest.raises(ValueError, match="action 99"):
