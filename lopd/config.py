@@ -49,6 +49,7 @@ from lopd.config_sections import (
     SDPOConfig,
     SkillSDConfig,
 )
+from lopd.memory.embedders import DOCUMENT_STYLES
 from lopd_kernels import DIVERGENCES
 
 ENGINES = ("hf", "vllm")
@@ -261,6 +262,7 @@ class Config:
             "data.domain": (self.data.domain, ("tool_use", "coding")),
             "data.eval_split": (self.data.eval_split, ("test", "val")),
             "model.dtype": (self.model.dtype, ("float32", "bfloat16", "float16")),
+            "bank.document_style": (self.bank.document_style, DOCUMENT_STYLES),
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:

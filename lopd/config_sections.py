@@ -140,6 +140,9 @@ class BankConfig:
             retriever indexes the bank and precomputes query embeddings; the embedder splits
             each call into ``embed_batch_size`` forwards, so this bounds the host memory of the
             pending texts and embeddings, not the model's activations.
+        document_style: what of a stored trajectory the retriever embeds: ``"task"`` (its task
+            text, like the query) or ``"task_trace"`` (task and trace, paper eq. 15); see
+            :class:`lopd.memory.HiddenStateEmbedder` for the measured difference.
     """
 
     rollouts_per_task: int = 2
@@ -147,6 +150,7 @@ class BankConfig:
     embed_batch_size: int = 16
     embed_max_length: int = 512
     index_batch_size: int = 256
+    document_style: str = "task"
 
 
 @dataclass

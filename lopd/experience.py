@@ -67,7 +67,11 @@ def _embedder(cfg: Config, backbone: nn.Module, tokenizer: Any) -> Any:
 
     b = cfg.bank
     return HiddenStateEmbedder(
-        backbone, tokenizer, batch_size=b.embed_batch_size, max_length=b.embed_max_length
+        backbone,
+        tokenizer,
+        batch_size=b.embed_batch_size,
+        max_length=b.embed_max_length,
+        document_style=b.document_style,
     )
 
 

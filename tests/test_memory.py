@@ -389,10 +389,32 @@ def test_hidden_state_embedder_unit_norm_deterministic_batch_invariant(tiny_lm):
     e2 = HiddenStateEmbedder(model, tokenizer, query_style="instruct")
     qi = e2.embed_queries(texts[:1])
     np.testing.assert_allclose(qi, e1.embed_documents([format_query(texts[0])]), atol=1e-6)
-    assert e1.name.endswith(":document") and e2.name.endswith(":instruct")
+    assert e1.name.endswith(":document:task-docs") and e2.name.endswith(":instruct:task-docs")
     assert e1.embed_queries([]).shape == (0, 32)
     with pytest.raises(TypeError, match="single str"):
         e1.embed_documents("one text")
+
+
+def test_document_style_embeds_the_task_part_or_the_whole_document(tiny_lm):
+    from lopd.memory import task_part
+
+    model, tokenizer = tiny_lm
+    task = make_task(3)
+    entry_doc = document_text(BankEntry.from_trajectory(make_traj(task)))
+    prefix = document_prefix(task.instruction)
+    assert entry_doc.startswith(prefix) and len(entry_doc) > len(prefix)
+    assert task_part(entry_doc) == prefix
+    assert task_part("free text\nTrajectory:\nx") == "free text\nTrajectory:\nx"  # not the layout
+    by_task = HiddenStateEmbedder(model, tokenizer)  # default: "task"
+    whole = HiddenStateEmbedder(model, tokenizer, document_style="task_trace")
+    # Task-only documents embed exactly like the task's query; whole documents do not.
+    q = by_task.embed_queries([task.instruction])
+    np.testing.assert_allclose(by_task.embed_documents([entry_doc]), q, atol=1e-6)
+    assert not np.allclose(whole.embed_documents([entry_doc]), q, atol=1e-3)
+    np.testing.assert_allclose(whole.embed_documents([prefix]), q, atol=1e-6)
+    assert by_task.name != whole.name and whole.name.endswith(":document")
+    with pytest.raises(ValueError, match="document_style"):
+        HiddenStateEmbedder(model, tokenizer, document_style="trace")
 
 
 def test_hidden_state_embedder_validates_arguments(tiny_lm):
@@ -414,7 +436,9 @@ def _bank_of_tasks(path, tasks):
 
 def test_retrieve_with_real_embedder_matches_bruteforce_and_caches(tiny_lm, tmp_path):
     model, tokenizer = tiny_lm
-    emb = HiddenStateEmbedder(model, tokenizer)
+    # Whole documents: two trajectories of one task then embed differently, so the brute-force
+    # order has no ties (task-only documents tie, and FAISS may order ties either way).
+    emb = HiddenStateEmbedder(model, tokenizer, document_style="task_trace")
     tasks = [make_task(i, w) for i in range(8) for w in ("shop", "ins")]
     bank = _bank_of_tasks(tmp_path, tasks)
     r = Retriever(bank, emb, index="cpu")

@@ -23,8 +23,10 @@ from lopd.memory.bank import (
     document_text,
     format_experience,
     make_entry_id,
+    task_part,
 )
 from lopd.memory.embedders import (
+    DOCUMENT_STYLES,
     QUERY_INSTRUCTION,
     Embedder,
     HiddenStateEmbedder,
@@ -35,6 +37,7 @@ from lopd.memory.embedders import (
 from lopd.memory.retriever import Retriever, faiss_gpu_available
 
 __all__ = [
+    "DOCUMENT_STYLES",
     "QUERY_INSTRUCTION",
     "BankCorruptionError",
     "BankEntry",
@@ -50,4 +53,5 @@ __all__ = [
     "format_query",
     "l2_normalize",
     "make_entry_id",
+    "task_part",
 ]

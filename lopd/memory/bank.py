@@ -156,6 +156,15 @@ def document_prefix(instruction: str) -> str:
     return f"Task: {instruction}\nTrajectory:\n"
 
 
+def task_part(document: str) -> str:
+    """The task part of a retrieval document (:func:`document_text`): its
+    :func:`document_prefix`, without the trace. A text not in that layout is returned whole."""
+    marker = "\nTrajectory:\n"
+    if not document.startswith("Task: ") or marker not in document:
+        return document
+    return document[: document.index(marker) + len(marker)]
+
+
 def document_text(entry: BankEntry) -> str:
     """The document-side retrieval text of an entry: task followed by trace (paper eq. 15).
 
