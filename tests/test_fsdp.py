@@ -71,10 +71,15 @@ def test_two_sharded_processes_train_like_one(runs):
     # Every student parameter and phi's LoRA are DTensor shards; the QFormer is replicated.
     assert one["sharded_params"] == 0 and two["sharded_params"] > 0
     assert two["num_params"] - two["sharded_params"] > 0
-    keys = ("loss", "kl", "delta", "anchor", "grad_norm_student", "grad_norm_composer")
+    keys = ("loss", "kl", "anchor", "grad_norm_student", "grad_norm_composer")
     for a, b in zip(one["metrics"], two["metrics"], strict=True):
         for k in keys:
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-9), (a["step"], k)
+        # Delta is a mean of signed terms the size of the per-token privilege, so it can cancel
+        # to ~1e-4 while float32 rounding of the two reduction orders stays ~1e-5 of those
+        # terms: compare it on the privilege's scale, not relative to itself.
+        scale = abs(a["privilege"]) + abs(a["delta"])
+        assert b["delta"] == pytest.approx(a["delta"], rel=1e-5, abs=1e-5 * scale), a["step"]
         # The dual update reads the all-reduced Delta, equal only up to float rounding.
         assert (b["beta"], b["beta_next"]) == pytest.approx((a["beta"], a["beta_next"]), rel=1e-5)
         assert b["action_tokens"] == a["action_tokens"]
