@@ -28,9 +28,9 @@ if TYPE_CHECKING:
     import torch
 
 QUERY_INSTRUCTION = "Given a task, retrieve a solved trajectory for a similar task"
+"""Default retrieval instruction for the query side."""
 DOCUMENT_STYLES = ("task", "task_trace")
 """What :class:`HiddenStateEmbedder` embeds of a bank document: its task part, or all of it."""
-"""Default retrieval instruction for the query side."""
 
 
 def format_query(task_text: str, instruction: str = QUERY_INSTRUCTION) -> str:
