@@ -54,6 +54,7 @@ from typing import Any
 from lopd.config import COMPARE_BUDGETS, BankTooSmallError, ConfigError, load_config
 from lopd.methods import METHODS
 from lopd.run_dir import RunDir
+from lopd.stats import fmt, mean_se, verdict
 
 __all__ = ["ALL_METHODS", "CompareSettings", "main", "run_method", "settings_for", "write_report"]
 
@@ -224,15 +225,6 @@ def _progress_line(res: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------ statistics
-def _mean_se(values: Sequence[float]) -> tuple[float, float]:
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, float("nan")
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(var / n)
-
-
 def _by_method(results: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
     for r in results:
@@ -250,25 +242,9 @@ def _mean_curve(runs: Sequence[dict[str, Any]]) -> list[tuple[int, float, float]
     for x in sorted(common):
         # The last evaluation at a rollout count is the one after training up to it.
         ys = [[y for xx, y in r["curve"] if xx == x][-1] for r in runs]
-        mean, se = _mean_se(ys)
+        mean, se = mean_se(ys)
         points.append((x, mean, se))
     return points
-
-
-def _fmt(mean: float, se: float) -> str:
-    return f"{mean:.3f} ± {se:.3f}" if not math.isnan(se) else f"{mean:.3f}"
-
-
-def _verdict(diff: float, se: float) -> str:
-    if math.isnan(se):
-        if diff == 0:
-            return "no (equal)"
-        return "higher (one seed: no stderr)" if diff > 0 else "no"
-    if diff > 2 * se:
-        return "yes (difference > 2 stderr)"
-    if diff > 0:
-        return "higher, but within 2 stderr (not significant)"
-    return "no (equal)" if diff == 0 else "no"
 
 
 def _paired(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> tuple[float, float, int]:
@@ -278,7 +254,7 @@ def _paired(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> tuple[f
     seeds = sorted(set(fa) & set(fb))
     if not seeds:
         return float("nan"), float("nan"), 0
-    mean, se = _mean_se([fa[s] - fb[s] for s in seeds])
+    mean, se = mean_se([fa[s] - fb[s] for s in seeds])
     return mean, se, len(seeds)
 
 
@@ -319,8 +295,8 @@ def answers(results: Sequence[dict[str, Any]]) -> list[str]:
                 continue
             d, se, n = _paired(by["lopd"], by[base])
             lines.append(
-                f"- **LOPD vs {base}** at equal budget: LOPD − {base} = {_fmt(d, se)} "
-                f"(paired over {n} seed(s)) → {_verdict(d, se)}."
+                f"- **LOPD vs {base}** at equal budget: LOPD − {base} = {fmt(d, se)} "
+                f"(paired over {n} seed(s)) → {verdict(d, se)}."
             )
     else:
         lines.append("- LOPD vs baselines: LOPD was not run (or failed).")
@@ -333,7 +309,7 @@ def answers(results: Sequence[dict[str, Any]]) -> list[str]:
             below = "below on average, but within 2 stderr (not significant)"
         lines.append(
             f"- **Does m = 0 fall below the frozen composer?** lopd-m0 − lopd-frozen = "
-            f"{_fmt(d, se)} (paired over {n} seed(s)) → {below}."
+            f"{fmt(d, se)} (paired over {n} seed(s)) → {below}."
         )
     else:
         lines.append("- m = 0 vs frozen composer: needs both `lopd-m0` and `lopd-frozen` runs.")
@@ -367,7 +343,7 @@ def write_report(
         vals = [per_seed[s]["reward_mean"] for s in sorted(per_seed)]
         succ = [per_seed[s]["success_rate"] for s in sorted(per_seed)]
         rows.append(
-            f"| vanilla (no training) | {_fmt(*_mean_se(vals))} | "
+            f"| vanilla (no training) | {fmt(*mean_se(vals))} | "
             f"{', '.join(f'{v:.3f}' for v in vals)} | {sum(succ) / len(succ):.3f} | "
             f"{len(vals)} × {per_seed[min(per_seed)]['n']} | 0 | – |"
         )
@@ -380,7 +356,7 @@ def write_report(
         wall = sum(r["wall_seconds"] for r in runs) / len(runs)
         rollouts = sorted({r["rollouts"] for r in runs})
         rows.append(
-            f"| {method} | {_fmt(*_mean_se(vals))} | {', '.join(f'{v:.3f}' for v in vals)} | "
+            f"| {method} | {fmt(*mean_se(vals))} | {', '.join(f'{v:.3f}' for v in vals)} | "
             f"{sum(succ) / len(succ):.3f} | {len(vals)} × {runs[0]['final']['n']} | "
             f"{'/'.join(map(str, rollouts))} | {wall:.0f} |"
         )

@@ -236,15 +236,15 @@ class HeldOutEvaluator:
         self.dist, self.log, self.progress = dist, log, progress
         self.compose, self.num_placeholders, self.chunk = compose, num_placeholders, chunk
 
-    def __call__(self, which: str) -> dict[str, float]:
-        """Summary metrics (:func:`summarize` and ``seconds``) of one evaluation on rank 0,
-        ``{}`` on the others.
+    def __call__(self, which: str) -> dict[str, Any]:
+        """Summary metrics (:func:`summarize`, ``task_rewards`` in the order of the held-out
+        tasks, and ``seconds``) of one evaluation on rank 0, ``{}`` on the others.
 
         Args:
             which: ``vanilla`` or ``lopd`` (the student) or ``base_composer`` (the frozen base
                 model generating with retrieved latents).
         """
-        result: dict[str, float] = {}
+        result: dict[str, Any] = {}
         # Under FSDP2 every rank gathers the weights; rank 0 alone generates.
         with self.models.sharding.gathered():
             if self.dist.is_main:
@@ -261,6 +261,8 @@ class HeldOutEvaluator:
                         progress=self.progress,
                     )
                 result = summarize(trajs)
+                # Per-task rewards (task order) for paired comparisons across evaluations.
+                result["task_rewards"] = [float(t.reward) for t in trajs]
                 result["seconds"] = time.perf_counter() - t0
                 self.log(
                     f"eval {which}: reward {result['reward_mean']:.3f} ± "

@@ -11,6 +11,7 @@ Layout::
     retrieval.json       the J retrieved experiences of every task (text)
     phi0.pt, latents0.pt the composer after the cold start and c_phi0 of every train task
     eval_vanilla.json    held-out evaluation before training
+    eval_base_composer0.json  held-out "base + composer" with phi_0 (before training)
     summary.json         held-out results, rollouts, wall time
     student/             the trained student (Hugging Face checkpoint, safetensors, model.dtype)
     composer.pt          the trained composer phi
@@ -86,6 +87,10 @@ class RunDir:
     @property
     def eval_vanilla(self) -> Path:
         return self.root / "eval_vanilla.json"
+
+    @property
+    def eval_base_composer0(self) -> Path:
+        return self.root / "eval_base_composer0.json"
 
     @property
     def summary(self) -> Path:

@@ -106,9 +106,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"success rate     vanilla {v['success_rate']:.3f}  |  "
             f"{cfg.lopd.method} {lo['success_rate']:.3f}"
         )
-        if "base_composer" in summary:
-            bc = summary["base_composer"]
-            print(f"base + composer  {bc['reward_mean']:.3f} ± {bc['reward_stderr']:.3f}")
+        for key, label in (("base_composer_phi0", "phi_0"), ("base_composer", "trained phi")):
+            if key in summary:
+                bc = summary[key]
+                print(
+                    f"base + composer  {bc['reward_mean']:.3f} ± {bc['reward_stderr']:.3f}"
+                    f"  ({label})"
+                )
         print(
             f"rollouts {summary['rollouts']}, wall {summary['wall_seconds']:.1f} s, "
             f"run dir {cfg.run_dir}"

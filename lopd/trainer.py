@@ -16,7 +16,7 @@ Phases of :meth:`Trainer.run` (each in its own module):
    :mod:`lopd.checkpoint`.
 4. **Evaluation** (:mod:`lopd.evaluate`) on the held-out split: the vanilla student (before
    training), the trained student, and "base + composer" (the frozen model generating with
-   latents).
+   latents) twice: with the cold-started phi_0 before training and with the trained phi.
 
 Models. ``load_model`` gives the backbone once. The student is a copy (trainable): a deep copy
 in float32 runs, a second float32 load under mixed precision (:mod:`lopd.precision`: float32
@@ -67,6 +67,10 @@ from lopd.seeds import Stream, seed_of
 from lopd.tasks import TaskSampler, load_tasks
 
 __all__ = ["Trainer"]
+
+
+_NOT_METRICS = ("seconds", "task_rewards")
+"""Evaluation results that are not per-step scalar metrics."""
 
 
 class Trainer:
@@ -428,6 +432,7 @@ class Trainer:
             vanilla = self.evaluate("vanilla")
             if self.is_main:
                 atomic_write_text(run_dir.eval_vanilla, json.dumps(vanilla))
+        base_composer0 = self._evaluate_base_composer0(start)
         self.memory.phase("eval_vanilla", self.models, self._optimizer_list())
         metrics_log = MetricsLog(run_dir, start, enabled=self.is_main)
         bar = self._bar(range(start, cfg.lopd.steps), desc=cfg.lopd.method, unit="step")
@@ -435,7 +440,7 @@ class Trainer:
             m = self.train_step(step)
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.lopd.steps:
                 ev = self.evaluate("lopd")
-                m.update({f"eval_{k}": v for k, v in ev.items() if k != "seconds"})
+                m.update({f"eval_{k}": v for k, v in ev.items() if k not in _NOT_METRICS})
             metrics_log.write(m)
             if self.is_main:
                 bar.set_postfix(
@@ -450,6 +455,8 @@ class Trainer:
             ) or done == cfg.lopd.steps:
                 self.save_checkpoint(done)
         summary: dict[str, Any] = {"vanilla": vanilla, "lopd": self.evaluate("lopd")}
+        if base_composer0 is not None:
+            summary["base_composer_phi0"] = base_composer0
         if self.models.composer is not None and cfg.eval.with_composer:
             summary["base_composer"] = self.evaluate("base_composer")
         self.memory.phase("eval_final", self.models, self._optimizer_list())
@@ -466,6 +473,26 @@ class Trainer:
         self.memory.phase("save", self.models, self._optimizer_list())
         self.dist.barrier()
         return summary
+
+    def _evaluate_base_composer0(self, start: int) -> dict[str, Any] | None:
+        """Held-out "base + composer" with the cold-started phi_0 (before joint training), cached in
+        ``eval_base_composer0.json``; ``None`` without a composer or ``eval.with_composer``.
+
+        A run resumed after its first step that lacks the file cannot measure it any more (phi
+        has moved): it logs that and returns ``None``.
+        """
+        path = self.run_dir.eval_base_composer0
+        if self.models.composer is None or not self.cfg.eval.with_composer:
+            return None
+        if path.exists():
+            return json.loads(path.read_text())
+        if start > 0:
+            self.log("eval base_composer_phi0: skipped (resumed after step 0, phi_0 is gone)")
+            return None
+        result = self.evaluate("base_composer")
+        if self.is_main:
+            atomic_write_text(path, json.dumps(result))
+        return result
 
     def _save_final(self, summary: dict[str, Any]) -> None:
         """``summary.json``, the deployable student, phi, and the reward plot (rank 0 writes;

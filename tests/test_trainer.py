@@ -272,13 +272,22 @@ def test_smoke_run_end_to_end(smoke_run):
     assert summary["wall_seconds"] < 90
     assert seconds < 240
     assert "held-out reward  vanilla" in res.stdout
-    for key in ("vanilla", "lopd", "base_composer"):
-        for field in ("reward_mean", "reward_stderr", "success_rate", "n"):
+    conditions = ("vanilla", "lopd", "base_composer_phi0", "base_composer")
+    for key in conditions:
+        for field in ("reward_mean", "reward_stderr", "success_rate", "n", "task_rewards"):
             assert field in summary[key], (key, field)
     cfg = load_config("smoke")
-    for key in ("vanilla", "lopd", "base_composer"):
-        assert summary[key]["n"] == cfg.data.n_test
+    for key in conditions:
+        assert summary[key]["n"] == cfg.data.n_test == len(summary[key]["task_rewards"])
+        rewards = summary[key]["task_rewards"]
+        assert sum(rewards) / len(rewards) == pytest.approx(summary[key]["reward_mean"])
+    # "base + composer" with phi_0 is measured before training and cached for a resumed run.
+    assert json.loads((run_dir / "eval_base_composer0.json").read_text()) == (
+        summary["base_composer_phi0"]
+    )
+    assert "base + composer" in res.stdout and "(phi_0)" in res.stdout
     rows = _metrics(run_dir)
+    assert not any(k.endswith("task_rewards") for r in rows for k in r)
     assert [r["step"] for r in rows] == list(range(cfg.lopd.steps))
     for key in ("loss", "kl", "delta", "beta", "teacher_top_m_mass", "reward_mean", "rollouts"):
         assert all(key in r for r in rows), key
@@ -321,7 +330,7 @@ def test_kill_then_resume_gives_the_uninterrupted_metrics(smoke_run, tmp_path):
     assert _metrics(run_dir) == _metrics(ref_dir)
     ref = json.loads((ref_dir / "summary.json").read_text())
     got = json.loads((run_dir / "summary.json").read_text())
-    for key in ("vanilla", "lopd", "base_composer"):
+    for key in ("vanilla", "lopd", "base_composer_phi0", "base_composer"):
         assert got[key]["reward_mean"] == ref[key]["reward_mean"], key
     assert got["rollouts"] == ref["rollouts"]
 

@@ -1,0 +1,39 @@
+"""Small statistics shared by the reports (:mod:`lopd.compare`, :mod:`lopd.chain`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["fmt", "mean_se", "verdict"]
+
+
+def mean_se(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n)) of ``values``; the error is NaN for one
+    value (unknown, not zero)."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("mean_se of no values")
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("nan")
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def fmt(mean: float, se: float) -> str:
+    """``0.123 ± 0.045`` (``0.123`` when the error is unknown)."""
+    return f"{mean:.3f} ± {se:.3f}" if not math.isnan(se) else f"{mean:.3f}"
+
+
+def verdict(diff: float, se: float) -> str:
+    """Whether a difference is positive beyond two standard errors, in words."""
+    if math.isnan(se):
+        if diff == 0:
+            return "no (equal)"
+        return "higher (one seed: no stderr)" if diff > 0 else "no"
+    if diff > 2 * se:
+        return "yes (difference > 2 stderr)"
+    if diff > 0:
+        return "higher, but within 2 stderr (not significant)"
+    return "no (equal)" if diff == 0 else "no"
