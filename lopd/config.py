@@ -569,12 +569,13 @@ def _paper() -> Config:
 
 
 def _compare() -> Config:
-    """One run of the default comparison (``python -m lopd.compare``, 6 methods x 3 seeds).
+    """One run of the default comparison (``python -m lopd.compare``, 8 methods x 3 seeds).
 
-    Sized for <= 60 minutes on 2 CPU cores: 48 train / 16 held-out tasks, 6 environment steps
-    of <= 48 tokens, two bank rollouts per train task, 30 cold-start steps, 8 rollouts per step,
-    held-out evaluation every 3 steps; the budget is :data:`COMPARE_BUDGETS` (``lopd.steps`` is
-    set per method from it).
+    The paper's budget shape in miniature: :data:`COMPARE_BUDGETS` (640) generated rollouts per
+    run, bank included, learning curves on 64 held-out tasks (greedy, every 17 steps), 48 train
+    tasks, 6 environment steps of <= 48 tokens, two bank rollouts per train task, the default's
+    300 cold-start steps (chosen on val), 8 rollouts per step (``lopd.steps`` is set per method
+    from the budget). About 70 minutes on 2 CPU cores (3 seeds in parallel).
     """
     cfg = _default()
     cfg.run_dir = "runs/compare"
@@ -582,12 +583,11 @@ def _compare() -> Config:
     # to ~40 tokens) and 96 bank rollouts: the shipped tiny model fully solves 4-12% of train
     # tasks, and LOPD, OPSD and SDFT need num_retrieved + 1 = 3 entries (with 32 x 4 and 24
     # rollouts the bank held 1, with 48 rollouts 2 for one seed).
-    cfg.data.n_train, cfg.data.n_test = 48, 16
+    cfg.data.n_train, cfg.data.n_test = 48, 64
     cfg.bank.rollouts_per_task = 2
-    cfg.cold_start.steps = 30
     cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 8, 8
     cfg.eval.with_composer = False
-    cfg.eval.every = 3
+    cfg.eval.every = 17
     cfg.checkpoint_every = 0
     cfg.log_every = 1000
     return cfg
@@ -619,10 +619,10 @@ PRESETS: dict[str, typing.Callable[[], Config]] = {
 """Named base configurations. ``lopd/configs/<name>.yaml`` are generated from them
 (:func:`preset_yaml`; ``python -m lopd.config --write-presets``)."""
 
-COMPARE_BUDGETS: dict[str, int] = {"compare": 192, "compare-quick": 16}
+COMPARE_BUDGETS: dict[str, int] = {"compare": 640, "compare-quick": 16}
 """Generated rollouts per run (bank included) of ``python -m lopd.compare`` for its presets:
-LOPD trains ``(budget - bank) / tasks_per_step`` steps (compare: 12), bank-free methods
-``budget / tasks_per_step`` (compare: 24)."""
+LOPD trains ``(budget - bank) / tasks_per_step`` steps (compare: 68), bank-free methods
+``budget / tasks_per_step`` (compare: 80)."""
 
 PRESET_DIR = Path(__file__).resolve().parent / "configs"
 """Where the generated preset YAML files live."""
