@@ -1,7 +1,8 @@
 """``python -m lopd.chain``: LOPD's chain of effects on held-out tasks, over seeds.
 
 The default run (:mod:`lopd.train`) once per seed, every link of the chain measured on the same
-held-out tasks of that seed, under the default sampling (``eval.temperature``):
+held-out tasks of that seed, under the default sampling (``--temperature 0.7`` with ``gen``'s
+top-p and top-k, like the probe; ``--temperature 0``: greedy):
 
 * (a) base + a retrieved successful trajectory as text vs base: not trained here; measured by
   ``python -m lopd.models probe-reference`` (:mod:`lopd.probe`), whose ``reference.json`` the
@@ -21,6 +22,7 @@ set follows the run seed (``data.task_seed`` unset), so each seed also draws oth
 Usage::
 
     python -m lopd.chain                                  # default preset, seeds 0 1 2, n_test 64
+    python -m lopd.chain --temperature 0                  # greedy evaluation
     python -m lopd.chain --seeds 0 1 --n-test 32 --out runs/chain lopd.steps=20
     python -m lopd.chain --quick                          # seconds-scale plumbing (tests)
 
@@ -206,6 +208,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-test", type=int, default=None, help="held-out tasks (default 64)")
     p.add_argument("--out", default=None, help="output directory (default runs/chain[-quick])")
     p.add_argument("--jobs", type=int, default=None, help="seeds in parallel (min(2, seeds))")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.7,
+        help="evaluation temperature (eval.temperature; default 0.7: the default sampling, "
+        "top-p and top-k from gen; 0 = greedy)",
+    )
     p.add_argument("--reference-json", default=None, help="probe-reference's reference.json")
     p.add_argument("overrides", nargs="*", help="section.field=value applied to every seed")
     return p.parse_intermixed_args(argv)
@@ -218,7 +227,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_test = args.n_test if args.n_test is not None else (4 if args.quick else 64)
     out = Path(args.out or ("runs/chain-quick" if args.quick else "runs/chain"))
     jobs = max(1, args.jobs if args.jobs is not None else min(2, len(seeds)))
-    overrides = [f"data.n_test={n_test}", "eval.with_composer=true", *args.overrides]
+    overrides = [
+        f"data.n_test={n_test}",
+        f"eval.temperature={args.temperature}",
+        "eval.with_composer=true",
+        *args.overrides,
+    ]
     reference = None
     try:
         load_config(preset, None, overrides).validate()

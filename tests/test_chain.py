@@ -90,7 +90,9 @@ def test_quick_chain_writes_every_link(tmp_path):
         assert run["summary"][key]["n"] == 4
     for link in ("b_phi0", "b_trained", "d", "step0_delta", "step0_privilege"):
         assert link in payload["chain"], link
-    assert payload["meta"]["overrides"][:2] == ["data.n_test=4", "eval.with_composer=true"]
+    assert payload["meta"]["overrides"][:3] == [
+        "data.n_test=4", "eval.temperature=0.7", "eval.with_composer=true"
+    ]  # fmt: skip
     assert "## The links" in (out / "report.md").read_text()
 
 

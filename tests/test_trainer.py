@@ -282,9 +282,8 @@ def test_smoke_run_end_to_end(smoke_run):
         rewards = summary[key]["task_rewards"]
         assert sum(rewards) / len(rewards) == pytest.approx(summary[key]["reward_mean"])
     # "base + composer" with phi_0 is measured before training and cached for a resumed run.
-    assert json.loads((run_dir / "eval_base_composer0.json").read_text()) == (
-        summary["base_composer_phi0"]
-    )
+    cached = json.loads((run_dir / "eval_base_composer0.json").read_text())
+    assert cached == summary["base_composer_phi0"]
     assert "base + composer" in res.stdout and "(phi_0)" in res.stdout
     rows = _metrics(run_dir)
     assert not any(k.endswith("task_rewards") for r in rows for k in r)
