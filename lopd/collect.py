@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lopd.memory import Embedder, ExperienceBank, HiddenStateEmbedder, Retriever
+from lopd.memory import DOCUMENT_STYLES, Embedder, ExperienceBank, HiddenStateEmbedder, Retriever
 from lopd.types import Task, Trajectory
 
 DEFAULT_BANK_DIR = "runs/bank"
@@ -211,12 +211,17 @@ def collect_bank(
     )
 
 
-def _make_embedder(spec: str, model: Any, tokenizer: Any, device: str) -> Embedder:
+def _make_embedder(
+    spec: str, model: Any, tokenizer: Any, device: str, document_style: str | None = None
+) -> Embedder:
+    """``hidden`` or a sentence-transformers model; ``document_style=None``: the embedder's
+    own default (``task`` for hidden states, the paper's ``task_trace`` for a text embedder)."""
+    style = {} if document_style is None else {"document_style": document_style}
     if spec == "hidden":
-        return HiddenStateEmbedder(model, tokenizer)
+        return HiddenStateEmbedder(model, tokenizer, **style)
     from lopd.memory import SentenceTransformerEmbedder
 
-    return SentenceTransformerEmbedder(spec, device=device)
+    return SentenceTransformerEmbedder(spec, device=device, **style)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -266,6 +271,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="'hidden' (mean-pooled hidden states of --model) or a sentence-transformers "
         "model name/path, e.g. Qwen/Qwen3-Embedding-8B",
     )
+    p.add_argument(
+        "--document-style",
+        default=None,
+        choices=DOCUMENT_STYLES,
+        help="what of a bank entry is embedded: its task text ('task', the default for "
+        "'hidden') or task and trajectory ('task_trace', paper eq. 15, the default for a "
+        "sentence-transformers model)",
+    )
     p.add_argument("--device", default="cpu", help="model device, e.g. cuda")
     p.add_argument(
         "--threads",
@@ -310,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_steps=args.max_steps,
         max_new_tokens_per_turn=args.max_new_tokens,
     )
-    embedder = _make_embedder(args.embedder, model, tokenizer, args.device)
+    embedder = _make_embedder(args.embedder, model, tokenizer, args.device, args.document_style)
     res = collect_bank(
         model,
         tokenizer,

@@ -127,3 +127,12 @@ def test_cli_collects_from_a_task_file_and_prints_a_summary(tmp_path):
         timeout=120,
     )
     assert bad.returncode == 2 and "--n must be >= 1" in bad.stderr
+
+
+def test_document_style_flag_reaches_the_embedder(tiny):
+    from lopd.collect import _make_embedder
+
+    model, tokenizer = tiny
+    assert _make_embedder("hidden", model, tokenizer, "cpu").document_style == "task"
+    emb = _make_embedder("hidden", model, tokenizer, "cpu", "task_trace")
+    assert emb.document_style == "task_trace"

@@ -519,6 +519,30 @@ def test_sentence_transformer_embedder_matches_hidden_state_pooling(tiny_lm, tmp
     assert [e.task_id != make_task(0).task_id for e in r.retrieve(make_task(0), k=3)] == [True] * 3
 
 
+def test_sentence_transformer_embedder_honours_the_document_style(tiny_lm, tmp_path):
+    """Default: the paper's whole documents; ``document_style="task"``: the task part only,
+    under another space name (an index of one style is never reused for the other)."""
+    pytest.importorskip("sentence_transformers", reason="optional: pip install 'lopd[embed]'")
+    from lopd.memory import SentenceTransformerEmbedder
+
+    model, tokenizer = tiny_lm
+    model.model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    whole = SentenceTransformerEmbedder(tmp_path, device="cpu")
+    by_task = SentenceTransformerEmbedder(tmp_path, device="cpu", document_style="task")
+    assert whole.document_style == "task_trace" and whole.name == f"st:{tmp_path}"
+    assert by_task.name == f"st:{tmp_path}:task-docs"
+    task = make_task(2)
+    doc = document_text(BankEntry.from_trajectory(make_traj(task)))
+    prefix = document_prefix(task.instruction)
+    np.testing.assert_allclose(
+        by_task.embed_documents([doc]), whole.embed_documents([prefix]), atol=1e-6
+    )
+    assert not np.allclose(whole.embed_documents([doc]), whole.embed_documents([prefix]), atol=1e-3)
+    with pytest.raises(ValueError, match="document_style"):
+        SentenceTransformerEmbedder(tmp_path, device="cpu", document_style="trace")
+
+
 def test_empty_bank_round_trips_and_retrieves_nothing(tiny_lm, tmp_path):
     model, tokenizer = tiny_lm
     r = Retriever(ExperienceBank(tmp_path), HiddenStateEmbedder(model, tokenizer), index="cpu")

@@ -270,12 +270,18 @@ class SentenceTransformerEmbedder:
         device: device for a model loaded by name (``None``: CUDA when available).
         batch_size: encode batch size.
         query_instruction: the retrieval instruction of the query prompt.
-        name: embedding-space id; defaults to ``"st:<name_or_path>"``.
+        document_style: what of a bank document is embedded: ``"task_trace"`` (default, the
+            paper's eq. 15: the whole document, for an instruction-tuned embedder that reads
+            a trajectory) or ``"task"`` (its task part only, as
+            :class:`HiddenStateEmbedder` does by default).
+        name: embedding-space id; defaults to ``"st:<name_or_path>"``, plus ``":task-docs"``
+            for ``document_style="task"``.
         **model_kwargs: forwarded to ``SentenceTransformer(...)`` (e.g. ``model_kwargs``,
             ``tokenizer_kwargs={"padding_side": "left"}`` as Qwen3-Embedding recommends).
 
     Raises:
         ImportError: ``sentence-transformers`` is not installed.
+        ValueError: ``batch_size`` < 1 or an unknown ``document_style``.
     """
 
     def __init__(
@@ -284,6 +290,7 @@ class SentenceTransformerEmbedder:
         device: str | None = None,
         batch_size: int = 32,
         query_instruction: str = QUERY_INSTRUCTION,
+        document_style: str = "task_trace",
         name: str | None = None,
         **model_kwargs: Any,
     ):
@@ -296,6 +303,11 @@ class SentenceTransformerEmbedder:
             ) from e
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if document_style not in DOCUMENT_STYLES:
+            raise ValueError(
+                f"document_style must be one of {DOCUMENT_STYLES}, got {document_style!r}"
+            )
+        self.document_style = document_style
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
             path = str(model)
             if device is None:
@@ -317,7 +329,9 @@ class SentenceTransformerEmbedder:
         if dim is None:
             dim = int(self.encode_raw(["x"], prompt=None).shape[1])
         self.dim = int(dim)
-        self.name = name or default_name
+        # An index built from whole documents must not be reused for task-only ones.
+        suffix = ":task-docs" if document_style == "task" else ""
+        self.name = name or default_name + suffix
 
     def encode_raw(self, texts: list[str], prompt: str | None) -> np.ndarray:
         """``SentenceTransformer.encode`` with our settings; returns ``[n, d]`` float32."""
@@ -334,8 +348,12 @@ class SentenceTransformerEmbedder:
         return l2_normalize(np.asarray(z, dtype=np.float32))
 
     def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
-        """Embed documents (no prompt). Returns ``[n, d]`` float32, unit-norm rows."""
-        return self.encode_raw(_check_texts(texts, "texts"), prompt=None)
+        """Embed documents (no prompt; see ``document_style``). Returns ``[n, d]`` float32,
+        unit-norm rows."""
+        texts = _check_texts(texts, "texts")
+        if self.document_style == "task":
+            texts = [task_part(t) for t in texts]
+        return self.encode_raw(texts, prompt=None)
 
     def embed_queries(self, texts: Sequence[str]) -> np.ndarray:
         """Embed tasks with the instruction prompt. Returns ``[n, d]`` float32, unit-norm rows."""
