@@ -149,7 +149,9 @@ def run_method(
 
     Returns:
         ``{"method", "seed", "run_dir", "steps", "rollouts", "vanilla", "final", "curve",
-        "wall_seconds", "error"}``; ``curve`` is ``[[rollouts, held-out reward], ...]``.
+        "step_seconds", "wall_seconds", "error"}``; ``curve`` is ``[[rollouts, held-out
+        reward], ...]``; ``step_seconds`` the mean seconds per training step of its rollouts,
+        its losses and backward passes, and the whole step.
     """
     from lopd.trainer import Trainer
 
@@ -171,10 +173,15 @@ def run_method(
             bank = int(json.loads(files.bank_done.read_text())["rollouts"])
         vanilla = summary["vanilla"]["reward_mean"]
         curve = [[0, vanilla]] + ([[bank, vanilla]] if bank else [])
-        for line in files.metrics.read_text().splitlines():
-            row = json.loads(line)
+        rows = [json.loads(line) for line in files.metrics.read_text().splitlines()]
+        for row in rows:
             if "eval_reward_mean" in row:
                 curve.append([int(row["rollouts"]), row["eval_reward_mean"]])
+        # Where a training step's time goes (means over steps; evaluation not included).
+        result["step_seconds"] = {
+            part: sum(r.get(f"seconds_{part}", 0.0) for r in rows) / max(len(rows), 1)
+            for part in ("rollout", "loss_backward", "step")
+        }
         curve.append([int(summary["rollouts"]), summary["lopd"]["reward_mean"]])
         result.update(
             rollouts=int(summary["rollouts"]),
@@ -334,8 +341,8 @@ def write_report(
     by = _by_method(results)
     rows = [
         "| method | held-out reward (mean ± stderr over seeds) | per seed | success rate | "
-        "n (seeds × tasks) | rollouts | wall s / run |",
-        "|---|---|---|---|---|---|---|",
+        "n (seeds × tasks) | rollouts | wall s / run | s / step (rollout + loss & backward) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     vanilla = [r for runs in by.values() for r in runs]
     if vanilla:
@@ -345,7 +352,7 @@ def write_report(
         rows.append(
             f"| vanilla (no training) | {fmt(*mean_se(vals))} | "
             f"{', '.join(f'{v:.3f}' for v in vals)} | {sum(succ) / len(succ):.3f} | "
-            f"{len(vals)} × {per_seed[min(per_seed)]['n']} | 0 | – |"
+            f"{len(vals)} × {per_seed[min(per_seed)]['n']} | 0 | – | – |"
         )
     for method in ALL_METHODS:
         if method not in by:
@@ -355,10 +362,17 @@ def write_report(
         succ = [r["final"]["success_rate"] for r in runs]
         wall = sum(r["wall_seconds"] for r in runs) / len(runs)
         rollouts = sorted({r["rollouts"] for r in runs})
+        secs = [r.get("step_seconds") for r in runs if r.get("step_seconds")]
+        per_step = "–"
+        if secs:
+            parts = {k: sum(x[k] for x in secs) / len(secs) for k in secs[0]}
+            per_step = (
+                f"{parts['step']:.2f} ({parts['rollout']:.2f} + {parts['loss_backward']:.2f})"
+            )
         rows.append(
             f"| {method} | {fmt(*mean_se(vals))} | {', '.join(f'{v:.3f}' for v in vals)} | "
             f"{sum(succ) / len(succ):.3f} | {len(vals)} × {runs[0]['final']['n']} | "
-            f"{'/'.join(map(str, rollouts))} | {wall:.0f} |"
+            f"{'/'.join(map(str, rollouts))} | {wall:.0f} | {per_step} |"
         )
     failed = [r for r in results if r["error"] is not None]
     lines = [

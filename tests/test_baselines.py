@@ -565,6 +565,10 @@ def test_quick_compare_spends_equal_budgets_and_writes_the_report(tmp_path):
         rows = [json.loads(x) for x in metrics.read_text().splitlines()]
         per_step = [b["rollouts"] - a["rollouts"] for a, b in itertools.pairwise(rows)]
         assert per_step and all(d == 4 for d in per_step)  # every generated rollout counted
+        sec = r["step_seconds"]
+        assert sec["step"] == pytest.approx(sum(x["seconds_step"] for x in rows) / len(rows))
+        assert 0 < sec["rollout"] + sec["loss_backward"] <= sec["step"]
+    assert "s / step (rollout + loss & backward)" in report
     steps = {r["method"]: (r["steps"], r["bank_rollouts"]) for r in runs}
     assert steps == {"lopd": (2, 8), "sdft": (2, 8), "grpo": (4, 0), "skill-sd": (4, 0)}
     skill_rows = (out / "runs" / "skill-sd-seed0" / "metrics.jsonl").read_text().splitlines()
