@@ -73,6 +73,7 @@ def run_seed(
 
     from lopd.trainer import Trainer
 
+    previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     run_dir = out / "runs" / f"seed{seed}"
     result: dict[str, Any] = {"seed": seed, "run_dir": str(run_dir)}
@@ -90,6 +91,8 @@ def run_seed(
         result["error"] = None
     except Exception as err:  # a failed seed is reported, the others go on
         result["error"] = f"{type(err).__name__}: {err}"
+    finally:
+        torch.set_num_threads(previous_threads)  # a caller's (in-process: jobs=1) is kept
     result["wall_seconds"] = time.perf_counter() - t0
     return result
 
@@ -99,13 +102,16 @@ def _paired(runs: Sequence[dict[str, Any]], a: str, b: str) -> dict[str, Any] | 
     if not runs or any(a not in r["summary"] or b not in r["summary"] for r in runs):
         return None
     per_seed = [r["summary"][a]["reward_mean"] - r["summary"][b]["reward_mean"] for r in runs]
+    # Summaries written before per-task rewards were kept have none: no pooled error then.
     pairs = [
         x - y
         for r in runs
-        for x, y in zip(r["summary"][a]["task_rewards"], r["summary"][b]["task_rewards"])
+        for x, y in zip(
+            r["summary"][a].get("task_rewards", []), r["summary"][b].get("task_rewards", [])
+        )
     ]
     mean, se_seeds = mean_se(per_seed)
-    _, se_pairs = mean_se(pairs)
+    se_pairs = mean_se(pairs)[1] if pairs else float("nan")
     return {
         "mean": mean,
         "stderr_seeds": se_seeds,

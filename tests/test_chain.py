@@ -74,15 +74,21 @@ def test_report_pairs_within_seeds_and_pools_task_pairs():
 def test_report_skips_links_a_run_lacks():
     run = _run(0, [0.0], [1.0], [1.0], [1.0], 0.01)
     del run["summary"]["base_composer_phi0"]
+    del run["summary"]["lopd"]["task_rewards"]  # a summary from before per-task rewards
     numbers, report = chain_report([run])
     assert "b_phi0" not in numbers and "d" in numbers
     assert math.isnan(numbers["d"]["stderr_seeds"])  # one seed: unknown, not zero
+    assert math.isnan(numbers["d"]["stderr_pairs"]) and numbers["d"]["n_pairs"] == 0
     assert "phi_0" not in report.split("## The links")[1].split("## Paper")[0]
 
 
 def test_quick_chain_writes_every_link(tmp_path):
+    import torch
+
     out = tmp_path / "chain"
+    threads = torch.get_num_threads()
     assert main(["--quick", "--out", str(out), "--jobs", "1"]) == 0
+    assert torch.get_num_threads() == threads  # the caller's thread count is left as it was
     payload = json.loads((out / "results.json").read_text())
     (run,) = payload["runs"]
     assert run["error"] is None
