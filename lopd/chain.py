@@ -60,9 +60,7 @@ CONDITIONS = {
 _TABLE3 = ("steps", "tool_calls_per_step", "repeated_tool_calls", "first_step_tokens")
 
 
-def run_seed(
-    preset: str, overrides: Sequence[str], seed: int, out: Path, threads: int
-) -> dict[str, Any]:
+def run_seed(preset: str, overrides: Sequence[str], seed: int, out: Path) -> dict[str, Any]:
     """Train and evaluate one seed (in a worker process); never raises (errors are recorded).
 
     Returns:
@@ -73,8 +71,9 @@ def run_seed(
 
     from lopd.trainer import Trainer
 
+    # The trainer sets its thread count (config ``threads``, 1 by default: each seed is one
+    # process on one core); an in-process caller's is restored after.
     previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
     run_dir = out / "runs" / f"seed{seed}"
     result: dict[str, Any] = {"seed": seed, "run_dir": str(run_dir)}
     t0 = time.perf_counter()
@@ -247,21 +246,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, OSError, ValueError) as err:
         print(f"lopd.chain: {err}", file=sys.stderr)
         return 2
-    threads = max(1, (os.cpu_count() or 1) // jobs)
     t0 = time.perf_counter()
     if jobs > 1 and len(seeds) > 1:
         with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(run_seed, preset, overrides, s, out, threads) for s in seeds]
+            futures = [pool.submit(run_seed, preset, overrides, s, out) for s in seeds]
             results = [f.result() for f in futures]
     else:
-        results = [run_seed(preset, overrides, s, out, threads) for s in seeds]
+        results = [run_seed(preset, overrides, s, out) for s in seeds]
     numbers, report = chain_report(results, reference)
     meta = {
         "preset": preset,
         "overrides": overrides,
         "seeds": seeds,
         "jobs": jobs,
-        "threads_per_job": threads,
         "wall_seconds": time.perf_counter() - t0,
         "command": "python -m lopd.chain " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
