@@ -212,7 +212,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2 (quick: 0)")
     p.add_argument("--n-test", type=int, default=None, help="held-out tasks (default 64)")
     p.add_argument("--out", default=None, help="output directory (default runs/chain[-quick])")
-    p.add_argument("--jobs", type=int, default=None, help="seeds in parallel (min(2, seeds))")
+    p.add_argument("--jobs", type=int, default=None, help="seeds in parallel (default: all)")
     p.add_argument(
         "--temperature",
         type=float,
@@ -231,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     n_test = args.n_test if args.n_test is not None else (4 if args.quick else 64)
     out = Path(args.out or ("runs/chain-quick" if args.quick else "runs/chain"))
-    jobs = max(1, args.jobs if args.jobs is not None else min(2, len(seeds)))
+    jobs = max(1, args.jobs if args.jobs is not None else len(seeds))
     overrides = [
         f"data.n_test={n_test}",
         f"eval.temperature={args.temperature}",
