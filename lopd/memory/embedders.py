@@ -79,6 +79,14 @@ def l2_normalize(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
     return (x / np.maximum(norms, eps)).astype(np.float32, copy=False)
 
 
+def _space_suffix(document_style: str) -> str:
+    """The embedding-space name's part for a document style (validated): an index built from
+    whole documents must never be reused for task-only ones."""
+    if document_style not in DOCUMENT_STYLES:
+        raise ValueError(f"document_style must be one of {DOCUMENT_STYLES}, got {document_style!r}")
+    return ":task-docs" if document_style == "task" else ""
+
+
 def _check_texts(texts: Sequence[str], arg: str) -> list[str]:
     if isinstance(texts, str):
         raise TypeError(f"{arg} must be a sequence of strings, got a single str")
@@ -150,10 +158,7 @@ class HiddenStateEmbedder:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
         if query_style not in ("document", "instruct"):
             raise ValueError(f"query_style must be 'document' or 'instruct', got {query_style!r}")
-        if document_style not in DOCUMENT_STYLES:
-            raise ValueError(
-                f"document_style must be one of {DOCUMENT_STYLES}, got {document_style!r}"
-            )
+        suffix = _space_suffix(document_style)
         self.query_style = query_style
         self.document_style = document_style
         self.model = model
@@ -165,10 +170,7 @@ class HiddenStateEmbedder:
         self.dim = int(cfg.hidden_size)
         model_name = getattr(cfg, "_name_or_path", "") or type(model).__name__
         # The query style is part of the space: cached queries of one style are meaningless
-        # next to the other.
-        # So does the document style: an index built from whole documents must not be reused
-        # for task-only ones.
-        suffix = ":task-docs" if document_style == "task" else ""
+        # next to the other (the document style's part: :func:`_space_suffix`).
         self.name = name or f"hidden:{model_name}:{self.dim}:{query_style}{suffix}"
         pad = getattr(tokenizer, "pad_token_id", None)
         if pad is None:
@@ -303,10 +305,7 @@ class SentenceTransformerEmbedder:
             ) from e
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if document_style not in DOCUMENT_STYLES:
-            raise ValueError(
-                f"document_style must be one of {DOCUMENT_STYLES}, got {document_style!r}"
-            )
+        suffix = _space_suffix(document_style)
         self.document_style = document_style
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
             path = str(model)
@@ -329,8 +328,6 @@ class SentenceTransformerEmbedder:
         if dim is None:
             dim = int(self.encode_raw(["x"], prompt=None).shape[1])
         self.dim = int(dim)
-        # An index built from whole documents must not be reused for task-only ones.
-        suffix = ":task-docs" if document_style == "task" else ""
         self.name = name or default_name + suffix
 
     def encode_raw(self, texts: list[str], prompt: str | None) -> np.ndarray:
