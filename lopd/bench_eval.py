@@ -104,7 +104,7 @@ def evaluate_tasks(
     """
     from lopd.chat import render_prompt
     from lopd.envs import make_env
-    from lopd.evaluate import summarize
+    from lopd.evaluate import BEHAVIOUR_METRICS, summarize
     from lopd.rollout import rollout
 
     envs: dict[str, Any] = {}
@@ -172,7 +172,7 @@ def evaluate_tasks(
     }
     if trajs:
         table3 = summarize(trajs)
-        for key in ("steps", "tool_calls_per_step", "repeated_tool_calls", "first_step_tokens"):
+        for key in BEHAVIOUR_METRICS:
             metrics[key] = table3[key]
         calls = sum(t.num_tool_calls for t in trajs)
         metrics["reward_per_tool_call"] = sum(t.reward for t in trajs) / calls if calls else 0.0

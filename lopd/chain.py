@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from lopd.config import ConfigError, load_config
+from lopd.evaluate import BEHAVIOUR_METRICS
 from lopd.run_dir import RunDir, atomic_write_text
 from lopd.stats import fmt, mean_se, verdict
 
@@ -56,8 +57,6 @@ CONDITIONS = {
     "lopd": "LOPD student",
 }
 """Held-out evaluations of one run (keys of ``summary.json``) and their names in the report."""
-
-_TABLE3 = ("steps", "tool_calls_per_step", "repeated_tool_calls", "first_step_tokens")
 
 
 def run_seed(preset: str, overrides: Sequence[str], seed: int, out: Path) -> dict[str, Any]:
@@ -194,7 +193,7 @@ def chain_report(results: Sequence[dict[str, Any]], reference: dict[str, Any] | 
     lines += ["", "## Paper Table 3's behaviour metrics (mean over seeds)", ""]
     lines += ["| metric | " + " | ".join(CONDITIONS[k] for k in numbers["conditions"]) + " |"]
     lines += ["|---|" + "---|" * len(numbers["conditions"])]
-    for metric in _TABLE3:
+    for metric in BEHAVIOUR_METRICS:
         cells = []
         for key in numbers["conditions"]:
             cells.append(f"{mean_se([r['summary'][key][metric] for r in runs])[0]:.2f}")

@@ -40,12 +40,17 @@ if TYPE_CHECKING:
     from lopd.methods.base import Models
 
 __all__ = [
+    "BEHAVIOUR_METRICS",
     "HeldOutEvaluator",
     "LatentConditionedLM",
     "LatentPromptEnv",
     "main",
     "summarize",
 ]
+
+
+BEHAVIOUR_METRICS = ("steps", "tool_calls_per_step", "repeated_tool_calls", "first_step_tokens")
+"""Paper Table 3's behaviour metrics among :func:`summarize`'s keys."""
 
 
 def summarize(trajectories: Sequence[Trajectory]) -> dict[str, float]:
