@@ -64,9 +64,11 @@ def bucket_coefs(
 
 
 def _xlogx_ratio(logp: Tensor, logq: Tensor) -> Tensor:
-    """``exp(logp) * (logp - logq)`` with the convention ``0 * anything = 0`` (never NaN)."""
+    """``exp(logp) * (logp - logq)`` with the convention ``0 * anything = 0`` (never NaN); mass
+    against ``logq = -inf`` is ``+inf``, also when ``exp(logp)`` underflows."""
     p = logp.exp()
-    return p * torch.where(p > 0, logp - logq, torch.zeros_like(p))
+    terms = p * torch.where(p > 0, logp - logq, torch.zeros_like(p))
+    return terms.masked_fill((logp != -math.inf) & (logq == -math.inf), math.inf)
 
 
 def _rows_math(

@@ -106,15 +106,21 @@ def _masked_logsumexp(x: Tensor, keep: Tensor) -> Tensor:
 
 
 def _bucket_divergence(logp: Tensor, logq: Tensor, reverse: bool) -> Tensor:
-    """``sum_b W_b (log W_b - log O_b)`` over the last dim; zero-mass buckets add exactly 0."""
+    """``sum_b W_b (log W_b - log O_b)`` over the last dim; zero-mass buckets add exactly 0, and
+    a bucket with mass against a zero-mass one adds +inf (also when ``exp`` of its log-mass
+    underflows, where ``0 * inf`` would be NaN)."""
     w, o = (logp, logq) if reverse else (logq, logp)
     zero = w == -math.inf
+    # Mass too small for exp against none: +inf (the expression below would give 0 * inf).
+    # Elsewhere mass against none gives exp(w) * inf = inf by the expression itself, whose
+    # gradient to o (-exp(w)) stays finite and is kept.
+    underflow = ~zero & (o == -math.inf) & (w.exp() == 0)
     # Double masking: the unused branch of a where still backpropagates 0 * its local gradient,
     # so the masked entries must be finite inside the expression too.
     w_safe = w.masked_fill(zero, 0.0)
-    o_safe = o.masked_fill(zero, 0.0)
+    o_safe = o.masked_fill(zero | underflow, 0.0)
     terms = torch.where(zero, 0.0, w_safe.exp() * (w_safe - o_safe))
-    return terms.sum(dim=-1)
+    return terms.masked_fill(underflow, math.inf).sum(dim=-1)
 
 
 def topk_tail_kl_reference(

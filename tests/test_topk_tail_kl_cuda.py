@@ -150,6 +150,17 @@ def test_ties_select_lower_ids(target):
     check(target, s, t, tgt, top_m=25)
 
 
+def test_infinite_divergence_is_inf_not_nan(target):
+    """Forward KL with a student that is -inf outside the teacher's top-M, whose tail holds
+    ~e^-390 of its mass (exp underflows): +inf, not 0 * inf = NaN (tests/test_topk_tail_kl.py has
+    the same check for the other backends)."""
+    s, t, tgt = make_inputs(2, 3000, seed=41)
+    t[:, :16] += 400.0
+    s[:, 16:] = -float("inf")
+    out = op_for(target)(s, t, tgt, top_m=16, divergence="forward")
+    assert torch.all(out.kl == float("inf")), out.kl
+
+
 @pytest.mark.skipif(EMU_UNAVAILABLE is not None, reason=str(EMU_UNAVAILABLE))
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_emulated_random_schedules(seed):

@@ -89,12 +89,15 @@ LOPD_HOST_DEVICE inline float log_normalize(float x, float lse) {
 // ---------------------------------------------------------------------------------------------
 
 // One bucket's contribution to the divergence. Reverse: P_b (log P_b - log Q_b); forward:
-// Q_b (log Q_b - log P_b). The weighting bucket with zero mass contributes exactly 0.
+// Q_b (log Q_b - log P_b). The weighting bucket with zero mass contributes exactly 0; one with
+// mass against a zero-mass bucket contributes +inf, also when its own mass underflows float32
+// (a finite log-mass below -104: exp gives 0, and 0 * inf would be NaN).
 LOPD_HOST_DEVICE inline float bucket_kl_term(float logp, float logq, bool reverse) {
-  if (reverse) {
-    return logp == LOPD_NEG_INF ? 0.0f : expf(logp) * (logp - logq);
-  }
-  return logq == LOPD_NEG_INF ? 0.0f : expf(logq) * (logq - logp);
+  const float log_w = reverse ? logp : logq;  // the weighting side
+  const float log_o = reverse ? logq : logp;
+  if (log_w == LOPD_NEG_INF) return 0.0f;
+  if (log_o == LOPD_NEG_INF) return INFINITY;
+  return expf(log_w) * (log_w - log_o);
 }
 
 // Per-bucket gradient factors. For vocabulary entry j in bucket b, on either side x (student s

@@ -67,11 +67,15 @@ def _neg_expm1(y):
 
 @triton.jit
 def _kl_term(logp, logq, REVERSE: tl.constexpr):
-    """One bucket's divergence term; a zero-mass weighting bucket adds exactly 0."""
+    """One bucket's divergence term; a zero-mass weighting bucket adds exactly 0, one with mass
+    against a zero-mass bucket +inf (also when its own mass underflows)."""
     if REVERSE:
-        return tl.where(logp == _NEG_INF, 0.0, tl.exp(logp) * (logp - logq))
+        w = logp
+        o = logq
     else:
-        return tl.where(logq == _NEG_INF, 0.0, tl.exp(logq) * (logq - logp))
+        w = logq
+        o = logp
+    return tl.where(w == _NEG_INF, 0.0, tl.where(o == _NEG_INF, float("inf"), tl.exp(w) * (w - o)))
 
 
 @triton.jit

@@ -151,13 +151,14 @@ def _lse_fold_scalar(m, total, y):
 
 @triton.jit
 def _kl_terms(a, b):
-    """Bucketwise ``exp(a) * (a - b)`` for natural log-masses ``a``, ``b``; 0 where ``exp(a) == 0``.
+    """Bucketwise ``exp(a) * (a - b)`` for natural log-masses ``a``, ``b``.
 
-    A zero-mass bucket contributes 0 (never ``0 * inf``); positive mass against ``b = -inf`` is
-    a genuinely infinite KL and stays ``+inf``.
+    A zero-mass bucket (``a = -inf``) contributes 0 (never ``0 * inf``); positive mass against
+    ``b = -inf`` is a genuinely infinite KL and gives ``+inf``, also when ``exp(a)`` underflows.
     """
-    p = tl.exp(a)
-    return tl.where(p > 0.0, p * (a - b), 0.0)
+    return tl.where(
+        a == float("-inf"), 0.0, tl.where(b == float("-inf"), float("inf"), tl.exp(a) * (a - b))
+    )
 
 
 @triton.jit
