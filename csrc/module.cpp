@@ -96,4 +96,13 @@ PYBIND11_MODULE(_C, m) {
       },
       "Test hook: the CPU kernels' vectorized exp (csrc/cpu/vec_exp.h) of a list of floats, on "
       "the ISA cpu_isa() names");
+  m.def(
+      "_cpu_exp2",
+      [](const std::vector<float>& x) {
+        std::vector<float> y(x.size());
+        LOPD_CPU_ISA_CALL(fast_exp2_array, x.data(), y.data(), static_cast<int64_t>(x.size()));
+        return y;
+      },
+      "Test hook: the CPU kernels' vectorized 2^x (csrc/cpu/vec_exp.h) of a list of floats, on "
+      "the ISA cpu_isa() names");
 }

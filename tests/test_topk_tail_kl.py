@@ -312,6 +312,58 @@ def test_cpu_tail_exact_for_tiny_tail_mass():
 
 
 @requires_cpp
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "default"])
+def test_cpu_tail_stabilizer_jumps_and_empty_tails(isa, monkeypatch):
+    """The forward's one-pass tail sums are relative to a running stabilizer that is raised only
+    when a tail term would exceed e^64 (csrc/cpu/isa/topk_tail_kl_kernel.cpp). Rows that force
+    every branch of it, against the reference: tail logits that jump by +80 and +300 mid-row
+    (teacher and student; the jump comes from far below, so that no logit is large enough for
+    float32 rounding to dominate the comparison), a tail that falls by 300 (its terms underflow
+    against the earlier maximum, harmlessly), a student whose first 3,000 entries are -inf (no
+    stabilizer yet), a student that is -inf outside the top-M, and -inf blocks on both sides
+    mid-row. Reverse KL on every row; forward KL where it is finite."""
+    monkeypatch.setenv("LOPD_CPU_ISA", isa)
+    n, v, m = 6, 9001, 16
+    s, t, target = make_inputs(n, v, seed=31)
+    t[0, m:4000] -= 80.0
+    s[0, m:4000] -= 80.0
+    t[1, m:2500] -= 80.0
+    s[1, m:6000] -= 300.0
+    t[2, 5000:] -= 300.0
+    s[2, 5000:] -= 300.0
+    s[3, :3000] = -math.inf
+    s[4, m:] = -math.inf
+    for x in (s, t):
+        x[5, 100:200] = -math.inf
+        x[5, 7000:] = -math.inf
+    target[3] = 3500
+    target[4] = 0
+    check_against_reference(s, t, target, "cpu", top_m=m, divergence="reverse")
+    finite = [0, 1, 2, 5]
+    check_against_reference(
+        s[finite], t[finite], target[finite], "cpu", top_m=m, divergence="forward"
+    )
+
+
+@requires_cpp
+def test_cpu_infinite_divergence_is_inf_not_nan():
+    """A bucket with mass on the weighting side against none on the other is an infinite
+    divergence, also when that mass underflows float32 (log-mass -390: exp gives 0, and 0 * inf
+    was NaN): forward KL with a student that is -inf outside the teacher's top-M."""
+    n, v, m = 2, 3000, 16
+    s, t, target = make_inputs(n, v, seed=41)
+    t[:, :m] += 400.0  # the teacher's tail holds ~e^-390 of its mass
+    s[:, m:] = -math.inf
+    target[:] = 0
+    for backend in ("cpu", "torch", "triton"):
+        dev = TRITON_DEVICE if backend == "triton" else "cpu"
+        out = lk.topk_tail_kl(
+            s.to(dev), t.to(dev), target.to(dev), top_m=m, divergence="forward", backend=backend
+        )
+        assert torch.all(out.kl == math.inf), (backend, out.kl)
+
+
+@requires_cpp
 @pytest.mark.parametrize("divergence", ["reverse", "forward"])
 def test_cpu_lopsided_buckets_finite_gradients(divergence):
     """One side gives some buckets ~e^-100 of the other's mass (a very sharp teacher against a
@@ -579,3 +631,24 @@ def test_cpu_fast_exp_accuracy(monkeypatch, isa):
     special = _C._cpu_exp([float("-inf"), 0.0, float("nan"), -200.0, 200.0])
     assert special[0] == 0.0 and special[1] == 1.0 and math.isnan(special[2])
     assert 0.0 <= special[3] < 1.2e-38 and special[4] >= 3.4e38
+
+
+@requires_cpp
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "default"])
+def test_cpu_fast_exp2_accuracy(monkeypatch, isa):
+    """The CPU kernels' vectorized 2^x (csrc/cpu/vec_exp.h, the forward's tail sums): within
+    2 ULP of float64 2^x of the same float32 input over the normal range, and the special values
+    the forward relies on (2^-inf = 0 for masked logits, NaN stays NaN, 0 below the range)."""
+    from lopd_kernels import _C
+
+    monkeypatch.setenv("LOPD_CPU_ISA", isa)
+    g = torch.Generator().manual_seed(22)
+    x = torch.cat([torch.rand(20000, generator=g) * 250 - 125, torch.randn(20000, generator=g)])
+    got = torch.tensor(_C._cpu_exp2(x.tolist()), dtype=torch.float64)
+    want = torch.exp2(x.double())
+    ulp = torch.ldexp(torch.ones_like(want), torch.frexp(want).exponent - 24)
+    assert float(((got - want).abs() / ulp).max()) <= 2.0, _C.cpu_isa()
+    special = _C._cpu_exp2([float("-inf"), 0.0, float("nan"), -300.0, 300.0, 1.0, -1.0])
+    assert special[0] == 0.0 and special[1] == 1.0 and math.isnan(special[2])
+    assert 0.0 <= special[3] < 1.2e-38 and special[4] >= 3.4e38
+    assert special[5] == 2.0 and special[6] == 0.5

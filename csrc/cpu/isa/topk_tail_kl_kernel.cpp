@@ -4,15 +4,20 @@
 //
 // Forward, one row (top-M mode): a single streaming pass over both logit rows in L1-sized blocks.
 // The running teacher top-M lives in a binary min-heap (worst kept entry on top, its logit is the
-// admission threshold). Each block is read twice while it sits in L1:
-//   pass 1: load + scale, compare against the block's threshold; lanes at or below it (nearly all
-//           of them once the heap has warmed up) are tail entries and feed a masked block max,
-//           the rare lanes above it go through the heap (an evicted entry joins the tail);
-//   pass 2: masked sum of exp(x - block max) for the tail lanes, merged into the running tail
-//           log-sum-exps of student and teacher.
-// The tail is thus accumulated directly over the complement of the selection, with its own
-// running max (no underflow however small it is), and the full log-sum-exps are
-// logaddexp(lse(top), tail) at the end.
+// admission threshold). The tails of both sides are running log-sum-exps over the complement of
+// the selection, each with its own running max (no underflow however small the tail is); the
+// full log-sum-exps are logaddexp(lse(top), tail) at the end. A block is processed
+//   * in the steady state (both tails non-empty) in ONE pass: every lane is taken to be a tail
+//     lane and summed as 2^(x log2(e) / T - m log2(e)) relative to the running tail max m
+//     (fast_exp2 after one FMA), while the pass also takes the block's raw maxima. The sums are
+//     kept when no teacher lane beats the threshold and no block max exceeds its running max by
+//     more than kSlack (no term can overflow); otherwise the block is redone by
+//   * the two-pass path (the first block, a block with candidates, a jump of the max): pass 1
+//     loads, scales and compares against the threshold, offers the rare lanes above it to the
+//     heap (an evicted entry joins the tail) and takes the tail lanes' block max; pass 2, on the
+//     block now in L1, sums exp(x - block max) over the tail lanes.
+// Once the heap has warmed up nearly every block is all tail, so the forward reads each logit
+// once and evaluates two exponentials per vocabulary entry at about 11 vector instructions each.
 // Backward, one row: one pass per tensor writes the tail formula (share of the tail mass times the
 // tail's factor, see bucket_grad_factors) for every entry, then the M selected entries and the
 // target are rewritten with their own factors.
@@ -27,6 +32,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -48,6 +54,11 @@ constexpr int64_t kStep = 2 * kVF;
 // Elements per L1 block: 2 x 2048 fp32 values = 16 KiB, read twice while resident in L1.
 constexpr int64_t kBlock = 2048;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.44269504088896341f;
+// How far (log2 units) a tail term may exceed its stabilizer in the one-pass path: every term is
+// then at most 2^92 (e^64), and a lane's sum of the 2 kBlock / kStep terms of a block stays far
+// below FLT_MAX.
+constexpr float kSlack2 = 64.0f * kLog2e;
 
 template <typename T>
 inline void load2(const T* p, Vec& a, Vec& b) {
@@ -76,6 +87,23 @@ inline float hmax(const Vec& v) {
 
 inline float hsum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
+}
+
+// Bit l set where a[l] > b[l] (ordered: a NaN lane is 0). One compare (+ a mask move on AVX2),
+// where Vec's operator> builds an all-ones vector first.
+inline uint32_t gt_mask(const Vec& a, const Vec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_cmp_ps_mask(__m512(a), __m512(b), _CMP_GT_OQ);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(__m256(a), __m256(b), _CMP_GT_OQ)));
+#else
+  float x[kVF], y[kVF];
+  a.store(x);
+  b.store(y);
+  uint32_t m = 0;
+  for (int64_t l = 0; l < kVF; ++l) m |= static_cast<uint32_t>(x[l] > y[l]) << l;
+  return m;
+#endif
 }
 
 // A kept top-M entry: scaled teacher logit, scaled student logit, vocabulary index.
@@ -107,6 +135,58 @@ struct RowResult {
   float kl, lse_s, lse_t;
 };
 
+// One side's running tail sum on the vector path, in base 2: sum_j 2^(y_j) over the tail lanes
+// seen so far, y_j = x_j log2(e) / T - k, relative to the stabilizer k (log2 units). k is raised
+// to a tail lane's own value whenever a term would exceed 2^kSlack2, and never stands above the
+// tail's largest value, so the largest term is >= 1 (nothing that matters underflows) and no
+// lane sum overflows. Lane sums are flushed into a double once per block (short fp32 sums).
+struct Base2Tail {
+  Vec sum = Vec(0.0f);   // this block's lane sums, relative to k
+  double total = 0.0;    // earlier blocks' sum, relative to k
+  float k = kNegInf;     // -inf: no tail lane with mass seen yet
+  Vec vk = Vec(kNegInf);
+
+  void raise_to(float k_new) {
+    if (k != kNegInf) {
+      const float r = std::exp2(k - k_new);
+      sum = sum * Vec(r);
+      total *= r;
+    }
+    k = k_new;
+    vk = Vec(k_new);
+  }
+  void flush() {
+    total += hsum(sum);
+    sum = Vec(0.0f);
+  }
+  // Adds the tail lanes (c0 / c1 unset) of one step: x raw logits, y their exponents relative to
+  // the current k. Raises k first when a tail lane needs it (or sets it on the first lane with
+  // mass); an all -inf step adds nothing.
+  void add_masked(const Vec& x0, const Vec& x1, Vec y0, Vec y1, const Vec& c0, const Vec& c1,
+                  const Vec& vc2) {
+    const Vec vneg(kNegInf);
+    const float top = hmax(at::vec::maximum(Vec::blendv(x0 * vc2, vneg, c0),
+                                            Vec::blendv(x1 * vc2, vneg, c1)));
+    if (top == kNegInf) return;
+    if (k == kNegInf || top - k > kSlack2) {
+      raise_to(top);
+      y0 = at::vec::fmsub(x0, vc2, vk);
+      y1 = at::vec::fmsub(x1, vc2, vk);
+    }
+    const Vec zero(0.0f);
+    sum = sum + Vec::blendv(fast_exp2(y0), zero, c0) + Vec::blendv(fast_exp2(y1), zero, c1);
+  }
+  // Merges everything into a natural-log tail state. The stabilizer k ln 2 is rounded to float
+  // for the state, and the sum is shifted by that rounding (in double), so nothing is lost.
+  void merge_into(math::LseState& tail) {
+    flush();
+    if (k == kNegInf) return;
+    const double k_nat = static_cast<double>(k) * 0.693147180559945309;
+    const float m = static_cast<float>(k_nat);
+    math::lse_merge(tail, m, static_cast<float>(total * std::exp(k_nat - m)));
+  }
+};
+
 template <typename TS, typename TT>
 RowResult fwd_topk_row(const TS* s, const TT* t, int64_t V, int64_t M, float inv, bool reverse,
                        FwdScratch& scr, int64_t* ids_out, float* bucket_out) {
@@ -118,6 +198,7 @@ RowResult fwd_topk_row(const TS* s, const TT* t, int64_t V, int64_t M, float inv
   }
   std::make_heap(heap, heap + M, worse_first);
 
+  // Entries that left the heap or lost against it in scalar code: natural-log states.
   math::LseState tail_s = math::lse_empty();
   math::LseState tail_t = math::lse_empty();
   // Offers entry j (larger than every index in the heap, so it must beat the worst kept logit
@@ -136,103 +217,65 @@ RowResult fwd_topk_row(const TS* s, const TT* t, int64_t V, int64_t M, float inv
   };
 
   const Vec vinv(inv);
-  const Vec vneg(kNegInf);
-  const Vec vzero(0.0f);
+  const Vec vc2(inv * kLog2e);
+  const Vec vslack2(kSlack2);
+  Base2Tail acc_t, acc_s;
+  // Both stabilizers set (until then every step takes the careful path, which sets them).
+  bool ready = false;
+  float thr = heap[0].t;
+  Vec vthr(thr);
   int64_t j = M;
-  while (V - j >= kStep) {
-    const int64_t blk_end = j + std::min<int64_t>(kBlock, (V - j) / kStep * kStep);
-    // The threshold is frozen for the whole block, so passes 1 and 2 classify every lane the
-    // same way: t <= thr0 -> tail (vectorized), t > thr0 -> offered to the heap (scalar).
-    const float thr0 = heap[0].t;
-    const Vec vthr(thr0);
-    // Pass 1: the block's maxima. Once the heap has warmed up almost no block holds a teacher
-    // logit above the threshold: then the block is all tail and both passes skip the per-lane
-    // classification.
-    Vec mx_s(kNegInf), mx_t(kNegInf);
+  const int64_t vec_end = M + (V - M) / kStep * kStep;
+  while (j < vec_end) {
+    const int64_t blk_end = std::min(j + kBlock, vec_end);
     for (int64_t k = j; k < blk_end; k += kStep) {
+      __builtin_prefetch(t + k + kBlock, 0, 3);
+      __builtin_prefetch(s + k + kBlock, 0, 3);
       Vec t0, t1, s0, s1;
       load2(t + k, t0, t1);
       load2(s + k, s0, s1);
-      mx_t = at::vec::maximum(mx_t, at::vec::maximum(t0, t1));
-      mx_s = at::vec::maximum(mx_s, at::vec::maximum(s0, s1));
-    }
-    // The maxima of the raw logits, scaled after (1 / T > 0 keeps the order; x * inv rounds
-    // the same way wherever it is computed).
-    float bm_t = hmax(mx_t * vinv);
-    float bm_s = hmax(mx_s * vinv);
-    const bool all_tail = !(bm_t > thr0);
-    if (!all_tail) {
-      // Some lane may beat the M-th logit: classify every lane, offer candidates to the heap,
-      // and take the maxima over the tail lanes only.
-      mx_s = Vec(kNegInf);
-      mx_t = Vec(kNegInf);
-      for (int64_t k = j; k < blk_end; k += kStep) {
-        Vec t0, t1, s0, s1;
-        load2(t + k, t0, t1);
-        load2(s + k, s0, s1);
-        t0 = t0 * vinv;
-        t1 = t1 * vinv;
-        s0 = s0 * vinv;
-        s1 = s1 * vinv;
-        const Vec c0 = t0 > vthr;
-        const Vec c1 = t1 > vthr;
-        mx_t = at::vec::maximum(mx_t, at::vec::maximum(Vec::blendv(t0, vneg, c0),
-                                                        Vec::blendv(t1, vneg, c1)));
-        mx_s = at::vec::maximum(mx_s, at::vec::maximum(Vec::blendv(s0, vneg, c0),
-                                                        Vec::blendv(s1, vneg, c1)));
-        // All-ones lanes of a comparison are NaN bit patterns, so zero_mask() is all set exactly
-        // when no lane is a candidate.
-        if ((c0 | c1).zero_mask() != (1 << kVF) - 1) {
-          float tb[kStep], sb[kStep];
-          t0.store(tb);
-          t1.store(tb + kVF);
-          s0.store(sb);
-          s1.store(sb + kVF);
-          for (int64_t l = 0; l < kStep; ++l) {
-            if (tb[l] > thr0) offer(tb[l], sb[l], k + l);
-          }
-        }
+      // Candidates: the scaled teacher logit, computed as the heap computes it, beats the
+      // threshold. Every other lane is a tail lane (the threshold only rises).
+      const Vec ts0 = t0 * vinv;
+      const Vec ts1 = t1 * vinv;
+      const Vec yt0 = at::vec::fmsub(t0, vc2, acc_t.vk);
+      const Vec yt1 = at::vec::fmsub(t1, vc2, acc_t.vk);
+      const Vec ys0 = at::vec::fmsub(s0, vc2, acc_s.vk);
+      const Vec ys1 = at::vec::fmsub(s1, vc2, acc_s.vk);
+      if (ready && (gt_mask(ts0, vthr) | gt_mask(ts1, vthr) | gt_mask(yt0, vslack2) |
+                    gt_mask(yt1, vslack2) | gt_mask(ys0, vslack2) | gt_mask(ys1, vslack2)) == 0) {
+        // The common case: every lane is a tail lane and no term can overflow.
+        acc_t.sum = acc_t.sum + fast_exp2(yt0) + fast_exp2(yt1);
+        acc_s.sum = acc_s.sum + fast_exp2(ys0) + fast_exp2(ys1);
+        continue;
       }
-      bm_t = hmax(mx_t);
-      bm_s = hmax(mx_s);
-    }
-    if (bm_t != kNegInf || bm_s != kNegInf) {
-      // Pass 2 (on the block, now in L1): sum of exp(x - block max) over the tail lanes. A block
-      // max of -inf means every tail lane of that side is -inf (zero mass): its exp is skipped,
-      // which would see (-inf) - (-inf). The next block is prefetched meanwhile.
-      const Vec vbm_t(bm_t == kNegInf ? 0.0f : bm_t);
-      const Vec vbm_s(bm_s == kNegInf ? 0.0f : bm_s);
-      Vec sum_t(0.0f), sum_s(0.0f);
-      for (int64_t k = j; k < blk_end; k += kStep) {
-        __builtin_prefetch(t + k + kBlock, 0, 3);
-        __builtin_prefetch(s + k + kBlock, 0, 3);
-        Vec t0, t1, s0, s1;
-        load2(t + k, t0, t1);
-        load2(s + k, s0, s1);
-        t0 = t0 * vinv;
-        t1 = t1 * vinv;
-        s0 = s0 * vinv;
-        s1 = s1 * vinv;
-        if (all_tail) {
-          sum_t = sum_t + fast_exp(t0 - vbm_t) + fast_exp(t1 - vbm_t);
-          sum_s = sum_s + fast_exp(s0 - vbm_s) + fast_exp(s1 - vbm_s);
-        } else {
-          const Vec c0 = t0 > vthr;
-          const Vec c1 = t1 > vthr;
-          sum_t = sum_t + Vec::blendv(fast_exp(t0 - vbm_t), vzero, c0) +
-                  Vec::blendv(fast_exp(t1 - vbm_t), vzero, c1);
-          sum_s = sum_s + Vec::blendv(fast_exp(s0 - vbm_s), vzero, c0) +
-                  Vec::blendv(fast_exp(s1 - vbm_s), vzero, c1);
+      const Vec c0 = ts0 > vthr;
+      const Vec c1 = ts1 > vthr;
+      acc_t.add_masked(t0, t1, yt0, yt1, c0, c1, vc2);
+      acc_s.add_masked(s0, s1, ys0, ys1, c0, c1, vc2);
+      ready = acc_t.k != kNegInf && acc_s.k != kNegInf;
+      if ((gt_mask(ts0, vthr) | gt_mask(ts1, vthr)) != 0) {
+        float tb[kStep], sb[kStep];
+        ts0.store(tb);
+        ts1.store(tb + kVF);
+        (s0 * vinv).store(sb);
+        (s1 * vinv).store(sb + kVF);
+        for (int64_t l = 0; l < kStep; ++l) {
+          if (tb[l] > thr) offer(tb[l], sb[l], k + l);
         }
+        thr = heap[0].t;
+        vthr = Vec(thr);
       }
-      if (bm_t != kNegInf) math::lse_merge(tail_t, bm_t, hsum(sum_t));
-      if (bm_s != kNegInf) math::lse_merge(tail_s, bm_s, hsum(sum_s));
     }
+    acc_t.flush();
+    acc_s.flush();
     j = blk_end;
   }
   for (; j < V; ++j) {
     offer(static_cast<float>(t[j]) * inv, static_cast<float>(s[j]) * inv, j);
   }
+  acc_t.merge_into(tail_t);
+  acc_s.merge_into(tail_s);
 
   std::sort(heap, heap + M, ranks_before);
   float* s_top = scr.s_top.data();
@@ -375,13 +418,20 @@ template <typename T>
 void bwd_topk_side(const T* x, T* g, int64_t V, int64_t M, const int64_t* ids, const float* k,
                    float tail_lse, float u_lp, int64_t tgt, float inv) {
   const float kt = k[M] * inv;
-  const Vec vinv(inv), vlse(tail_lse), vk(kt);
+  // exp(x / T - tail_lse) = 2^(x log2(e) / T - tail_lse log2(e)): one FMA and fast_exp2. The
+  // offset is split hi + lo (lo from the double product) so that its float rounding does not
+  // bias every share; tail_lse = +inf (a tail without mass) gives -inf exponents, shares 0.
+  const double lse2 = static_cast<double>(tail_lse) * 1.44269504088896341;
+  const float lse2_hi = static_cast<float>(lse2);
+  const float lse2_lo = std::isfinite(lse2) ? static_cast<float>(lse2 - lse2_hi) : 0.0f;
+  const Vec vc2(inv * kLog2e), vhi(lse2_hi), vlo(lse2_lo), vk(kt);
   int64_t j = 0;
   for (; V - j >= kStep; j += kStep) {
     Vec x0, x1;
     load2(x + j, x0, x1);
     // Selected entries may exceed tail_lse here (share > 1, even inf): they are rewritten below.
-    store2(g + j, fast_exp(x0 * vinv - vlse) * vk, fast_exp(x1 * vinv - vlse) * vk);
+    store2(g + j, fast_exp2(at::vec::fmsub(x0, vc2, vhi) - vlo) * vk,
+           fast_exp2(at::vec::fmsub(x1, vc2, vhi) - vlo) * vk);
   }
   for (; j < V; ++j) {
     g[j] = static_cast<T>(std::exp(static_cast<float>(x[j]) * inv - tail_lse) * kt);

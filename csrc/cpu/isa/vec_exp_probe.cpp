@@ -1,5 +1,6 @@
-// fast_exp (csrc/cpu/vec_exp.h) over an array, per ISA: lopd_kernels._C._cpu_exp exposes it so
-// tests/test_topk_tail_kl.py can bound its error against float64 on every instruction set.
+// fast_exp and fast_exp2 (csrc/cpu/vec_exp.h) over an array, per ISA: lopd_kernels._C._cpu_exp
+// and _cpu_exp2 expose them so tests/test_topk_tail_kl.py can bound their error against float64
+// on every instruction set.
 #include <cstdint>
 
 #include "cpu/vec_exp.h"
@@ -7,14 +8,25 @@
 
 namespace lopd::cpu::CPU_CAPABILITY {
 
-void fast_exp_array(const float* in, float* out, int64_t n) {
+namespace {
+template <typename F>
+void map_array(F f, const float* in, float* out, int64_t n) {
   using Vec = at::vec::Vectorized<float>;
   int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) fast_exp(Vec::loadu(in + i)).store(out + i);
+  for (; i + Vec::size() <= n; i += Vec::size()) f(Vec::loadu(in + i)).store(out + i);
   if (i < n) {
     const int rest = static_cast<int>(n - i);
-    fast_exp(Vec::loadu(in + i, rest)).store(out + i, rest);
+    f(Vec::loadu(in + i, rest)).store(out + i, rest);
   }
+}
+}  // namespace
+
+void fast_exp_array(const float* in, float* out, int64_t n) {
+  map_array([](const auto& x) { return fast_exp(x); }, in, out, n);
+}
+
+void fast_exp2_array(const float* in, float* out, int64_t n) {
+  map_array([](const auto& x) { return fast_exp2(x); }, in, out, n);
 }
 
 }  // namespace lopd::cpu::CPU_CAPABILITY
