@@ -5,7 +5,8 @@
 Variants (``--variant``):
 
 * ``triton`` / ``cuda``: ``lk.topk_tail_kl(s, t, a, top_m=M, backend=...)``, gradients into both
-  logits through ``sum(kl) + sum(privilege) + sum(student_logprob)``;
+  logits through ``sum(kl) + sum(privilege) + sum(student_logprob)``, once per variant of the
+  backend's forward kernel switch (``triton``, ``triton[v2]``; ``cuda``, ``cuda[v1]``);
 * ``torch_reference``: ``lk.topk_tail_kl_reference`` (eager PyTorch, plain autograd);
 * ``trl_eager``: TRL's ``compute_topk_self_distillation_loss`` + ``log_softmax(x).gather`` on both
   sides (the eager loss a TRL user runs), same backward;
@@ -37,9 +38,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_common as gc
 
-# The top-M forward's kernel switch (lopd_kernels/kernel_variants.py; the Triton launcher's
-# FWD_SWITCH, named here so that the script imports no Triton before it needs to).
-FWD_SWITCH = "topk_tail_kl.triton_fwd"
+# Each compiled backend's forward kernel switch (lopd_kernels/kernel_variants.py; for Triton the
+# launcher's FWD_SWITCH, named here so that the script imports no Triton before it needs to).
+FWD_SWITCHES = {"triton": "topk_tail_kl.triton_fwd", "cuda": "topk_tail_kl.cuda_fwd"}
 
 VARIANTS = ("triton", "cuda", "torch_reference", "trl_eager", "torch_topk")
 TEACHERS = ("iid", "zipf")
@@ -140,22 +141,21 @@ def bench_teacher(args, lk, rec, device, teacher: str) -> None:
         rec.add("topk_tail_kl", "torch_topk", {**base_shapes, "pass": "fwd"}, r["fwd"],
                 r["peak_bytes"], **gc.bandwidth_fields(n * v * elt, r["fwd"], copy))  # fmt: skip
         return
-    if args.variant == "triton":
+    if args.variant in FWD_SWITCHES:
         from lopd_kernels.kernel_variants import SWITCHES, use_variant
 
-        # Every kernel variant of the switch, old against new in this process (one record
-        # each: "triton" for the switch's default, "triton[<variant>]" for the others).
-        choices = SWITCHES[FWD_SWITCH].choices
-        for kv in args.fwd_variants.split(",") if args.fwd_variants else choices:
-            with use_variant(FWD_SWITCH, kv):
-                label = "triton" if kv == SWITCHES[FWD_SWITCH].default else f"triton[{kv}]"
-                _time_lopd(args, lk, rec, device, (s, t, a), m, base_shapes, copy, "triton",
-                           label, {FWD_SWITCH: kv})  # fmt: skip
-        return
-    if args.variant == "cuda":
-        # CPU dry run: the C++ kernel stands in for CUDA (Triton runs under its interpreter)
-        backend = "cpu" if device.type != "cuda" else "cuda"
-        _time_lopd(args, lk, rec, device, (s, t, a), m, base_shapes, copy, backend, backend, {})
+        # CPU dry run: the C++ kernel stands in for CUDA (Triton runs under its interpreter).
+        backend = "cpu" if args.variant == "cuda" and device.type != "cuda" else args.variant
+        # Every kernel variant of the backend's forward switch, old against new in this process
+        # (one record each: "<backend>" for the switch's default, "<backend>[<variant>]" for the
+        # others).
+        switch = SWITCHES[FWD_SWITCHES[args.variant]]
+        name = FWD_SWITCHES[args.variant]
+        for kv in args.fwd_variants.split(",") if args.fwd_variants else switch.choices:
+            with use_variant(name, kv):
+                label = backend if kv == switch.default else f"{backend}[{kv}]"
+                _time_lopd(args, lk, rec, device, (s, t, a), m, base_shapes, copy, backend,
+                           label, {name: kv})  # fmt: skip
         return
     if args.variant == "torch_reference":
         backend = "torch_reference"
@@ -210,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--teachers", default=",".join(TEACHERS), help="comma-separated")
     parser.add_argument(
         "--fwd-variants",
-        help=f"--variant triton: the top-M forward kernels to time (switch {FWD_SWITCH}, "
-        "lopd_kernels/kernel_variants.py), comma-separated; default: every variant",
+        help="--variant triton / cuda: the forward kernels to time (switches "
+        f"{', '.join(FWD_SWITCHES.values())}, lopd_kernels/kernel_variants.py), "
+        "comma-separated; default: every variant",
     )
     gc.add_common_args(parser, reps=10)
     args = parser.parse_args(argv)

@@ -53,6 +53,22 @@ SWITCHES: dict[str, Switch] = {
             "registers."
         ),
     ),
+    "topk_tail_kl.cuda_fwd": Switch(
+        env="LOPD_TOPK_TAIL_KL_CUDA_FWD",
+        choices=("v1", "v2"),
+        default="v2",
+        doc=(
+            "CUDA forward of topk_tail_kl (backend='cuda'; read by the C++ launcher, "
+            "csrc/cuda/topk_tail_kl_launch.cuh). v1: csrc/cuda/topk_tail_kl_kernels.cuh, a "
+            "branchy natural-log lse_add with accurate expf per entry and side, the 64-bit key "
+            "built for every entry, one tile in flight, the full-vocabulary mode merging a "
+            "one-entry state per entry. v2: csrc/cuda/topk_tail_kl_fwd_v2.cuh, base-2 tails "
+            "(one FFMA + MUFU.EX2 per entry and side, one rescale per 8 entries, admitted "
+            "candidates masked to -inf), a float compare before the 64-bit key, the next tile "
+            "loaded while the current one is processed, and the same chunked base-2 state in "
+            "the full-vocabulary mode."
+        ),
+    ),
     "fused_linear_topk_tail_kl.chunked": Switch(
         env="LOPD_FUSED_LINEAR_CHUNKED",
         choices=("v1", "v2"),

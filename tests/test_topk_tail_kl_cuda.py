@@ -1,6 +1,7 @@
-"""topk_tail_kl's CUDA kernels (csrc/cuda/topk_tail_kl_kernels.cuh) against the float64
-reference: the same checks as the other backends (all outputs, both gradients under random
-upstream gradients), on two targets:
+"""topk_tail_kl's CUDA kernels (csrc/cuda/topk_tail_kl_kernels.cuh, and the second forward
+csrc/cuda/topk_tail_kl_fwd_v2.cuh: every test runs once per variant of the switch
+topk_tail_kl.cuda_fwd) against the float64 reference: the same checks as the other backends
+(all outputs, both gradients under random upstream gradients), on two targets:
 
 - ``cuda``: the real kernels on a GPU (where the extension was built with CUDA; elsewhere these
   skip with the reason). benchmarks/gpu_all.sh runs them, also under compute-sanitizer memcheck
@@ -19,10 +20,14 @@ import pytest
 import torch
 
 import lopd_kernels as lk
+from lopd_kernels.kernel_variants import SWITCHES
 from lopd_kernels.topk_tail_kl import TopKTailKLOutput, topk_tail_kl_reference
 from tests import simt_emu
 from tests.test_topk_tail_kl import assert_grad_close, make_inputs, random_upstream, run
+from tests.test_topk_tail_kl_strided import _copies
 from tests.utils import assert_close
+
+FWD_SWITCH = "topk_tail_kl.cuda_fwd"
 
 EMU_UNAVAILABLE = simt_emu.unavailable_reason()
 SMALL = os.environ.get("LOPD_TEST_SMALL") == "1"
@@ -32,6 +37,14 @@ def cuda_op(s, t, target, **kw):
     """The CUDA backend on copies of CPU leaves; outputs back on the CPU (autograd crosses)."""
     out = lk.topk_tail_kl(s.cuda(), t.cuda(), target.cuda(), backend="cuda", **kw)
     return TopKTailKLOutput(*(o.cpu() for o in out))
+
+
+@pytest.fixture(autouse=True, params=SWITCHES[FWD_SWITCH].choices)
+def fwd_variant(request, monkeypatch):
+    """Runs every test once per CUDA forward kernel (lopd_kernels/kernel_variants.py), selected
+    by the environment variable the C++ launcher reads at every call."""
+    monkeypatch.setenv(SWITCHES[FWD_SWITCH].env, request.param)
+    return request.param
 
 
 @pytest.fixture(params=simt_emu.cuda_targets("topk_tail_kl_cuda_fwd"))
@@ -61,6 +74,7 @@ def check(where, s, t, target_ids, **kw):
 # M = 1000 and 1024 sit at the 1024 limit of the selection buffer.
 SHAPES = [(1, 1, 1), (3, 7, 1), (3, 97, 20), (17, 1000, 64), (5, 5003, 20), (4, 32000, 1000)]
 SHAPES += [(2, 9001, 1024)]  # M at the kernel's limit (kMaxTopM)
+SHAPES += [(2, 2048, 20), (2, 6144, 20)]  # one / three whole tiles, no partial tile
 LARGE_SHAPES = [(257, 1000, 20), (2, 151936, 20)]
 
 
@@ -99,9 +113,9 @@ def test_unaligned_rows(target):
 @pytest.mark.parametrize("v", [64, 61], ids=["aligned", "unaligned"])
 def test_causal_view_rows_in_place(target, v):
     """``logits[:, :-1]`` of ``[B, T, V]`` buffers (rows of stride V, items of stride T * V; no
-    ``[N, V]`` view exists) are accepted, with the results and gradients of the contiguous copy
-    and the reference's (the CUDA op copies them to dense rows; V = 61 and 64: odd and
-    vector-load-aligned rows)."""
+    ``[N, V]`` view exists) are read in place, with the results and gradients of the contiguous
+    copy and the reference's (V = 61 and 64: rows that do not and do allow 16-byte vector
+    loads)."""
     g = torch.Generator().manual_seed(v)
     s_base = torch.randn(2, 5, v, generator=g).requires_grad_(True)
     t_base = torch.randn(2, 5, v, generator=g).requires_grad_(True)
@@ -121,6 +135,41 @@ def test_causal_view_rows_in_place(target, v):
     assert not s_base.grad[:, -1].any()
     ref = topk_tail_kl_reference(s_base[:, :-1].double(), t_base[:, :-1].double(), tgt, top_m=8)
     assert_close(out.kl, ref.kl, torch.float32, f"{target} kl")
+
+
+def raw_ops(where: str):
+    """(forward, backward, device) of the CUDA custom ops: the real ones or the emulated ones."""
+    if where == "cuda":
+        return torch.ops.lopd.topk_tail_kl_cuda_fwd, torch.ops.lopd.topk_tail_kl_cuda_bwd, "cuda"
+    simt_emu.load()
+    ops = torch.ops.lopd_simt_emu
+    return ops.topk_tail_kl_cuda_fwd, ops.topk_tail_kl_cuda_bwd, "cpu"
+
+
+@pytest.mark.parametrize("v", [64, 61], ids=["aligned", "unaligned"])
+def test_strided_logits_are_not_copied(target, v):
+    """The ops take row-strided logits (a causal view, a row slice of a wider buffer) as they
+    are: no copy of the logits' size in forward or backward (the CPU ops' check, in
+    tests/test_topk_tail_kl_strided.py), and dense gradients in the logits' shape."""
+    fwd, bwd, dev = raw_ops(target)
+    g = torch.Generator().manual_seed(v)
+    s_base, t_base = (torch.randn(2, 5, v, generator=g).to(dev) for _ in range(2))
+    wide = torch.randn(8, 2 * v, generator=g).to(dev)
+    for s, t in ((s_base[:, :-1], t_base[:, 1:]), (wide[:, :v], wide[:, v:])):
+        assert not s.is_contiguous() and not t.is_contiguous()
+        n = s.numel() // v
+        tgt = torch.randint(0, v, (n,), generator=g).to(dev)
+        out = fwd(s, t, tgt, 8, 1.0, True, -100)
+        assert _copies(lambda s=s, t=t, tgt=tgt: fwd(s, t, tgt, 8, 1.0, True, -100), n * v) == []
+        kl, _slp, _tlp, ids, lse, bucket = out
+        ones = torch.ones_like(kl)
+        args = (ones, ones, ones, s, t, tgt, ids, kl, lse, bucket, 1.0, True, -100, True, True)
+        assert _copies(lambda args=args: bwd(*args), n * v) == []
+        gs, gt = bwd(*args)
+        assert gs.shape == s.shape and gs.is_contiguous() and gt.is_contiguous()
+        dense = fwd(s.contiguous(), t.contiguous(), tgt, 8, 1.0, True, -100)
+        for a, b in zip(out, dense):
+            assert torch.equal(a, b)
 
 
 def test_ignored_and_padded_rows(target):
@@ -148,6 +197,50 @@ def test_ties_select_lower_ids(target):
     s = torch.randn(2, 300, generator=torch.Generator().manual_seed(0))
     tgt = torch.tensor([120, 5])
     check(target, s, t, tgt, top_m=25)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_threshold_edges(target, temperature):
+    """The admission test's edges (v2 compares raw logits against a threshold lowered by a
+    margin, then the exact 64-bit key): tiny and denormal teacher logits of both signs and
+    signed zeros (a scaled product may underflow to -0), an all-negative row, and hundreds of
+    entries tied with the M-th value (ties go to the lower id). Temperatures whose scaling is
+    exact, so the float64 reference orders the entries as float32 does."""
+    g = torch.Generator().manual_seed(5)
+    v, m = 6000, 24
+    t = torch.randn(3, v, generator=g)
+    tiny = torch.tensor([-1e-40, 0.0, 1e-40, -0.0, 1e-45, -1e-45, 2e-38, -2e-38])
+    t[0] = tiny[torch.randint(0, len(tiny), (v,), generator=g)]
+    t[0, 4000:4010] = torch.tensor(
+        [3e-39, 3e-39, 5e-39, 1e-38, 4e-39, 6e-39, 7e-39, 8e-39, 9e-39, 2e-39]
+    )
+    t[1] = -5.0 - torch.rand(v, generator=g)
+    t[2] = torch.where(
+        torch.rand(v, generator=g) < 0.1, torch.tensor(1.5), torch.randn(v, generator=g)
+    )
+    s = torch.randn(3, v, generator=g)
+    tgt = torch.tensor([4003, 17, 5999])
+    check(target, s, t, tgt, top_m=m, temperature=temperature)
+
+
+def test_fwd_switch_is_read_by_the_launcher(target, monkeypatch):
+    """The C++ launcher reads the switch's environment variable at every call, with the Python
+    declaration's default and choices (lopd_kernels/kernel_variants.py)."""
+    sw = SWITCHES[FWD_SWITCH]
+    fwd, _bwd, dev = raw_ops(target)
+    s, t, tgt = (x.to(dev) for x in make_inputs(4, 5000, seed=9))
+    runs = {}
+    for value in (*sw.choices, None):
+        if value is None:
+            monkeypatch.delenv(sw.env, raising=False)
+        else:
+            monkeypatch.setenv(sw.env, value)
+        runs[value] = torch.cat([x.flatten().float() for x in fwd(s, t, tgt, 20, 1.4, True, -100)])
+    assert not torch.equal(runs["v1"], runs["v2"])  # the two kernels round differently
+    assert torch.equal(runs[None], runs[sw.default])
+    monkeypatch.setenv(sw.env, "v3")
+    with pytest.raises(RuntimeError, match=r"not a variant of topk_tail_kl.cuda_fwd.*'v1', 'v2'"):
+        fwd(s, t, tgt, 20, 1.0, True, -100)
 
 
 def test_infinite_divergence_is_inf_not_nan(target):

@@ -5,8 +5,8 @@ row slice of a wider buffer.
 For the backends that read strided rows in place (reference, C++ CPU, Triton): the strided
 view gives exactly the results and gradients of its contiguous copy, those match the float64
 reference, and the logits are not copied (the ops' profiles hold no copy of their size; the
-Triton kernels are launched on the view's own memory and strides). The CUDA op (which copies
-to dense rows) is checked on such views in tests/test_topk_tail_kl_cuda.py.
+Triton kernels are launched on the view's own memory and strides). The CUDA op, which reads
+such rows in place too, is checked on them (also for copies) in tests/test_topk_tail_kl_cuda.py.
 """
 
 from __future__ import annotations

@@ -23,10 +23,12 @@ Instructions per vocabulary entry, for kernels that stream a logit row with one 
 row, where the main loop is the largest outermost loop. As a check of
 the declared ``entries``, ``entries_from_loads = threads * LDG bytes on the path /
 bytes_per_entry`` counts what one iteration actually loads (both logit rows: 4 bytes per entry
-in bf16). GEMM-tiled kernels (fused linear, attention) get no per-entry figure, nor do the CUDA
-kernels: their per-entry guards (``i < valid`` for a row's last partial tile, ``base < V``) are
-branches, so the shortest path through their loops skips the per-entry work and is no common
-path (their loops are still listed, with static size and both path lengths, in the JSON).
+in bf16). GEMM-tiled kernels (fused linear, attention) get no per-entry figure, nor does the
+first CUDA forward: its per-entry guards (``i < valid`` for a row's last partial tile,
+``base < V``) are branches, so the shortest path through its loop skips the per-entry work and
+is no common path (its loops are still listed, with static size and both path lengths, in the
+JSON). The second CUDA forward (``csrc/cuda/topk_tail_kl_fwd_v2.cuh``) handles the partial tile
+after its main loop, so its figure is declared (:data:`CUDA_ENTRIES`) like a Triton kernel's.
 
     python tools/kernel_report.py [--only NAME,...] [--json OUT] [--md OUT] [--no-cuda]
 
@@ -196,6 +198,11 @@ def _variant_specs() -> list[TritonSpec]:
 
 # Threads per block of the CUDA kernels (their launchers; 256 unless listed).
 CUDA_THREADS = {"fwd_wmma_kernel": 128, "dq_wmma_kernel": 128, "dkdv_wmma_kernel": 128}
+# CUDA kernels whose main loop streams a logit row with no per-entry bounds checks on its
+# common path (so that the shortest path is that common path): vocabulary entries per main-loop
+# iteration, from the source (csrc/cuda/topk_tail_kl_fwd_v2.cuh: two tiles of 256 threads x 8
+# entries per iteration, the next tile's loads issued unconditionally).
+CUDA_ENTRIES = {"topk_tail_kl_fwd_kernel_v2": 2 * 2048, "topk_tail_kl_fwd_full_kernel_v2": 2 * 2048}
 
 
 def _tool(name: str) -> str | None:
@@ -345,9 +352,11 @@ def report_cuda(src: Path, all_instances: bool = False) -> list[dict]:
         threads = CUDA_THREADS.get(kernel, 256)
         inst = re.search(r"<(.*?)>\(", pretty)
         name = f"{kernel}<{inst.group(1)}>" if inst else kernel
+        entries = CUDA_ENTRIES.get(kernel)
+        bf16_rows = _bf16_instance(pretty)  # 2 bytes per entry per row: 4 for both logit rows
         rows.append(
             _row(name, f"csrc/cuda/{src.name}", {**res[mangled], "shared_bytes": None},
-                 sass[mangled], threads // 32, None, None)
+                 sass[mangled], threads // 32, entries, 4 if entries and bf16_rows else None)
         )  # fmt: skip
     return rows
 

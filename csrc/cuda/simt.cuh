@@ -68,6 +68,20 @@ inline size_t max_dynamic_smem_bytes() {
 
 namespace lopd::simt {
 
+// 2^x by the special function unit: PTX ex2.approx.ftz.f32 (MUFU.EX2, one instruction; CUDA's
+// documented error for it is 2 ulp, denormal results flush to 0, 2^-inf = 0). The emulated build
+// models exactly that error: std::exp2 perturbed by up to 2 ulp, denormals flushed
+// (simt_emulator.h), so CPU tests see the precision the GPU will have.
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef LOPD_SIMT_EMULATION
+  return ::lopd::simt_emu::approx_exp2(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
 // fp32 <-> element conversions of the kernels' input/output dtypes (fp32, fp16, bf16).
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }

@@ -1,7 +1,9 @@
-// CUDA kernels and host launchers of lopd::topk_tail_kl_cuda_fwd / _bwd (schemas:
-// csrc/common/schemas.h).
-// Included by csrc/cuda/topk_tail_kl.cu (nvcc, the CUDA op) and by
-// csrc/emu/topk_tail_kl_emu.cpp (g++, the same kernels under the SIMT emulator, for CPU tests).
+// CUDA kernels of lopd::topk_tail_kl_cuda_fwd / _bwd (schemas: csrc/common/schemas.h): the
+// first forward (variant "v1" of the switch topk_tail_kl.cuda_fwd; "v2" is
+// topk_tail_kl_fwd_v2.cuh), the backward, and the device helpers both forwards share. Launched by
+// topk_tail_kl_launch.cuh, which csrc/cuda/topk_tail_kl.cu (nvcc, the CUDA op) and
+// csrc/emu/topk_tail_kl_emu.cpp (g++, the same kernels under the SIMT emulator, for CPU tests)
+// include.
 // The per-row arithmetic (online log-sum-exp, bucket masses, KL, gradient coefficients) is the
 // __host__ __device__ code in csrc/common/topk_tail_kl_math.h, shared with the C++ CPU kernel, so
 // the CPU tests exercise exactly the arithmetic this file runs.
@@ -109,6 +111,12 @@ __device__ __forceinline__ void store8(T* p, int valid, bool aligned, const floa
   }
 }
 
+// Whether 16-byte vector loads / stores may start at p (a null gradient pointer counts as
+// aligned: it is never touched).
+__device__ __forceinline__ bool is_aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
 // Entries of a kVec-wide step starting at `base` that lie inside a row of V entries.
 __device__ __forceinline__ int valid_in(int64_t V, int64_t base) {
   return V - base < kVec ? static_cast<int>(V - base) : kVec;
@@ -207,6 +215,7 @@ __device__ math::FullKLState block_merge_full(math::FullKLState st, math::FullKL
 // ---- forward ---------------------------------------------------------------------------------------
 
 struct FwdParams {
+  math::RowLayout s_layout, t_layout;  // where each logit row starts (strided rows in place)
   const int64_t* target;
   float* kl;
   float* slp;
@@ -245,10 +254,10 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
-  const TS* s = student + row * V;
-  const TT* t = teacher + row * V;
-  const bool aligned = (V % kVec == 0) && (reinterpret_cast<uintptr_t>(student) % 16 == 0) &&
-                       (reinterpret_cast<uintptr_t>(teacher) % 16 == 0);
+  const TS* s = student + p.s_layout.offset(row);
+  const TT* t = teacher + p.t_layout.offset(row);
+  // 8-entry vector loads at multiples of 8 from the row start: both rows 16-byte aligned.
+  const bool aligned = is_aligned16(s) && is_aligned16(t);
   const float inv = p.inv;
 
   if (M == 0) {
@@ -383,6 +392,7 @@ __global__ void __launch_bounds__(kThreads)
 // ---- backward --------------------------------------------------------------------------------------
 
 struct BwdParams {
+  math::RowLayout s_layout, t_layout;  // the logits' rows; the gradients are dense [N, V]
   const float* g_kl;
   const float* g_ls;
   const float* g_lt;
@@ -446,10 +456,10 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t tgt = p.target[row];
   TS* gs = grad_student != nullptr ? grad_student + row * V : nullptr;
   TT* gt = grad_teacher != nullptr ? grad_teacher + row * V : nullptr;
-  const bool aligned = (V % kVec == 0) && (reinterpret_cast<uintptr_t>(student) % 16 == 0) &&
-                       (reinterpret_cast<uintptr_t>(teacher) % 16 == 0) &&
-                       (reinterpret_cast<uintptr_t>(grad_student) % 16 == 0) &&
-                       (reinterpret_cast<uintptr_t>(grad_teacher) % 16 == 0);
+  const TS* s = student + p.s_layout.offset(row);
+  const TT* t = teacher + p.t_layout.offset(row);
+  const bool aligned =
+      is_aligned16(s) && is_aligned16(t) && is_aligned16(gs) && is_aligned16(gt);
   if (tgt == p.ignore_index || tgt < 0 || tgt >= V) {
     // Ignored rows get zero gradient without reading their logits (out-of-range targets were
     // rejected by the op; this guard only keeps the kernel in bounds).
@@ -461,8 +471,6 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
-  const TS* s = student + row * V;
-  const TT* t = teacher + row * V;
   const float lse_s = p.lse[2 * row];
   const float lse_t = p.lse[2 * row + 1];
   const float kl = p.kl[row];
@@ -506,124 +514,6 @@ __global__ void __launch_bounds__(kThreads)
   const float tail_t = math::bucket_lse(lse_t, logq[M]);
   if (gs != nullptr) bwd_topk_side(s, gs, V, M, ids, ks, tail_s, u_ls, tgt, inv, aligned);
   if (gt != nullptr) bwd_topk_side(t, gt, V, M, ids, kt, tail_t, u_lt, tgt, inv, aligned);
-}
-
-// ---- host side ---------------------------------------------------------------------------------------
-
-// Calls F.template operator()<TS, TT>() for the (student, teacher) dtype pair.
-template <typename F>
-void dispatch_pair(at::ScalarType s, at::ScalarType t, F&& f) {
-  auto with_t = [&](auto s_tag) {
-    using TS = decltype(s_tag);
-    switch (t) {
-      case at::kFloat:
-        f(TS{}, float{});
-        break;
-      case at::kHalf:
-        f(TS{}, __half{});
-        break;
-      default:
-        f(TS{}, __nv_bfloat16{});
-        break;
-    }
-  };
-  switch (s) {
-    case at::kFloat:
-      with_t(float{});
-      break;
-    case at::kHalf:
-      with_t(__half{});
-      break;
-    default:
-      with_t(__nv_bfloat16{});
-      break;
-  }
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-topk_tail_kl_fwd_cuda(const at::Tensor& student_logits, const at::Tensor& teacher_logits,
-                      const at::Tensor& target_ids, int64_t top_m, double temperature,
-                      bool reverse, int64_t ignore_index) {
-  checks::check_fwd_args(student_logits, teacher_logits, target_ids, top_m,
-                         LOPD_SIMT_DEVICE_TYPE, LOPD_SIMT_BACKEND);
-  const int64_t n = checks::rows_of(student_logits);
-  const int64_t v = student_logits.size(-1);
-  TORCH_CHECK(v < (int64_t(1) << 32), "topk_tail_kl (" LOPD_SIMT_BACKEND "): V must be < 2^32, got ", v);
-  TORCH_CHECK(top_m <= kMaxTopM, "topk_tail_kl (" LOPD_SIMT_BACKEND "): top_m must be <= ", kMaxTopM, ", got ",
-              top_m, " (use top_m=None for the full vocabulary)");
-  LOPD_DEVICE_GUARD(student_logits.device());
-  // The CUDA kernels take dense [N, V] rows: [B, L, V] or strided logits are copied here (the
-  // CPU and Triton kernels read them in place).
-  const at::Tensor s = student_logits.reshape({n, v}).contiguous();
-  const at::Tensor t = teacher_logits.reshape({n, v}).contiguous();
-  const at::Tensor tgt = target_ids.contiguous();
-  const auto f32 = s.options().dtype(at::kFloat);
-  at::Tensor kl = at::empty({n}, f32);
-  at::Tensor slp = at::empty({n}, f32);
-  at::Tensor tlp = at::empty({n}, f32);
-  at::Tensor ids = at::empty({n, top_m}, f32.dtype(at::kLong));
-  at::Tensor lse = at::empty({n, 2}, f32);
-  at::Tensor bucket = at::empty({n, 2, top_m + 1}, f32);
-  if (n > 0) {
-    FwdParams prm{tgt.data_ptr<int64_t>(), kl.data_ptr<float>(), slp.data_ptr<float>(),
-                  tlp.data_ptr<float>(), ids.data_ptr<int64_t>(), lse.data_ptr<float>(),
-                  bucket.data_ptr<float>(), n, v, top_m, ignore_index,
-                  checks::checked_inv_temperature(temperature), reverse};
-    const size_t smem = top_m > 0 ? kSortCap * sizeof(uint64_t) : 0;
-    dispatch_pair(s.scalar_type(), t.scalar_type(), [&](auto s_tag, auto t_tag) {
-      using TS = decltype(s_tag);
-      using TT = decltype(t_tag);
-      auto kernel = topk_tail_kl_fwd_kernel<TS, TT>;
-      LOPD_LAUNCH(kernel, unsigned(n), kThreads, smem, reinterpret_cast<const TS*>(s.data_ptr()),
-                  reinterpret_cast<const TT*>(t.data_ptr()), prm);
-    });
-  }
-  return {kl, slp, tlp, ids, lse, bucket};
-}
-
-std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cuda(
-    const at::Tensor& grad_kl, const at::Tensor& grad_student_logprob,
-    const at::Tensor& grad_teacher_logprob, const at::Tensor& student_logits,
-    const at::Tensor& teacher_logits, const at::Tensor& target_ids, const at::Tensor& topk_ids,
-    const at::Tensor& kl, const at::Tensor& lse, const at::Tensor& bucket_logp,
-    double temperature, bool reverse, int64_t ignore_index, bool student_requires_grad,
-    bool teacher_requires_grad) {
-  const int64_t m = checks::check_bwd_args(
-      grad_kl, grad_student_logprob, grad_teacher_logprob, student_logits, teacher_logits,
-      target_ids, topk_ids, kl, lse, bucket_logp, LOPD_SIMT_DEVICE_TYPE, LOPD_SIMT_BACKEND);
-  const auto dev = student_logits.device();
-  const int64_t n = checks::rows_of(student_logits);
-  const int64_t v = student_logits.size(-1);
-  LOPD_DEVICE_GUARD(dev);
-  const at::Tensor s = student_logits.reshape({n, v}).contiguous();
-  const at::Tensor t = teacher_logits.reshape({n, v}).contiguous();
-  at::Tensor gs = student_requires_grad ? at::empty_like(s) : at::Tensor();
-  at::Tensor gt = teacher_requires_grad ? at::empty_like(t) : at::Tensor();
-  if (n > 0 && (student_requires_grad || teacher_requires_grad)) {
-    const at::Tensor g_kl = grad_kl.contiguous(), g_ls = grad_student_logprob.contiguous(),
-                     g_lt = grad_teacher_logprob.contiguous(), tgt = target_ids.contiguous(),
-                     ids = topk_ids.contiguous(), kl_c = kl.contiguous(), lse_c = lse.contiguous(),
-                     bucket = bucket_logp.contiguous();
-    BwdParams prm{g_kl.data_ptr<float>(), g_ls.data_ptr<float>(), g_lt.data_ptr<float>(),
-                  tgt.data_ptr<int64_t>(), ids.data_ptr<int64_t>(), kl_c.data_ptr<float>(),
-                  lse_c.data_ptr<float>(), bucket.data_ptr<float>(), v, m, ignore_index,
-                  checks::checked_inv_temperature(temperature), reverse};
-    const size_t smem = 2 * (m + 1) * sizeof(float);
-    dispatch_pair(s.scalar_type(), t.scalar_type(), [&](auto s_tag, auto t_tag) {
-      using TS = decltype(s_tag);
-      using TT = decltype(t_tag);
-      auto kernel = topk_tail_kl_bwd_kernel<TS, TT>;
-      LOPD_LAUNCH(kernel, unsigned(n), kThreads, smem, reinterpret_cast<const TS*>(s.data_ptr()),
-                  reinterpret_cast<const TT*>(t.data_ptr()),
-                  gs.defined() ? reinterpret_cast<TS*>(gs.data_ptr()) : nullptr,
-                  gt.defined() ? reinterpret_cast<TT*>(gt.data_ptr()) : nullptr, prm);
-    });
-  }
-  // A side without gradient gets an empty float32 [0] tensor (the same for every backend).
-  const auto none = student_logits.options().dtype(at::kFloat);
-  // Gradients in the logits' shape ([N, V] or [B, L, V]), dense.
-  return {student_requires_grad ? gs.view(student_logits.sizes()) : at::empty({0}, none),
-          teacher_requires_grad ? gt.view(teacher_logits.sizes()) : at::empty({0}, none)};
 }
 
 }  // namespace

@@ -578,6 +578,21 @@ inline __nv_bfloat16 __float2bfloat16_rn(float x) { return __nv_bfloat16(x); }
 inline unsigned __float_as_uint(float x) { return std::bit_cast<unsigned>(x); }
 inline float __uint_as_float(unsigned x) { return std::bit_cast<float>(x); }
 inline float __expf(float x) { return std::exp(x); }
+
+namespace lopd::simt_emu {
+// PTX ex2.approx.ftz.f32 as far as its documented behaviour goes: 2 ulp of error, modelled as a
+// relative perturbation of -2, 0 or +2 ulp chosen by the input's bits (deterministic, and biased
+// in neither direction over many inputs), results below FLT_MIN flushed to +0, 2^-inf = 0,
+// 2^+inf = inf, NaN stays NaN.
+inline float approx_exp2(float x) {
+  const float y = std::exp2(x);
+  if (!(y >= 1.17549435e-38f)) return y != y ? y : 0.0f;  // FTZ (NaN passes)
+  if (y == INFINITY) return y;
+  const uint32_t h = (std::bit_cast<uint32_t>(x) * 2654435761u) >> 30;  // 0..3
+  const float ulps = h == 0 ? -2.0f : (h == 1 ? 2.0f : 0.0f);
+  return y * (1.0f + ulps * 0x1p-23f);
+}
+}  // namespace lopd::simt_emu
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 template <typename T, typename U>
@@ -615,5 +630,6 @@ T atomicMax(T* address, U value) {
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __shared__ static

@@ -1,7 +1,7 @@
-// Test build: the CUDA kernels of csrc/cuda/topk_tail_kl_kernels.cuh, compiled by g++ and run on
-// CPU tensors by the SIMT emulator (csrc/emu/simt_emulator.h), as torch.ops.lopd_simt_emu.*
-// with the same schemas as torch.ops.lopd.*. Built and loaded by tests/simt_emu.py; never part of
-// the installed library.
+// Test build: the CUDA kernels of csrc/cuda/topk_tail_kl_kernels.cuh and
+// csrc/cuda/topk_tail_kl_fwd_v2.cuh, compiled by g++ and run on CPU tensors by the SIMT emulator
+// (csrc/emu/simt_emulator.h), as torch.ops.lopd_simt_emu.* with the same schemas as
+// torch.ops.lopd.*. Built and loaded by tests/simt_emu.py; never part of the installed library.
 #ifndef LOPD_SIMT_EMULATION
 #error "compile with -DLOPD_SIMT_EMULATION (tests/simt_emu.py does)"
 #endif
@@ -9,7 +9,7 @@
 #include <torch/library.h>
 
 #include "common/schemas.h"
-#include "cuda/topk_tail_kl_kernels.cuh"
+#include "cuda/topk_tail_kl_launch.cuh"
 
 namespace {
 void set_schedule_seed(int64_t seed) { lopd::simt_emu::set_schedule_seed(uint64_t(seed)); }

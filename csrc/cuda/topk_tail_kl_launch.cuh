@@ -1,0 +1,153 @@
+// Host side of lopd::topk_tail_kl_cuda_fwd / _bwd (schemas: csrc/common/schemas.h): argument
+// checks, output allocation, the dtype dispatch and the launches of the kernels of
+// topk_tail_kl_kernels.cuh (v1 forward, backward) and topk_tail_kl_fwd_v2.cuh (v2 forward).
+// Included by csrc/cuda/topk_tail_kl.cu (nvcc) and csrc/emu/topk_tail_kl_emu.cpp (g++, the SIMT
+// emulator).
+#pragma once
+
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda/topk_tail_kl_fwd_v2.cuh"
+#include "cuda/topk_tail_kl_kernels.cuh"
+
+namespace lopd::cuda {
+namespace {
+
+// The forward kernel, switch topk_tail_kl.cuda_fwd of lopd_kernels/kernel_variants.py: the
+// environment variable LOPD_TOPK_TAIL_KL_CUDA_FWD, read at every call ("v1": the previous kernel,
+// "v2" when unset), so that a benchmark can time both in one process.
+inline bool fwd_variant_is_v2() {
+  const char* v = std::getenv("LOPD_TOPK_TAIL_KL_CUDA_FWD");
+  if (v == nullptr || std::strcmp(v, "v2") == 0) return true;
+  TORCH_CHECK(std::strcmp(v, "v1") == 0, "LOPD_TOPK_TAIL_KL_CUDA_FWD=", v,
+              " is not a variant of topk_tail_kl.cuda_fwd; choose one of ('v1', 'v2')");
+  return false;
+}
+
+
+// Calls F.template operator()<TS, TT>() for the (student, teacher) dtype pair.
+template <typename F>
+void dispatch_pair(at::ScalarType s, at::ScalarType t, F&& f) {
+  auto with_t = [&](auto s_tag) {
+    using TS = decltype(s_tag);
+    switch (t) {
+      case at::kFloat:
+        f(TS{}, float{});
+        break;
+      case at::kHalf:
+        f(TS{}, __half{});
+        break;
+      default:
+        f(TS{}, __nv_bfloat16{});
+        break;
+    }
+  };
+  switch (s) {
+    case at::kFloat:
+      with_t(float{});
+      break;
+    case at::kHalf:
+      with_t(__half{});
+      break;
+    default:
+      with_t(__nv_bfloat16{});
+      break;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+topk_tail_kl_fwd_cuda(const at::Tensor& student_logits, const at::Tensor& teacher_logits,
+                      const at::Tensor& target_ids, int64_t top_m, double temperature,
+                      bool reverse, int64_t ignore_index) {
+  checks::check_fwd_args(student_logits, teacher_logits, target_ids, top_m,
+                         LOPD_SIMT_DEVICE_TYPE, LOPD_SIMT_BACKEND);
+  const int64_t n = checks::rows_of(student_logits);
+  const int64_t v = student_logits.size(-1);
+  // The v2 forward indexes within a row in 32 bits (with room for a tile past the end).
+  TORCH_CHECK(v < (int64_t(1) << 31), "topk_tail_kl (" LOPD_SIMT_BACKEND "): V must be < 2^31, got ",
+              v);
+  TORCH_CHECK(top_m <= kMaxTopM, "topk_tail_kl (" LOPD_SIMT_BACKEND "): top_m must be <= ", kMaxTopM, ", got ",
+              top_m, " (use top_m=None for the full vocabulary)");
+  LOPD_DEVICE_GUARD(student_logits.device());
+  // Rows are read in place wherever they start (a [B, L, V] view such as logits[:, :-1], rows
+  // of any stride); only a vocabulary axis that is not dense is copied.
+  const at::Tensor s = checks::dense_vocab(student_logits);
+  const at::Tensor t = checks::dense_vocab(teacher_logits);
+  const at::Tensor tgt = target_ids.contiguous();
+  const bool v2 = fwd_variant_is_v2();
+  const auto f32 = s.options().dtype(at::kFloat);
+  at::Tensor kl = at::empty({n}, f32);
+  at::Tensor slp = at::empty({n}, f32);
+  at::Tensor tlp = at::empty({n}, f32);
+  at::Tensor ids = at::empty({n, top_m}, f32.dtype(at::kLong));
+  at::Tensor lse = at::empty({n, 2}, f32);
+  at::Tensor bucket = at::empty({n, 2, top_m + 1}, f32);
+  if (n > 0) {
+    FwdParams prm{checks::row_layout(s), checks::row_layout(t), tgt.data_ptr<int64_t>(),
+                  kl.data_ptr<float>(), slp.data_ptr<float>(),
+                  tlp.data_ptr<float>(), ids.data_ptr<int64_t>(), lse.data_ptr<float>(),
+                  bucket.data_ptr<float>(), n, v, top_m, ignore_index,
+                  checks::checked_inv_temperature(temperature), reverse};
+    const size_t smem = top_m > 0 ? kSortCap * sizeof(uint64_t) : 0;
+    dispatch_pair(s.scalar_type(), t.scalar_type(), [&](auto s_tag, auto t_tag) {
+      using TS = decltype(s_tag);
+      using TT = decltype(t_tag);
+      auto kernel = !v2        ? topk_tail_kl_fwd_kernel<TS, TT>
+                    : top_m > 0 ? topk_tail_kl_fwd_kernel_v2<TS, TT>
+                                : topk_tail_kl_fwd_full_kernel_v2<TS, TT>;
+      LOPD_LAUNCH(kernel, unsigned(n), kThreads, smem, reinterpret_cast<const TS*>(s.data_ptr()),
+                  reinterpret_cast<const TT*>(t.data_ptr()), prm);
+    });
+  }
+  return {kl, slp, tlp, ids, lse, bucket};
+}
+
+std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cuda(
+    const at::Tensor& grad_kl, const at::Tensor& grad_student_logprob,
+    const at::Tensor& grad_teacher_logprob, const at::Tensor& student_logits,
+    const at::Tensor& teacher_logits, const at::Tensor& target_ids, const at::Tensor& topk_ids,
+    const at::Tensor& kl, const at::Tensor& lse, const at::Tensor& bucket_logp,
+    double temperature, bool reverse, int64_t ignore_index, bool student_requires_grad,
+    bool teacher_requires_grad) {
+  const int64_t m = checks::check_bwd_args(
+      grad_kl, grad_student_logprob, grad_teacher_logprob, student_logits, teacher_logits,
+      target_ids, topk_ids, kl, lse, bucket_logp, LOPD_SIMT_DEVICE_TYPE, LOPD_SIMT_BACKEND);
+  const auto dev = student_logits.device();
+  const int64_t n = checks::rows_of(student_logits);
+  const int64_t v = student_logits.size(-1);
+  LOPD_DEVICE_GUARD(dev);
+  const at::Tensor s = checks::dense_vocab(student_logits);
+  const at::Tensor t = checks::dense_vocab(teacher_logits);
+  // Dense gradients in the logits' shape (row r at r * V), whatever the logits' strides.
+  at::Tensor gs = student_requires_grad ? at::empty(s.sizes(), s.options()) : at::Tensor();
+  at::Tensor gt = teacher_requires_grad ? at::empty(t.sizes(), t.options()) : at::Tensor();
+  if (n > 0 && (student_requires_grad || teacher_requires_grad)) {
+    const at::Tensor g_kl = grad_kl.contiguous(), g_ls = grad_student_logprob.contiguous(),
+                     g_lt = grad_teacher_logprob.contiguous(), tgt = target_ids.contiguous(),
+                     ids = topk_ids.contiguous(), kl_c = kl.contiguous(), lse_c = lse.contiguous(),
+                     bucket = bucket_logp.contiguous();
+    BwdParams prm{checks::row_layout(s), checks::row_layout(t), g_kl.data_ptr<float>(),
+                  g_ls.data_ptr<float>(), g_lt.data_ptr<float>(),
+                  tgt.data_ptr<int64_t>(), ids.data_ptr<int64_t>(), kl_c.data_ptr<float>(),
+                  lse_c.data_ptr<float>(), bucket.data_ptr<float>(), v, m, ignore_index,
+                  checks::checked_inv_temperature(temperature), reverse};
+    const size_t smem = 2 * (m + 1) * sizeof(float);
+    dispatch_pair(s.scalar_type(), t.scalar_type(), [&](auto s_tag, auto t_tag) {
+      using TS = decltype(s_tag);
+      using TT = decltype(t_tag);
+      auto kernel = topk_tail_kl_bwd_kernel<TS, TT>;
+      LOPD_LAUNCH(kernel, unsigned(n), kThreads, smem, reinterpret_cast<const TS*>(s.data_ptr()),
+                  reinterpret_cast<const TT*>(t.data_ptr()),
+                  gs.defined() ? reinterpret_cast<TS*>(gs.data_ptr()) : nullptr,
+                  gt.defined() ? reinterpret_cast<TT*>(gt.data_ptr()) : nullptr, prm);
+    });
+  }
+  // A side without gradient gets an empty float32 [0] tensor (the same for every backend).
+  const auto none = student_logits.options().dtype(at::kFloat);
+  return {student_requires_grad ? gs : at::empty({0}, none),
+          teacher_requires_grad ? gt : at::empty({0}, none)};
+}
+
+}  // namespace
+}  // namespace lopd::cuda
