@@ -71,15 +71,23 @@ def test_two_sharded_processes_train_like_one(runs):
     # Every student parameter and phi's LoRA are DTensor shards; the QFormer is replicated.
     assert one["sharded_params"] == 0 and two["sharded_params"] > 0
     assert two["num_params"] - two["sharded_params"] > 0
-    keys = ("loss", "kl", "anchor", "grad_norm_student", "grad_norm_composer")
+    keys = ("loss", "anchor", "grad_norm_student", "grad_norm_composer")
     for a, b in zip(one["metrics"], two["metrics"], strict=True):
+        # Step 0 evaluates equal weights: only the reduction orders differ (float32 rounding,
+        # ~1e-6 here). Later steps evaluate weights that already differ by that rounding passed
+        # through an optimizer step (max |dw| 5.4e-7 after step 0), so the gradient norms may
+        # differ more (1.28e-5 of the student's at step 1 on 2026-12-02); the weights themselves
+        # are compared below.
+        rel = 1e-5 if a["step"] == 0 else 5e-5
         for k in keys:
-            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-9), (a["step"], k)
+            assert b[k] == pytest.approx(a[k], rel=rel, abs=1e-9), (a["step"], k)
         # Delta is a mean of signed terms the size of the per-token privilege, so it can cancel
         # to ~1e-4 while float32 rounding of the two reduction orders stays ~1e-5 of those
-        # terms: compare it on the privilege's scale, not relative to itself.
+        # terms: compare it on the privilege's scale, not relative to itself. Likewise the KL
+        # (~1e-3 at step 1), one term of the loss: on the loss's scale.
         scale = abs(a["privilege"]) + abs(a["delta"])
         assert b["delta"] == pytest.approx(a["delta"], rel=1e-5, abs=1e-5 * scale), a["step"]
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-5, abs=1e-5 * abs(a["loss"])), a["step"]
         # The dual update reads the all-reduced Delta, equal only up to float rounding.
         assert (b["beta"], b["beta_next"]) == pytest.approx((a["beta"], a["beta_next"]), rel=1e-5)
         assert b["action_tokens"] == a["action_tokens"]

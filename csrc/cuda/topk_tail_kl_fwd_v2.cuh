@@ -176,6 +176,65 @@ __device__ Lse2 block_merge2(Lse2 st, float2* scratch) {
   return all;
 }
 
+// ---- row outputs -----------------------------------------------------------------------------------
+
+// Writes an ignored row's outputs (all 0; its logits are never read) and returns true, or
+// returns false for a row to compute. Called by the whole block. (v1 keeps its own copies of this
+// and the next two steps: it is the previous kernel, unchanged for the GPU comparison.)
+__device__ __forceinline__ bool write_ignored_row(const FwdParams& p, int64_t row, int64_t tgt) {
+  if (tgt != p.ignore_index) return false;
+  const int64_t M = p.top_m;
+  float* bucket = p.bucket + row * 2 * (M + 1);
+  for (int64_t i = threadIdx.x; i < 2 * (M + 1); i += blockDim.x) bucket[i] = 0.0f;
+  for (int64_t i = threadIdx.x; i < M; i += blockDim.x) p.ids[row * M + i] = 0;
+  if (threadIdx.x == 0) {
+    p.kl[row] = p.slp[row] = p.tlp[row] = 0.0f;
+    p.lse[2 * row] = p.lse[2 * row + 1] = 0.0f;
+  }
+  return true;
+}
+
+// A row's divergence, log-sum-exps and the target's log-probabilities (one thread).
+template <typename TS, typename TT>
+__device__ __forceinline__ void write_row(const FwdParams& p, int64_t row, int64_t tgt,
+                                          const TS* s, const TT* t, float kl, float lse_s,
+                                          float lse_t) {
+  p.kl[row] = kl;
+  p.lse[2 * row] = lse_s;
+  p.lse[2 * row + 1] = lse_t;
+  const bool ok = tgt >= 0 && tgt < p.vocab;
+  p.slp[row] = ok ? math::log_normalize(to_float(s[tgt]) * p.inv, lse_s) : NAN;
+  p.tlp[row] = ok ? math::log_normalize(to_float(t[tgt]) * p.inv, lse_t) : NAN;
+}
+
+// The end of a top-M row: keys[0..M) are the selected entries, best first; tail_s / tail_t the
+// block's merged tails (natural logarithms). Writes the ids, then (thread 0) the buckets and the
+// row's outputs. The selection's scaled logits go to the (now free) upper part of the key
+// buffer, reinterpreted as floats. Called by the whole block.
+template <typename TS, typename TT>
+__device__ __forceinline__ void finish_topm_row(uint64_t* keys, const TS* s, const TT* t,
+                                                const math::LseState& tail_s,
+                                                const math::LseState& tail_t, const FwdParams& p,
+                                                int64_t row, int64_t tgt) {
+  const int64_t M = p.top_m;
+  float* s_top = reinterpret_cast<float*>(keys + kBufCap / 2);
+  float* t_top = s_top + M;
+  for (int64_t i = threadIdx.x; i < M; i += blockDim.x) {
+    const int64_t idx = key_index(keys[i]);
+    p.ids[row * M + i] = idx;
+    t_top[i] = key_value(keys[i]);
+    s_top[i] = to_float(s[idx]) * p.inv;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float* bucket = p.bucket + row * 2 * (M + 1);
+    float lse_s, lse_t;
+    const float kl = math::topk_row_finalize(s_top, t_top, M, tail_s, tail_t, p.reverse, bucket,
+                                             bucket + (M + 1), &lse_s, &lse_t);
+    write_row(p, row, tgt, s, t, kl, lse_s, lse_t);
+  }
+}
+
 // ---- full vocabulary -----------------------------------------------------------------------------
 
 // math::FullKLState in base 2: Z relative to the maxima, A2 = sum_j 2^(w_j - m_w)
@@ -299,15 +358,8 @@ __device__ void fwd_full_row_v2(const TS* s, const TT* t, bool aligned, const Fw
   } else {
     kl = st.a / st.sum_w * kLn2 - logf(st.sum_w) + logf(st.sum_o);
   }
-  const float lse_s = p.reverse ? lse_w : lse_o;
-  const float lse_t = p.reverse ? lse_o : lse_w;
-  p.kl[row] = kl;
-  p.lse[2 * row] = lse_s;
-  p.lse[2 * row + 1] = lse_t;
   bucket[0] = bucket[1] = 0.0f;  // the single "bucket" has mass 1 on both sides
-  const bool ok = tgt >= 0 && tgt < V;
-  p.slp[row] = ok ? math::log_normalize(to_float(s[tgt]) * p.inv, lse_s) : NAN;
-  p.tlp[row] = ok ? math::log_normalize(to_float(t[tgt]) * p.inv, lse_t) : NAN;
+  write_row(p, row, tgt, s, t, kl, p.reverse ? lse_w : lse_o, p.reverse ? lse_o : lse_w);
 }
 
 struct Tails2 {
@@ -353,21 +405,6 @@ __device__ __noinline__ Tails2 compact_v2(uint64_t* keys, int* count, uint64_t* 
   return tails;
 }
 
-// Writes an ignored row's outputs (all 0; its logits are never read) and returns true, or
-// returns false for a row to compute. Called by the whole block.
-__device__ __forceinline__ bool write_ignored_row(const FwdParams& p, int64_t row, int64_t tgt) {
-  if (tgt != p.ignore_index) return false;
-  const int64_t M = p.top_m;
-  float* bucket = p.bucket + row * 2 * (M + 1);
-  for (int64_t i = threadIdx.x; i < 2 * (M + 1); i += blockDim.x) bucket[i] = 0.0f;
-  for (int64_t i = threadIdx.x; i < M; i += blockDim.x) p.ids[row * M + i] = 0;
-  if (threadIdx.x == 0) {
-    p.kl[row] = p.slp[row] = p.tlp[row] = 0.0f;
-    p.lse[2 * row] = p.lse[2 * row + 1] = 0.0f;
-  }
-  return true;
-}
-
 // Full-vocabulary mode (top_m == 0), a kernel of its own so that its registers do not count
 // against the top-M kernel's occupancy. No dynamic shared memory.
 template <typename TS, typename TT>
@@ -399,7 +436,6 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t V = p.vocab;
   const int64_t M = p.top_m;
   const int64_t tgt = p.target[row];
-  float* bucket = p.bucket + row * 2 * (M + 1);
   if (write_ignored_row(p, row, tgt)) return;
   const TS* s = student + p.s_layout.offset(row);
   const TT* t = teacher + p.t_layout.offset(row);
@@ -534,27 +570,7 @@ __global__ void __launch_bounds__(kThreads)
   tail_s = block_merge2(tail_s, lse_scratch);
   tail_t = block_merge2(tail_t, lse_scratch);
 
-  // keys[0..M) are the selected entries, best first (as v1).
-  float* s_top = reinterpret_cast<float*>(keys + kBufCap / 2);
-  float* t_top = s_top + M;
-  for (int64_t i = threadIdx.x; i < M; i += blockDim.x) {
-    const int64_t idx = key_index(keys[i]);
-    p.ids[row * M + i] = idx;
-    t_top[i] = key_value(keys[i]);
-    s_top[i] = to_float(s[idx]) * inv;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float lse_s, lse_t;
-    p.kl[row] = math::topk_row_finalize(s_top, t_top, M, lse2_to_natural(tail_s),
-                                        lse2_to_natural(tail_t), p.reverse, bucket,
-                                        bucket + (M + 1), &lse_s, &lse_t);
-    p.lse[2 * row] = lse_s;
-    p.lse[2 * row + 1] = lse_t;
-    const bool ok = tgt >= 0 && tgt < V;
-    p.slp[row] = ok ? math::log_normalize(to_float(s[tgt]) * inv, lse_s) : NAN;
-    p.tlp[row] = ok ? math::log_normalize(to_float(t[tgt]) * inv, lse_t) : NAN;
-  }
+  finish_topm_row(keys, s, t, lse2_to_natural(tail_s), lse2_to_natural(tail_t), p, row, tgt);
 }
 
 }  // namespace
