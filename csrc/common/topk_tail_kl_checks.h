@@ -3,12 +3,14 @@
 // same inputs with the same messages, each naming the bad argument.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 
 #include "common/topk_tail_kl_math.h"
 
@@ -73,6 +75,16 @@ inline float checked_inv_temperature(double temperature) {
   TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0,
               "topk_tail_kl: temperature must be a finite number > 0, got ", temperature);
   return static_cast<float>(1.0 / temperature);
+}
+
+// The forward's six outputs, uninitialized, on the logits' device: kl, student_logprob,
+// teacher_logprob [N] fp32, topk_ids [N, M] int64, lse [N, 2] and bucket_logp [N, 2, M + 1] fp32.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+empty_fwd_outputs(int64_t n, int64_t top_m, const at::TensorOptions& logits_options) {
+  const auto f32 = logits_options.dtype(at::kFloat);
+  return {at::empty({n}, f32),        at::empty({n}, f32),
+          at::empty({n}, f32),        at::empty({n, top_m}, f32.dtype(at::kLong)),
+          at::empty({n, 2}, f32),     at::empty({n, 2, top_m + 1}, f32)};
 }
 
 // Forward arguments (target values are checked by the caller: on CPU by reading them, on CUDA

@@ -54,13 +54,8 @@ topk_tail_kl_fwd_cpu(const at::Tensor& student_logits, const at::Tensor& teacher
   a.inv_temperature = checks::checked_inv_temperature(temperature);
   a.reverse = reverse;
   a.ignore_index = ignore_index;
-  const auto f32 = student_logits.options().dtype(at::kFloat);
-  a.kl = at::empty({n}, f32);
-  a.student_logprob = at::empty({n}, f32);
-  a.teacher_logprob = at::empty({n}, f32);
-  a.topk_ids = at::empty({n, top_m}, f32.dtype(at::kLong));
-  a.lse = at::empty({n, 2}, f32);
-  a.bucket_logp = at::empty({n, 2, top_m + 1}, f32);
+  std::tie(a.kl, a.student_logprob, a.teacher_logprob, a.topk_ids, a.lse, a.bucket_logp) =
+      checks::empty_fwd_outputs(n, top_m, student_logits.options());
   LOPD_CPU_ISA_CALL(topk_tail_kl_fwd_kernel, a);
   return {a.kl, a.student_logprob, a.teacher_logprob, a.topk_ids, a.lse, a.bucket_logp};
 }

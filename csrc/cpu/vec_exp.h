@@ -46,6 +46,17 @@ constexpr float kE3 = 0.055503323674201965f;
 constexpr float kE4 = 0.00961843691766262f;
 constexpr float kE5 = 0.0013398882001638412f;
 constexpr float kE6 = 0.00015353501657955348f;
+
+#if defined(CPU_CAPABILITY_AVX2)
+// p * 2^n for integral n in [-126, 127] (built from its exponent bits), then 0 where `tiny` and
+// inf where `huge` (the lanes whose argument was clamped into that range).
+inline __m256 scale_pow2_avx2(__m256 p, __m256 n, __m256 tiny, __m256 huge) {
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 out = _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  return _mm256_blendv_ps(out, _mm256_set1_ps(__builtin_inff()), huge);
+}
+#endif
 }  // namespace vec_exp_detail
 
 inline at::vec::Vectorized<float> fast_exp(const at::vec::Vectorized<float>& x) {
@@ -89,10 +100,7 @@ inline at::vec::Vectorized<float> fast_exp(const at::vec::Vectorized<float>& x) 
   const __m256 r2 = _mm256_mul_ps(r, r);
   p = _mm256_fmadd_ps(p, r2, r);
   p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
-  const __m256i e =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 out = _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-  return _mm256_blendv_ps(out, _mm256_set1_ps(__builtin_inff()), huge);
+  return vec_exp_detail::scale_pow2_avx2(p, n, tiny, huge);
 #else
   return x.exp();
 #endif
@@ -132,10 +140,7 @@ inline at::vec::Vectorized<float> fast_exp2(const at::vec::Vectorized<float>& y)
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(d::kE2));
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(d::kE1));
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i e =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 out = _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-  return _mm256_blendv_ps(out, _mm256_set1_ps(__builtin_inff()), huge);
+  return vec_exp_detail::scale_pow2_avx2(p, n, tiny, huge);
 #else
   return y.exp2();
 #endif

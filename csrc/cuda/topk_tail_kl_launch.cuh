@@ -76,13 +76,7 @@ topk_tail_kl_fwd_cuda(const at::Tensor& student_logits, const at::Tensor& teache
   const at::Tensor t = checks::dense_vocab(teacher_logits);
   const at::Tensor tgt = target_ids.contiguous();
   const bool v2 = fwd_variant_is_v2();
-  const auto f32 = s.options().dtype(at::kFloat);
-  at::Tensor kl = at::empty({n}, f32);
-  at::Tensor slp = at::empty({n}, f32);
-  at::Tensor tlp = at::empty({n}, f32);
-  at::Tensor ids = at::empty({n, top_m}, f32.dtype(at::kLong));
-  at::Tensor lse = at::empty({n, 2}, f32);
-  at::Tensor bucket = at::empty({n, 2, top_m + 1}, f32);
+  auto [kl, slp, tlp, ids, lse, bucket] = checks::empty_fwd_outputs(n, top_m, s.options());
   if (n > 0) {
     FwdParams prm{checks::row_layout(s), checks::row_layout(t), tgt.data_ptr<int64_t>(),
                   kl.data_ptr<float>(), slp.data_ptr<float>(),
