@@ -2,22 +2,20 @@
 // (CPU_CAPABILITY = DEFAULT | AVX2 | AVX512, see csrc/cpu/isa_dispatch.h); the per-row math is in
 // csrc/common/topk_tail_kl_math.h, shared with the CUDA kernel.
 //
-// Forward, one row (top-M mode): a single streaming pass over both logit rows in L1-sized blocks.
+// Forward, one row (top-M mode): a single streaming pass over both logit rows.
 // The running teacher top-M lives in a binary min-heap (worst kept entry on top, its logit is the
-// admission threshold). The tails of both sides are running log-sum-exps over the complement of
-// the selection, each with its own running max (no underflow however small the tail is); the
-// full log-sum-exps are logaddexp(lse(top), tail) at the end. A block is processed
-//   * in the steady state (both tails non-empty) in ONE pass: every lane is taken to be a tail
-//     lane and summed as 2^(x log2(e) / T - m log2(e)) relative to the running tail max m
-//     (fast_exp2 after one FMA), while the pass also takes the block's raw maxima. The sums are
-//     kept when no teacher lane beats the threshold and no block max exceeds its running max by
-//     more than kSlack (no term can overflow); otherwise the block is redone by
-//   * the two-pass path (the first block, a block with candidates, a jump of the max): pass 1
-//     loads, scales and compares against the threshold, offers the rare lanes above it to the
-//     heap (an evicted entry joins the tail) and takes the tail lanes' block max; pass 2, on the
-//     block now in L1, sums exp(x - block max) over the tail lanes.
-// Once the heap has warmed up nearly every block is all tail, so the forward reads each logit
-// once and evaluates two exponentials per vocabulary entry at about 11 vector instructions each.
+// admission threshold). The tails of both sides are log-sum-exps over the complement of the
+// selection, accumulated in ONE pass over both rows: each vector step of 32 lanes computes
+// 2^(x log2(e) / T - k) after one FMA (fast_exp2), relative to a per-side stabilizer k that is
+// some tail lane's own value (Base2Tail below: no underflow however small the tail is, no
+// overflow however large a term is). In the common step (once the heap has warmed up nearly every
+// step) no lane beats the threshold and no term exceeds 2^kSlack2: all lanes are summed. Otherwise
+// the step takes the careful path: the stabilizer is raised (or set, for a side's first lane with
+// mass) to the step's largest tail lane, the candidate lanes are masked out of the sums and
+// offered to the heap in index order (an evicted entry, or one the risen threshold now rejects,
+// joins a scalar tail state), and the threshold is refreshed. Lane sums are flushed to double per
+// block of kBlock entries; the full log-sum-exps are logaddexp(lse(top), tail) at the end. Each
+// logit is read once; two exponentials per vocabulary entry at about 11 vector instructions each.
 // Backward, one row: one pass per tensor writes the tail formula (share of the tail mass times the
 // tail's factor, see bucket_grad_factors) for every entry, then the M selected entries and the
 // target are rewritten with their own factors.
@@ -51,7 +49,9 @@ using Vec = at::vec::Vectorized<float>;
 // Elements per vector step: two float vectors, i.e. one full vector of a 16-bit input type.
 constexpr int64_t kVF = Vec::size();
 constexpr int64_t kStep = 2 * kVF;
-// Elements per L1 block: 2 x 2048 fp32 values = 16 KiB, read twice while resident in L1.
+// Entries per block: the top-M forward flushes its lane sums to double once per block (short
+// fp32 sums) and prefetches the next; the full-vocabulary forward reads each block twice while it
+// sits in L1 (2 x 2,048 fp32 values = 16 KiB).
 constexpr int64_t kBlock = 2048;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.44269504088896341f;
@@ -95,7 +95,8 @@ inline uint32_t gt_mask(const Vec& a, const Vec& b) {
 #if defined(CPU_CAPABILITY_AVX512)
   return _mm512_cmp_ps_mask(__m512(a), __m512(b), _CMP_GT_OQ);
 #elif defined(CPU_CAPABILITY_AVX2)
-  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(__m256(a), __m256(b), _CMP_GT_OQ)));
+  const __m256 gt = _mm256_cmp_ps(__m256(a), __m256(b), _CMP_GT_OQ);
+  return static_cast<uint32_t>(_mm256_movemask_ps(gt));
 #else
   float x[kVF], y[kVF];
   a.store(x);
