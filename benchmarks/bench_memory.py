@@ -82,7 +82,7 @@ def retrieval_quality(model_path: str | None, k: int) -> None:
 
     from lopd.envs import builtin_tasks, make_env, oracle_actions
     from lopd.memory import HiddenStateEmbedder
-    from lopd.models import load_model
+    from lopd.models.loading import load_model
     from lopd.types import Trajectory
 
     torch.set_num_threads(1)

@@ -1,10 +1,10 @@
 """Rollout throughput of the embedded tiny Qwen3 on CPU: generated tokens per second.
 
-Runs :func:`lopd.rollout.rollout` end to end (prompt rendering, batched prefill + KV-cache decode
-with the default sampling, environment steps, observation rendering) on held-out tool-use tasks,
-and reports generated (action-mask) tokens per second, episodes per second and the mean reward,
-per batch size. Each configuration is timed ``--reps`` times with the same seed (identical work);
-the median is recorded.
+Runs :func:`lopd.rollout.multi_turn.rollout` end to end (prompt rendering, batched prefill +
+KV-cache decode with the default sampling, environment steps, observation rendering) on held-out
+tool-use tasks, and reports generated (action-mask) tokens per second, episodes per second and the
+mean reward, per batch size. Each configuration is timed ``--reps`` times with the same seed
+(identical work); the median is recorded.
 
     python -m benchmarks.bench_rollout                       # 64 tasks, batch 8 and 32, 2 threads
     python -m benchmarks.bench_rollout --tasks 128 --batch-sizes 16,64 --threads 1
@@ -22,8 +22,8 @@ import torch
 
 from benchmarks.common import record
 from lopd.envs import builtin_tasks
-from lopd.models import load_model
-from lopd.rollout import GenerationConfig, rollout
+from lopd.models.loading import load_model
+from lopd.rollout.multi_turn import GenerationConfig, rollout
 
 
 def main() -> None:

@@ -56,7 +56,7 @@ def report(run_dir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.memory_standins")
-    p.add_argument("--shape", default="218m", help="a name in lopd.standin.SHAPES")
+    p.add_argument("--shape", default="218m", help="a name in lopd.standin.build.SHAPES")
     p.add_argument("--out", default="/tmp/lopd-memory", help="stand-ins and run directories")
     p.add_argument("--report", default=None, help="print the table of an existing run dir")
     p.add_argument("overrides", nargs="*", help=f"trainer overrides (default: {' '.join(SHORT)})")
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         print(report(Path(args.report)))
         return 0
-    from lopd.standin import build_standin
+    from lopd.standin.build import build_standin
 
     out = Path(args.out)
     model = out / f"standin-{args.shape}"

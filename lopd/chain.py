@@ -5,7 +5,7 @@ held-out tasks of that seed, under the default sampling (``--temperature 0.7`` w
 top-p and top-k, like the probe; ``--temperature 0``: greedy):
 
 * (a) base + a retrieved successful trajectory as text vs base: not trained here; measured by
-  ``python -m lopd.models probe-reference`` (:mod:`lopd.probe`), whose ``reference.json`` the
+  ``python -m lopd.models probe-reference`` (:mod:`lopd.tiny.probe`), whose ``reference.json`` the
   report quotes with ``--reference-json``;
 * (b) base + composer (latents only) vs base, twice: with the cold-started phi_0 (before joint
   training) and with the jointly trained phi (paper Table 3's "Base + Composer");
@@ -43,10 +43,14 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from lopd.atomic import atomic_write_text
 from lopd.config import ConfigError, load_config
-from lopd.evaluate import BEHAVIOUR_METRICS
-from lopd.run_dir import RunDir, atomic_write_text
-from lopd.stats import fmt, mean_se, verdict
+from lopd.eval.stats import fmt, mean_se, verdict
+from lopd.eval.summary import BEHAVIOUR_METRICS
+from lopd.run.run_dir import RunDir
+from lopd.trainer import Trainer
 
 __all__ = ["CONDITIONS", "chain_report", "main", "run_seed"]
 
@@ -66,9 +70,6 @@ def run_seed(preset: str, overrides: Sequence[str], seed: int, out: Path) -> dic
         ``{"seed", "run_dir", "summary", "step0", "error", "wall_seconds"}``; ``step0`` is the
         first line of ``metrics.jsonl`` (``delta``, ``privilege``, ``beta_next``, ...).
     """
-    import torch
-
-    from lopd.trainer import Trainer
 
     # The trainer sets its thread count (config ``threads``, 1 by default: each seed is one
     # process on one core); an in-process caller's is restored after.

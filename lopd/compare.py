@@ -20,13 +20,13 @@ Usage::
 Settings. The runs use the ``compare`` preset (``--quick``: ``compare-quick``) of
 :mod:`lopd.config` and its rollout budget :data:`lopd.config.COMPARE_BUDGETS`.
 
-Equal budgets. Every generated rollout counts (:attr:`lopd.engine.RolloutEngine.rollouts`), the
-experience bank's base-model rollouts included: methods that build a bank (LOPD and its
-ablations, OPSD, SDFT) train for ``(budget - bank) / tasks_per_step`` steps, the others (GRPO,
-SDPO, Skill-SD) for ``budget / tasks_per_step`` steps, so all end at the same count. Skill-SD's
-skills are written from its own training rollouts (already counted); no other rollout is made.
-Evaluation rollouts (greedy, on the held-out split) do not count. Held-out rewards are measured,
-never used to pick anything.
+Equal budgets. Every generated rollout counts (:attr:`lopd.rollout.engine.RolloutEngine.rollouts`),
+the experience bank's base-model rollouts included: methods that build a bank (LOPD and its
+ablations, OPSD, SDFT) train for ``(budget - bank) / tasks_per_step`` steps, the others (GRPO, SDPO,
+Skill-SD) for ``budget / tasks_per_step`` steps, so all end at the same count. Skill-SD's skills are
+written from its own training rollouts (already counted); no other rollout is made. Evaluation
+rollouts (greedy, on the held-out split) do not count. Held-out rewards are measured, never used to
+pick anything.
 
 Shared phases. For one seed the bank, the composer cold start and the vanilla evaluation are the
 same computation for every method (same seed, base model and tasks), so they are run once (by the
@@ -51,10 +51,13 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from matplotlib.figure import Figure
+
 from lopd.config import COMPARE_BUDGETS, BankTooSmallError, ConfigError, load_config
+from lopd.eval.stats import fmt, mean_se, verdict
 from lopd.methods import METHODS
-from lopd.run_dir import RunDir
-from lopd.stats import fmt, mean_se, verdict
+from lopd.run.run_dir import RunDir
+from lopd.trainer import Trainer
 
 __all__ = ["ALL_METHODS", "CompareSettings", "main", "run_method", "settings_for", "write_report"]
 
@@ -153,7 +156,6 @@ def run_method(
         reward], ...]``; ``step_seconds`` the mean seconds per training step of its rollouts,
         its losses and backward passes, and the whole step.
     """
-    from lopd.trainer import Trainer
 
     run_dir = out / "runs" / f"{method}-seed{seed}"
     files = RunDir(run_dir)
@@ -411,12 +413,8 @@ def write_report(
 
 
 def _plot(by: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig = Figure(figsize=(6.5, 4))
+    ax = fig.subplots()
     for method in ALL_METHODS:
         if method not in by:
             continue
@@ -430,7 +428,6 @@ def _plot(by: dict[str, list[dict[str, Any]]], path: Path) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------ CLI

@@ -1,332 +1,202 @@
-"""Held-out evaluation: the student alone, and the frozen base model generating with latents.
+"""Benchmark evaluation of one model: ``python -m lopd.evaluate --model PATH --bench NAME``.
 
-:class:`HeldOutEvaluator` is the trainer's evaluation phase (rank 0 evaluates, the other ranks
-wait): ``vanilla`` (the student before training), ``lopd`` (the trained student) and
-``base_composer`` (the frozen base model generating with retrieved latents).
+Benchmarks (``--bench``):
 
-Metrics (paper Table 3) over one rollout per task: mean reward with its standard error, success
-rate (reward 1), interaction steps, tool calls per step, repeated tool calls and first-step
-length (tokens of the first assistant turn).
+* ``bfcl-multi-turn``: BFCL v3 multi-turn, the four categories base / miss_func / miss_param /
+  long_context (200 entries each, :mod:`lopd.envs.bfcl`). Score per category = 100 x the
+  fraction of entries BFCL's checker accepts; ``overall`` = their mean (the paper's BFCL-v3).
+* ``humaneval``: the 164 HumanEval tasks (:mod:`lopd.envs.humaneval`), pass@1 = 100 x the
+  fraction solved with one sample per task.
+* ``builtin``: the built-in tool-use worlds' held-out split (120 tasks, 40 per world); score per
+  world = 100 x success rate.
 
-"Base + composer" evaluation needs generation from ``inputs_embeds``. It reuses
-:func:`lopd.rollout.rollout` unchanged through two thin adapters:
+Per category the results also hold the mean reward (BFCL: fraction of turns passed) and the
+paper's Table 3 behaviour metrics (:func:`lopd.eval.summary.summarize`: interaction steps, tool
+calls per step, repeated tool calls, first-step length in tokens) plus reward per tool call (total
+reward / total tool calls). ``--out`` receives ``results.json`` (settings, metrics, one record per
+episode) and ``results.md`` (the tables); the tables are also printed.
 
-* :class:`LatentPromptEnv` wraps each task's environment so its first user message is the
-  teacher's framed message, with ``J*K`` pad-token strings in place of the sentinel: the chat
-  template renders them as a contiguous run of pad ids (the placeholders of A.4).
-* :class:`LatentConditionedLM` is the frozen backbone behind a ``forward`` that embeds
-  ``input_ids`` and, in every prefill, replaces each row's placeholder run by that task's
-  latents (rows are matched to tasks by their rendered prompt, which the rollout prefixes to
-  every context). Decode steps pass through unchanged. Run it inside
-  ``composer.teacher_mode()`` so the encoder's LoRA is off, as for the teacher.
+Generation follows the paper's Table 5 unless overridden: temperature 0.7, top-p 0.95, top-k 20,
+thinking on (Qwen3's switch; the tiny model's template ignores it), a token budget of 40,960
+(tool use) / 16,384 (coding) per episode and 30 steps. The budget is cut to the model's
+``max_position_embeddings``; a task whose prompt alone does not fit scores 0 and is counted in
+``skipped_prompt_too_long``.
+
+``--export-tasks FILE`` writes the benchmark's tasks as a lopd tasks JSONL (no model needed):
+BFCL entries carry their train/test label (disjoint by scenario, :mod:`lopd.envs.bfcl_data`),
+so ``python -m lopd.train --tasks FILE`` trains on the train split and evaluates on the test
+split; HumanEval tasks are all ``test``.
 """
 
 from __future__ import annotations
 
-import math
+import argparse
+import json
+import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
 
-from lopd.injection import LATENT_SENTINEL, frame_user_message
-from lopd.types import Task, Trajectory
+from lopd.atomic import atomic_write_text
+from lopd.envs import save_tasks_jsonl
+from lopd.eval.benchmark import (
+    BENCHES,
+    CODE_BUDGET,
+    MAX_STEPS,
+    TOOL_BUDGET,
+    evaluate_tasks,
+    load_bench,
+    render_markdown,
+)
+from lopd.models.loading import load_model
+from lopd.rollout.multi_turn import GenerationConfig
 
-if TYPE_CHECKING:
-    from lopd.distributed import Dist
-    from lopd.engine import RolloutEngine
-    from lopd.methods.base import Models
-
-__all__ = [
-    "BEHAVIOUR_METRICS",
-    "HeldOutEvaluator",
-    "LatentConditionedLM",
-    "LatentPromptEnv",
-    "main",
-    "summarize",
-]
+__all__ = ["main", "parse_args"]
 
 
-BEHAVIOUR_METRICS = ("steps", "tool_calls_per_step", "repeated_tool_calls", "first_step_tokens")
-"""Paper Table 3's behaviour metrics among :func:`summarize`'s keys."""
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m lopd.evaluate",
+        description="Evaluate a model on BFCL v3 multi-turn, HumanEval or the built-in worlds.",
+    )
+    p.add_argument("--bench", required=True, choices=BENCHES)
+    p.add_argument(
+        "--model", default=None, help="local HF checkpoint directory (default: the tiny model)"
+    )
+    p.add_argument("--n", type=int, default=None, help="first N tasks of each category")
+    p.add_argument("--split", default="all", choices=("all", "train", "test"))
+    p.add_argument("--categories", nargs="+", default=None, help="BFCL categories to run")
+    p.add_argument("--out", default=None, help="output directory (default runs/eval/<bench>)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="per assistant turn")
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument(
+        "--thinking", action=argparse.BooleanOptionalAction, default=True, help="Qwen3 thinking"
+    )
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--export-tasks", default=None, metavar="FILE", help="write the tasks JSONL and exit"
+    )
+    args = p.parse_args(argv)
+    if args.n is not None and args.n < 1:
+        p.error(f"--n must be >= 1, got {args.n}")
+    if args.batch_size < 1:
+        p.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    return args
 
 
-def summarize(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Table-3 metrics of one rollout per held-out task.
+def main(argv: Sequence[str] | None = None, *, log: Callable[[str], None] | None = None) -> int:
+    args = parse_args(argv)
+    say = log or (lambda msg: print(f"[lopd.evaluate] {msg}", flush=True))
+    try:
+        cats = load_bench(args.bench, args.n, args.split, args.categories)
+    except (ValueError, ImportError, RuntimeError) as err:
+        print(f"lopd.evaluate: {err}", file=sys.stderr)
+        return 2
+    if args.export_tasks is not None:
+        tasks = [t for ts in cats.values() for t in ts]
+        save_tasks_jsonl(tasks, args.export_tasks)
+        by_split: dict[str, int] = {}
+        for t in tasks:
+            by_split[t.split] = by_split.get(t.split, 0) + 1
+        say(f"wrote {len(tasks)} tasks to {args.export_tasks} ({by_split})")
+        return 0
 
-    Returns:
-        ``n``, ``reward_mean``, ``reward_stderr`` (sample std / sqrt(n); 0 for n = 1),
-        ``success_rate`` (reward >= 1), ``steps``, ``tool_calls_per_step``,
-        ``repeated_tool_calls``, ``first_step_tokens`` (means over tasks).
-    """
-    n = len(trajectories)
-    if n == 0:
-        raise ValueError("trajectories must not be empty")
-    rewards = [float(t.reward) for t in trajectories]
-    mean = sum(rewards) / n
-    var = sum((r - mean) ** 2 for r in rewards) / (n - 1) if n > 1 else 0.0
-    steps = [t.num_steps for t in trajectories]
-    calls_per_step = [t.num_tool_calls / max(t.num_steps, 1) for t in trajectories]
-    repeated = [int(t.info.get("repeated_tool_calls", 0)) for t in trajectories]
-    first = [(t.turn_spans[0][1] - t.turn_spans[0][0]) if t.turn_spans else 0 for t in trajectories]
-    return {
-        "n": n,
-        "reward_mean": mean,
-        "reward_stderr": math.sqrt(var / n),
-        "success_rate": sum(r >= 1.0 - 1e-9 for r in rewards) / n,
-        "steps": sum(steps) / n,
-        "tool_calls_per_step": sum(calls_per_step) / n,
-        "repeated_tool_calls": sum(repeated) / n,
-        "first_step_tokens": sum(first) / n,
-    }
+    threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        return _evaluate(args, cats, say)
+    finally:
+        torch.set_num_threads(threads)  # a library caller's thread count is left as it was
 
 
-class LatentPromptEnv:
-    """An environment whose first user message carries the latent framing and placeholders.
-
-    Everything except :meth:`reset` is delegated to the wrapped environment.
-
-    Args:
-        env: the task's environment.
-        domain: framing-text selector.
-        num_latents: ``J*K`` placeholders.
-        placeholder_text: the pad token's string (rendered by the tokenizer as one pad id).
-    """
-
-    def __init__(self, env: Any, domain: str, num_latents: int, placeholder_text: str) -> None:
-        self._env = env
-        self._domain = domain
-        self._num_latents = num_latents
-        self._placeholder_text = placeholder_text
-
-    def reset(self, task: Task) -> str:
-        user = self._env.reset(task)
-        framed = frame_user_message(user, self._domain)
-        return framed.replace(LATENT_SENTINEL, self._placeholder_text * self._num_latents)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._env, name)
-
-
-class LatentConditionedLM(nn.Module):
-    """A causal LM whose prefills have per-task latents injected at the placeholder span.
-
-    Args:
-        backbone: the frozen ``*ForCausalLM`` (call inside ``composer.teacher_mode()``).
-        prompts: per task, the rendered prompt ids (with placeholders), as the rollout renders
-            them; used to recognise which task a batch row belongs to.
-        latents: per task, ``[J*K, d]`` latents (same order as ``prompts``).
-        latent_starts: per task, index of the first placeholder inside its prompt.
-    """
-
-    def __init__(
-        self,
-        backbone: nn.Module,
-        prompts: Sequence[Sequence[int]],
-        latents: Sequence[torch.Tensor],
-        latent_starts: Sequence[int],
-    ) -> None:
-        super().__init__()
-        if not (len(prompts) == len(latents) == len(latent_starts)):
-            raise ValueError("prompts, latents and latent_starts must have the same length")
-        self.backbone = backbone
-        self._by_prompt = {
-            tuple(p): (lat, start) for p, lat, start in zip(prompts, latents, latent_starts)
-        }
-        self._lengths = sorted({len(p) for p in prompts})
-
-    @property
-    def config(self) -> Any:
-        return self.backbone.config
-
-    def _lookup(self, row: list[int]) -> tuple[torch.Tensor, int] | None:
-        for n in self._lengths:
-            hit = self._by_prompt.get(tuple(row[:n]))
-            if hit is not None:
-                return hit
-        return None
-
-    def prompt_embeds(self, ids: Sequence[int]) -> torch.Tensor:
-        """``[L, d]`` input embeddings of one context with its task's latents injected (what a
-        prefill of :meth:`forward` feeds the backbone; the vLLM engine's ``prompt_embeds``)."""
-        hit = self._lookup(list(ids))
-        if hit is None:
-            raise RuntimeError("the context does not start with any registered latent prompt")
-        lat, start = hit
-        table = self.backbone.get_input_embeddings()
-        with torch.no_grad():
-            embeds = table(torch.tensor(list(ids), dtype=torch.long, device=table.weight.device))
-            return torch.cat([embeds[:start], lat.to(embeds.dtype), embeds[start + len(lat) :]])
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Any = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Same signature as the backbone's; ``input_ids`` ``[B, T]``, left-padded in prefill."""
-        embeds = self.backbone.get_input_embeddings()(input_ids)
-        prefill = past_key_values is None or past_key_values.get_seq_length() == 0
-        if prefill:
-            rows = []
-            for b in range(input_ids.shape[0]):
-                # Left padding: the row's real tokens start where the attention mask turns on.
-                pad = 0 if attention_mask is None else int((attention_mask[b] == 0).sum())
-                hit = self._lookup(input_ids[b, pad:].tolist())
-                if hit is None:
-                    raise RuntimeError(
-                        f"batch row {b} does not start with any registered latent prompt"
-                    )
-                lat, start = hit
-                s = pad + start
-                rows.append(
-                    torch.cat([embeds[b, :s], lat.to(embeds.dtype), embeds[b, s + len(lat) :]])
-                )
-            embeds = torch.stack(rows)
-        return self.backbone(
-            inputs_embeds=embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            **kwargs,
+def _evaluate(
+    args: argparse.Namespace, cats: dict[str, list[Any]], say: Callable[[str], None]
+) -> int:
+    try:
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"lopd.evaluate: --model: {err}", file=sys.stderr)
+        return 2
+    coding = args.bench == "humaneval"
+    budget = args.max_total_tokens or (CODE_BUDGET if coding else TOOL_BUDGET)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and budget > limit:
+        say(f"budget {budget} tokens cut to the model's max_position_embeddings ({limit})")
+        budget = limit
+    steps = args.max_steps or (1 if coding else MAX_STEPS)
+    try:
+        gen = GenerationConfig(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_new_tokens_per_turn=min(args.max_new_tokens or budget, budget),
+            max_total_tokens=budget,
+            max_steps=steps,
+            enable_thinking=args.thinking,
         )
-
-
-def find_run(ids: Sequence[int], value: int, n: int) -> int:
-    """Index of the first run of ``n`` consecutive ``value`` ids."""
-    run = 0
-    for i, x in enumerate(ids):
-        run = run + 1 if x == value else 0
-        if run == n:
-            return i - n + 1
-    raise ValueError(f"no run of {n} placeholder ids ({value}) in the rendered prompt")
-
-
-class HeldOutEvaluator:
-    """Evaluation on the held-out split (rank 0 generates; the other ranks wait).
-
-    Args:
-        models: the run's models.
-        engine: the rollout engine (evaluation rollouts do not count toward the budget).
-        tasks: the held-out tasks.
-        seed: the evaluation seed (the same for every evaluation of a run).
-        temperature: decoding temperature (``eval.temperature``; 0 = greedy).
-        dist: rank facts and the barrier.
-        log: progress messages.
-        progress: show a progress bar.
-        compose: ``tasks -> [B, J*K, d]`` latents for ``base_composer`` (``None`` without a
-            composer).
-        num_placeholders: ``J*K``.
-        chunk: tasks composed per forward (``lopd.micro_batch``).
-    """
-
-    def __init__(
-        self,
-        models: Models,
-        engine: RolloutEngine,
-        tasks: Sequence[Task],
-        seed: int,
-        temperature: float,
-        dist: Dist,
-        log: Callable[[str], None],
-        progress: bool = False,
-        compose: Callable[[Sequence[Task]], torch.Tensor] | None = None,
-        num_placeholders: int = 0,
-        chunk: int = 1,
-    ) -> None:
-        self.models, self.engine, self.tasks = models, engine, list(tasks)
-        self.seed, self.temperature = seed, temperature
-        self.dist, self.log, self.progress = dist, log, progress
-        self.compose, self.num_placeholders, self.chunk = compose, num_placeholders, chunk
-
-    def __call__(self, which: str) -> dict[str, Any]:
-        """Summary metrics (:func:`summarize`, ``task_rewards`` in the order of the held-out
-        tasks, and ``seconds``) of one evaluation on rank 0, ``{}`` on the others.
-
-        Args:
-            which: ``vanilla`` or ``lopd`` (the student) or ``base_composer`` (the frozen base
-                model generating with retrieved latents).
-        """
-        result: dict[str, Any] = {}
-        # Under FSDP2 every rank gathers the weights; rank 0 alone generates.
-        with self.models.sharding.gathered():
-            if self.dist.is_main:
-                t0 = time.perf_counter()
-                if which == "base_composer":
-                    trajs = self.rollout_with_latents()
-                else:
-                    trajs = self.engine.generate(
-                        self.models.student,
-                        self.tasks,
-                        self.seed,
-                        temperature=self.temperature,
-                        count=False,
-                        progress=self.progress,
-                    )
-                result = summarize(trajs)
-                # Per-task rewards (task order) for paired comparisons across evaluations.
-                result["task_rewards"] = [float(t.reward) for t in trajs]
-                result["seconds"] = time.perf_counter() - t0
-                self.log(
-                    f"eval {which}: reward {result['reward_mean']:.3f} ± "
-                    f"{result['reward_stderr']:.3f} (n={result['n']}), "
-                    f"success {result['success_rate']:.3f}"
-                )
-            self.dist.barrier()
-        return result
-
-    @torch.no_grad()
-    def rollout_with_latents(self) -> list[Trajectory]:
-        """The frozen base model rolled out on the held-out tasks with their c_phi injected."""
-        from lopd.chat import render_prompt
-        from lopd.envs import make_env
-
-        if self.compose is None or self.models.composer is None:
-            raise ValueError("base_composer evaluation needs a composer")
-        tokenizer, pad_id, n = self.models.tokenizer, self.models.pad_id, self.num_placeholders
-        ph = tokenizer.convert_ids_to_tokens(pad_id)
-        domain_of = {t.task_id: t.domain for t in self.tasks}
-
-        def env_factory(task: Task) -> LatentPromptEnv:
-            return LatentPromptEnv(make_env(task), domain_of[task.task_id], n, ph)
-
-        prompts, starts, latents = [], [], []
-        bs = max(1, self.chunk)
-        for i in range(0, len(self.tasks), bs):
-            chunk = self.tasks[i : i + bs]
-            lat = self.compose(chunk)
-            for task, lt in zip(chunk, lat):
-                env = env_factory(task)
-                ids = render_prompt(tokenizer, env.system_prompt(), env.reset(task), env.tools())
-                prompts.append(ids)
-                starts.append(find_run(ids, pad_id, n))
-                latents.append(lt)
-        with self.models.composer.teacher_mode() as backbone:
-            lm = LatentConditionedLM(backbone, prompts, latents, starts)
-            return self.engine.generate(
-                lm,
-                self.tasks,
-                self.seed,
-                temperature=self.temperature,
-                count=False,
-                make_env=env_factory,
-                progress=self.progress,
-            )
-
-
-# --------------------------------------------------------------------------------------- CLI
-# ``python -m lopd.evaluate --model PATH --bench bfcl-multi-turn | humaneval | builtin``: the
-# benchmark driver is lopd.bench_eval; this entry point stays a thin wrapper so the evaluation
-# helpers above can be reorganized freely.
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Benchmark evaluation CLI (see :mod:`lopd.bench_eval`)."""
-    from lopd.bench_eval import main as bench_main
-
-    return bench_main(argv)
+    except ValueError as err:
+        print(f"lopd.evaluate: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out or Path("runs") / "eval" / args.bench)
+    t0 = time.perf_counter()
+    results: dict[str, Any] = {
+        "settings": {
+            "bench": args.bench,
+            "model": args.model or "tiny (lopd/assets/tiny-qwen3)",
+            "split": "test" if args.bench == "builtin" and args.split == "all" else args.split,
+            "n_per_category": args.n,
+            "seed": args.seed,
+            "temperature": gen.temperature,
+            "top_p": gen.top_p,
+            "top_k": gen.top_k,
+            "max_total_tokens": gen.max_total_tokens,
+            "max_new_tokens_per_turn": gen.max_new_tokens_per_turn,
+            "max_steps": gen.max_steps,
+            "enable_thinking": gen.enable_thinking,
+            "batch_size": args.batch_size,
+            "threads": torch.get_num_threads(),
+        },
+        "categories": {},
+    }
+    for k, (name, tasks) in enumerate(cats.items()):
+        say(f"{name}: {len(tasks)} tasks")
+        res = evaluate_tasks(
+            model,
+            tokenizer,
+            tasks,
+            gen,
+            seed=args.seed * 1000 + k,
+            batch_size=args.batch_size,
+            progress=not args.no_progress,
+        )
+        results["categories"][name] = res
+        say(f"{name}: score {res['metrics']['score']:.2f}")
+    scores = [c["metrics"]["score"] for c in results["categories"].values()]
+    if len(scores) > 1:
+        results["overall"] = sum(scores) / len(scores)
+    results["seconds"] = time.perf_counter() - t0
+    table = render_markdown(results)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "results.json", json.dumps(results, indent=1))
+    atomic_write_text(out / "results.md", table)
+    print(table, flush=True)
+    say(f"wrote {out / 'results.json'} and {out / 'results.md'}")
+    return 0
 
 
 if __name__ == "__main__":

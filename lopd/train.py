@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lopd.config import PRESETS, ConfigError, load_config
+from lopd.trainer import Trainer
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -86,7 +87,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = build_config(args)
-        from lopd.trainer import Trainer
 
         trainer = Trainer(cfg, resume=args.resume, progress=not args.no_progress)
         try:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lopd.config import load_config
-from lopd.distributed import is_sharded
+from lopd.parallel.distributed import is_sharded
 from lopd.trainer import Trainer
 
 STEPS = 2

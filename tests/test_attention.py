@@ -14,8 +14,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from lopd.config import ConfigError, load_config
-from lopd.injection import pad_batch
-from lopd.models import load_model, resolve_attn_implementation
+from lopd.models.loading import load_model, resolve_attn_implementation
+from lopd.rollout.batch import pad_batch
 from tests.utils import assert_close_reordered, requires_cuda
 
 
@@ -90,7 +90,7 @@ def test_activation_checkpointing_uses_the_current_api_and_keeps_gradients():
     recomputed backward gives the gradients of the plain one."""
     import warnings
 
-    from lopd.models import enable_activation_checkpointing
+    from lopd.models.loading import enable_activation_checkpointing
 
     plain, tok = load_model(attn_implementation="eager")
     ckpt, _ = load_model(attn_implementation="eager")

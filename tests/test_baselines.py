@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lopd.config import ConfigError, load_config
-from lopd.experience import Experience
+from lopd.latent.experience import Experience
 from lopd.methods import METHODS, GRPOMethod, SDFTMethod, SDPOMethod, SkillSDMethod
 from lopd.methods.ema import ema_update_
 from lopd.methods.groups import group_advantages, group_rollouts, ppo_clip_loss
@@ -30,7 +30,7 @@ from lopd.methods.skills import (
     skill_agreement,
 )
 from lopd.methods.text_teacher import build_text_teacher_sequence
-from lopd.tasks import TaskSampler
+from lopd.run.tasks import TaskSampler
 from lopd.trainer import Trainer
 from lopd.types import TraceStep
 

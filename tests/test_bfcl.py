@@ -16,7 +16,6 @@ import pytest
 
 pytest.importorskip("bfcl_eval")
 
-from lopd.chat import render_observation_text
 from lopd.envs import load_tasks_jsonl, make_env, oracle_actions, save_tasks_jsonl
 from lopd.envs.base import ToolCall
 from lopd.envs.bfcl import (
@@ -30,6 +29,7 @@ from lopd.envs.bfcl import (
 )
 from lopd.envs.loaders import TaskFormatError
 from lopd.envs.tool_use import format_tool_call
+from lopd.rollout.chat import render_observation_text
 
 
 @pytest.fixture(scope="module")
@@ -374,8 +374,8 @@ def one_thread():
 
 
 def test_tiny_model_runs_bfcl_episodes_end_to_end(tasks, one_thread):
-    from lopd.models import load_model
-    from lopd.rollout import GenerationConfig, rollout
+    from lopd.models.loading import load_model
+    from lopd.rollout.multi_turn import GenerationConfig, rollout
 
     model, tok = load_model()
     picked = [by_id(tasks, f"multi_turn_{c}_3") for c in CATEGORIES]

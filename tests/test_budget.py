@@ -1,6 +1,6 @@
 """Token budgets and config honesty: start-up errors instead of crashes mid-run.
 
-Budgets from config checked against the model's context and every prompt (lopd.budget), task
+Budgets from config checked against the model's context and every prompt (lopd.rollout.budget), task
 counts a source cannot supply, intermixed ``key=value`` overrides, and padded vocabulary rows
 never sampled (lopd.rollout).
 """
@@ -13,12 +13,13 @@ import re
 import pytest
 import torch
 
-from lopd.budget import check_token_budgets, prompt_budget
-from lopd.chat import render_prompt
 from lopd.config import ConfigError, load_config
 from lopd.envs import builtin_tasks, make_env
-from lopd.models import load_model
-from lopd.tasks import load_tasks
+from lopd.latent.conditioned import LatentFraming
+from lopd.models.loading import load_model
+from lopd.rollout.budget import check_token_budgets, prompt_budget
+from lopd.rollout.chat import render_prompt
+from lopd.run.tasks import load_tasks
 from lopd.train import build_config, parse_args
 
 
@@ -64,13 +65,19 @@ def test_budget_and_batch_keys_are_validated(override, message):
         cfg.validate(check_paths=False)
 
 
+def _framing(cfg):
+    return LatentFraming(cfg.composer.num_latents * cfg.composer.num_retrieved)
+
+
 def test_prompts_are_checked_at_startup_error_or_counted_drop(tiny):
     model, tokenizer = tiny
     train, test = _split()
     lengths = sorted(_prompt_lengths(tokenizer, train + test))
     assert lengths[0] < lengths[-1]  # worlds differ in tool lists
     cfg = load_config("smoke", overrides=["eval.with_composer=false"])
-    tr, te, report = check_token_budgets(cfg, model.config, tokenizer, train, test, True, print)
+    tr, te, report = check_token_budgets(
+        cfg, model.config, tokenizer, train, test, _framing(cfg), print
+    )
     assert (tr, te) == (train, test)
     assert report.longest_prompt == lengths[-1] and report.teacher_overhead > 8  # J*K=8 + text
     assert report.max_prompt_tokens == prompt_budget(cfg) == 2048 - 16
@@ -79,11 +86,11 @@ def test_prompts_are_checked_at_startup_error_or_counted_drop(tiny):
     cfg = load_config("smoke", overrides=[f"gen.max_prompt_tokens={cut}"])
     over = sum(n > cut for n in lengths)
     with pytest.raises(ConfigError, match=rf"over gen.max_prompt_tokens={cut}.* {lengths[-1]} "):
-        check_token_budgets(cfg, model.config, tokenizer, train, test, False, print)
+        check_token_budgets(cfg, model.config, tokenizer, train, test, None, print)
     cfg.gen.prompt_overflow = "drop"
     logged = []
     tr, te, report = check_token_budgets(
-        cfg, model.config, tokenizer, train, test, False, logged.append
+        cfg, model.config, tokenizer, train, test, None, logged.append
     )
     assert len(report.dropped_train) + len(report.dropped_test) == over
     assert len(tr) + len(te) == len(train) + len(test) - over
@@ -97,12 +104,12 @@ def test_budgets_over_the_context_length_stop_at_startup(tiny):
     train, test = _split(2, 2)
     cfg = load_config("smoke", overrides=[f"gen.max_total_tokens={ctx + 1}"])
     with pytest.raises(ConfigError, match=f"gen.max_total_tokens={ctx + 1} exceeds .* {ctx}"):
-        check_token_budgets(cfg, model.config, tokenizer, train, test, False, print)
+        check_token_budgets(cfg, model.config, tokenizer, train, test, None, print)
     # With a composer the teacher reads framing text and J*K placeholders on top.
     cfg = load_config("smoke", overrides=[f"gen.max_total_tokens={ctx}"])
-    check_token_budgets(cfg, model.config, tokenizer, train, test, False, print)
+    check_token_budgets(cfg, model.config, tokenizer, train, test, None, print)
     with pytest.raises(ConfigError, match=r"plus the latent teacher's framing .* set gen.max_tot"):
-        check_token_budgets(cfg, model.config, tokenizer, train, test, True, print)
+        check_token_budgets(cfg, model.config, tokenizer, train, test, _framing(cfg), print)
 
 
 def test_a_prompt_over_budget_stops_the_trainer_before_any_rollout(tmp_path):
@@ -146,7 +153,7 @@ def test_padded_vocabulary_rows_are_never_sampled(tiny):
     pick them every time; the rollout samples only ids the tokenizer has."""
     import copy
 
-    from lopd.rollout import GenerationConfig, rollout
+    from lopd.rollout.multi_turn import GenerationConfig, rollout
 
     base, tokenizer = tiny
     n = len(tokenizer)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lopd.chat import (
+from lopd.envs import builtin_tasks, make_env
+from lopd.models.loading import load_model
+from lopd.rollout.chat import (
     TINY_CHAT_TEMPLATE,
     end_of_turn_id,
     render_messages,
@@ -19,9 +21,8 @@ from lopd.chat import (
     render_prompt_text,
     stop_token_ids,
 )
-from lopd.envs import builtin_tasks, make_env
-from lopd.models import demonstration, load_model
-from lopd.rollout import GenerationConfig, rollout, sample_next_token
+from lopd.rollout.multi_turn import GenerationConfig, rollout, sample_next_token
+from lopd.tiny.data import demonstration
 
 TOOLS = [
     {

@@ -1,4 +1,4 @@
-"""Checkpoint contents (lopd.checkpoint): keep-last-N, an optional optimizer state, and the
+"""Checkpoint contents (lopd.run.checkpoint): keep-last-N, an optional optimizer state, and the
 deployable student in safetensors in the compute dtype."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from lopd.checkpoint import Checkpoints, TrainState, save_deployable
 from lopd.config import LOPDConfig
-from lopd.distributed import Dist
-from lopd.optim import build_optimizers
+from lopd.parallel.distributed import Dist
+from lopd.run.checkpoint import Checkpoints, TrainState, save_deployable
+from lopd.run.optim import build_optimizers
 
 
 class _Beta:

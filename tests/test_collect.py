@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lopd.collect import collect_bank
 from lopd.envs import builtin_tasks
+from lopd.latent.collect import collect_bank
 from lopd.memory import ExperienceBank, Retriever
 from lopd.memory.retriever import INDEX_FILE, META_FILE, QUERY_CACHE_FILE
-from lopd.models import load_model
-from lopd.rollout import GenerationConfig
+from lopd.models.loading import load_model
+from lopd.rollout.multi_turn import GenerationConfig
 
 REPO = Path(__file__).resolve().parent.parent
 # Short episodes keep the test cheap; collection logic does not depend on their length.

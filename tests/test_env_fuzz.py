@@ -15,9 +15,9 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from lopd.chat import render_observation
 from lopd.envs import builtin_tasks, make_env, oracle_actions, world_names
 from lopd.models import TINY_ASSET_DIR
+from lopd.rollout.chat import render_observation
 from lopd.types import Task
 
 SEED = 20240613

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from lopd.bench_eval import main, render_markdown
 from lopd.envs import load_tasks_jsonl
+from lopd.eval.benchmark import render_markdown
+from lopd.evaluate import main
 
 REPO = Path(__file__).resolve().parents[1]
 SHORT = ["--max-new-tokens", "8", "--max-steps", "2", "--threads", "1", "--no-progress"]

@@ -563,9 +563,9 @@ def test_lm_head_helper_on_packed_rows(fused):
 
 def test_decoder_of_is_the_one_helper():
     """lopd's composer uses the kernel library's decoder_of (one definition)."""
-    import lopd.composer
+    import lopd.latent.composer
 
-    assert lopd.composer.decoder_of is lk.decoder_of
+    assert lopd.latent.composer.decoder_of is lk.decoder_of
     model = _tiny_llama(3)
     assert lk.decoder_of(model) is model.get_decoder()
     with pytest.raises(TypeError, match="exposes no decoder"):

@@ -6,16 +6,16 @@ import pytest
 import torch
 
 from lopd.envs import builtin_tasks
-from lopd.injection import (
+from lopd.latent.injection import (
     FRAMING,
     LATENT_SENTINEL,
-    action_rows,
     build_teacher_sequence,
     frame_user_message,
     inject_latents,
-    pad_batch,
 )
-from lopd.models import demonstration, load_model
+from lopd.models.loading import load_model
+from lopd.rollout.batch import action_rows, pad_batch
+from lopd.tiny.data import demonstration
 from tests.utils import assert_close, assert_close_reordered
 
 N_LATENTS = 6
@@ -156,10 +156,10 @@ def test_latent_generation_matches_the_token_path_when_latents_are_token_embeddi
     With the pad embedding as every latent, the latent-conditioned model must roll out exactly
     what the plain model does on the placeholder prompt (greedy, a left-padded batch of two).
     """
-    from lopd.chat import render_prompt
     from lopd.envs import make_env
-    from lopd.evaluate import LatentConditionedLM, LatentPromptEnv
-    from lopd.rollout import GenerationConfig, rollout
+    from lopd.latent.conditioned import LatentConditionedLM, LatentPromptEnv
+    from lopd.rollout.chat import render_prompt
+    from lopd.rollout.multi_turn import GenerationConfig, rollout
 
     model, tok = tiny
     tasks = builtin_tasks("tool_use", "test", n=2)

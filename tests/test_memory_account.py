@@ -1,4 +1,4 @@
-"""The per-phase memory account (lopd.memory_account): each figure counts what it says."""
+"""The per-phase memory account (lopd.run.memory_account): each figure counts what it says."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from lopd.memory_account import MemoryAccount, release_memory, resident_bytes, tensor_bytes
+from lopd.run.memory_account import MemoryAccount, release_memory, resident_bytes, tensor_bytes
 
 
 def test_phase_record_counts_weights_grads_optimizer_and_saved_activations(tmp_path):

@@ -8,19 +8,19 @@ import pytest
 import torch
 
 from lopd.envs import builtin_tasks
-from lopd.injection import FRAMING
-from lopd.models import (
+from lopd.latent.injection import FRAMING
+from lopd.models.loading import load_model
+from lopd.rollout.multi_turn import GenerationConfig, rollout
+from lopd.tiny.build import (
     SPECIAL_TOKENS,
     TINY_ASSET_DIR,
     TinyBuildConfig,
     build_tiny,
     build_tokenizer,
     evaluate_reward,
-    load_model,
     weights_hash,
 )
-from lopd.rollout import GenerationConfig, rollout
-from lopd.tiny_data import reference_env_factory, same_template_references, tokenizer_corpus
+from lopd.tiny.data import reference_env_factory, same_template_references, tokenizer_corpus
 
 # A build small enough for a test: a 1-layer, 32-wide model, 3 SFT steps of 2 episodes.
 SMALL = dict(

@@ -1,4 +1,4 @@
-"""Mixed precision (lopd.precision, lopd.optim): a bf16 run trains like an fp32 run.
+"""Mixed precision (lopd.parallel.precision, lopd.run.optim): a bf16 run trains like an fp32 run.
 
 The paper preset trains at lr 1e-5 with ``model.dtype=bfloat16``. AdamW steps every weight by
 about lr per step; a bf16 weight of magnitude 0.02 is spaced 2^-6 * 2^-7 = 1.2e-4 apart, so a
@@ -16,9 +16,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import lopd_kernels as lk
 from lopd.config import LOPDConfig
-from lopd.distributed import Dist
-from lopd.optim import build_optimizers, check_master_weights
-from lopd.precision import Precision, autocast_cast
+from lopd.parallel.distributed import Dist
+from lopd.parallel.precision import Precision, autocast_cast
+from lopd.run.optim import build_optimizers, check_master_weights
 
 VOCAB = 512
 STEPS = 10

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from lopd.envs import builtin_tasks, save_tasks_jsonl
-from lopd.models import load_model, main
-from lopd.probe import CONDITIONS, format_report, probe_reference
+from lopd.models.__main__ import main
+from lopd.models.loading import load_model
+from lopd.tiny.probe import CONDITIONS, format_report, probe_reference
 
 
 @pytest.fixture(scope="module")

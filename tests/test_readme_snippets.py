@@ -1,4 +1,5 @@
-"""Runs the README's "Use the kernels in your trainer" code blocks, exactly as written.
+"""Runs the code blocks of the README and of docs/integrations.md ("Use the kernels in your
+trainer"), exactly as written.
 
 Each block is the ```python fence after a ``<!-- snippet: NAME -->`` line; the test fails when
 a block is renamed, removed or added without a check here, and when one raises or computes
@@ -13,21 +14,22 @@ from pathlib import Path
 import pytest
 import torch
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _SNIPPET = re.compile(r"<!-- snippet: ([\w-]+) -->\n```python\n(.*?)```", re.DOTALL)
 
 
 def snippets() -> dict[str, str]:
-    found = _SNIPPET.findall(README.read_text())
+    found = [f for page in PAGES for f in _SNIPPET.findall(page.read_text())]
     names = [name for name, _ in found]
-    assert len(names) == len(set(names)), f"duplicate snippet names in README: {names}"
+    assert len(names) == len(set(names)), f"duplicate snippet names in the docs: {names}"
     return dict(found)
 
 
 def run(name: str, tmp_path, monkeypatch) -> dict:
     monkeypatch.chdir(tmp_path)  # snippets may write (e.g. TRL's output_dir)
     namespace: dict = {"__name__": f"readme_{name}"}
-    exec(compile(snippets()[name], f"README.md:{name}", "exec"), namespace)
+    exec(compile(snippets()[name], f"snippet:{name}", "exec"), namespace)
     return namespace
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lopd.envs import ToolUseEnv, builtin_tasks, make_env
-from lopd.models import load_model
-from lopd.rollout import GenerationConfig, rollout
+from lopd.models.loading import load_model
+from lopd.rollout.multi_turn import GenerationConfig, rollout
 
 
 class StepBug(ToolUseEnv):

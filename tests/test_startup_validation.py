@@ -17,7 +17,7 @@ import pytest
 
 from lopd.config import Config, ConfigError, check_tasks_file, load_config
 from lopd.envs import TaskFormatError, builtin_tasks, load_tasks_jsonl
-from lopd.metrics import _truncate_metrics
+from lopd.run.metrics import _truncate_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 

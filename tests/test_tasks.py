@@ -6,7 +6,7 @@ import pytest
 
 from lopd.config import ConfigError, load_config
 from lopd.envs import builtin_tasks, save_tasks_jsonl
-from lopd.tasks import load_tasks
+from lopd.run.tasks import load_tasks
 
 
 def ids(tasks):

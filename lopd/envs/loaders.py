@@ -28,12 +28,13 @@ import io
 import json
 import os
 import pickle
-import tempfile
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from lopd.atomic import atomic_write_text
+from lopd.envs.bfcl_data import validate_spec
 from lopd.envs.tool_use import evaluate_checks, get_world
 from lopd.types import Task
 
@@ -65,8 +66,6 @@ def _validate(task: Task, where: str) -> Task:
             if not isinstance(t, dict) or "input" not in t or "output" not in t:
                 raise TaskFormatError(f"{where}: each test needs 'input' and 'output'")
     elif task.world == "bfcl":
-        from lopd.envs.bfcl_data import validate_spec
-
         try:
             validate_spec(task.spec)
         except (ValueError, TypeError, KeyError, AttributeError) as e:
@@ -269,14 +268,5 @@ def save_tasks_jsonl(tasks: Iterable[Task], path: str | os.PathLike[str]) -> Non
     """Write tasks in the native format, atomically (temp file + rename: never half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for t in tasks:
-                f.write(json.dumps(t.to_dict(), ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    text = "".join(json.dumps(t.to_dict(), ensure_ascii=False) + "\n" for t in tasks)
+    atomic_write_text(path, text)

@@ -18,14 +18,12 @@ Two implementations ship:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+import torch
 
 from lopd.memory.bank import document_prefix, task_part
-
-if TYPE_CHECKING:
-    import torch
 
 QUERY_INSTRUCTION = "Given a task, retrieve a solved trajectory for a similar task"
 """Default retrieval instruction for the query side."""
@@ -184,8 +182,6 @@ class HiddenStateEmbedder:
         return getattr(self.model, "base_model", self.model)
 
     def _device(self) -> torch.device:
-        import torch
-
         try:
             return next(self.model.parameters()).device
         except StopIteration:
@@ -216,7 +212,6 @@ class HiddenStateEmbedder:
         device = self._device()
         # torch is imported where it is used so that bank-only users (e.g. writer processes)
         # do not pay for importing it.
-        import torch
 
         was_training = self.model.training
         self.model.eval()
@@ -238,8 +233,6 @@ class HiddenStateEmbedder:
         return ids
 
     def _pool(self, backbone: Any, batch: list[list[int]], device: torch.device) -> np.ndarray:
-        import torch
-
         n, width = len(batch), max(len(x) for x in batch)
         input_ids = torch.full((n, width), self._pad_id, dtype=torch.long)
         mask = torch.zeros((n, width), dtype=torch.long)
@@ -296,7 +289,7 @@ class SentenceTransformerEmbedder:
         name: str | None = None,
         **model_kwargs: Any,
     ):
-        try:
+        try:  # optional heavy dependency: the [embed] extra
             from sentence_transformers import SentenceTransformer
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError(
@@ -310,8 +303,6 @@ class SentenceTransformerEmbedder:
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
             path = str(model)
             if device is None:
-                import torch
-
                 device = "cuda" if torch.cuda.is_available() else "cpu"
             self.model = SentenceTransformer(path, device=device, **model_kwargs)
             default_name = f"st:{path}"

@@ -17,20 +17,20 @@ Two guarantees the trainer relies on:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
 import os
-import tempfile
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import faiss
 import numpy as np
 
+from lopd.atomic import atomic_write_bytes
 from lopd.memory.bank import BankEntry, ExperienceBank, document_text
 from lopd.memory.embedders import Embedder
 
@@ -45,17 +45,8 @@ class _TaskLike(Protocol):
     instruction: str
 
 
-def _faiss() -> Any:
-    try:
-        import faiss
-    except ImportError as e:  # pragma: no cover - faiss-cpu is a hard dependency
-        raise ImportError("the retriever needs FAISS: pip install faiss-cpu (or faiss-gpu)") from e
-    return faiss
-
-
 def faiss_gpu_available() -> bool:
     """True when the installed FAISS has GPU support and a CUDA device is visible."""
-    faiss = _faiss()
     if not hasattr(faiss, "StandardGpuResources"):
         return False
     try:
@@ -147,7 +138,6 @@ class Retriever:
     def _ensure_index(self, dim: int) -> None:
         if self._index is not None:
             return
-        faiss = _faiss()
         index = faiss.IndexFlatIP(dim)
         if self.on_gpu:
             self._gpu_res = faiss.StandardGpuResources()
@@ -373,17 +363,16 @@ class Retriever:
         """
         out = Path(directory) if directory is not None else self.bank.dir
         out.mkdir(parents=True, exist_ok=True)
-        faiss = _faiss()
         if self._index is not None:
             cpu_index = faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
-            _atomic_write(out / INDEX_FILE, faiss.serialize_index(cpu_index).tobytes())
+            atomic_write_bytes(out / INDEX_FILE, faiss.serialize_index(cpu_index).tobytes())
         meta = {
             "version": _META_VERSION,
             "embedder": self.embedder_name,
             "dim": self.dim,
             "entry_ids": [e.entry_id for e in self._rows],
         }
-        _atomic_write(out / META_FILE, json.dumps(meta).encode())
+        atomic_write_bytes(out / META_FILE, json.dumps(meta).encode())
         tids = sorted(self._qcache)
         vecs = (
             np.stack([self._qcache[t][1] for t in tids])
@@ -397,7 +386,7 @@ class Retriever:
             hashes=np.array([self._qcache[t][0] for t in tids], dtype=str),
             vectors=vecs.astype(np.float32),
         )
-        _atomic_write(out / QUERY_CACHE_FILE, buf.getvalue())
+        atomic_write_bytes(out / QUERY_CACHE_FILE, buf.getvalue())
         return out
 
     @classmethod
@@ -439,7 +428,6 @@ class Retriever:
         # An index filled through add() with outside embeddings has no embedder name.
         self.embedder_name = meta["embedder"] or self.embedder_name
         self.dim = meta["dim"]
-        faiss = _faiss()
         if (src / INDEX_FILE).is_file():
             raw = np.frombuffer((src / INDEX_FILE).read_bytes(), dtype=np.uint8)
             cpu_index = faiss.deserialize_index(raw)
@@ -512,19 +500,3 @@ class Retriever:
             f"Retriever(entries={len(self)}, dim={self.dim}, embedder={self.embedder_name!r}, "
             f"index={where}, cached_queries={len(self._qcache)})"
         )
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        # mkstemp creates 0600 files; saved indexes are ordinary shared artifacts.
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

@@ -41,13 +41,14 @@ and add a :class:`~lopd.methods.base.MethodSpec` to :data:`METHODS` below.
 
 from __future__ import annotations
 
-from lopd.methods.base import Method, MethodBase, MethodContext, MethodSpec, Models
+from lopd.methods.base import Method, MethodBase, MethodContext, MethodSpec
 from lopd.methods.grpo import GRPOMethod
 from lopd.methods.lopd import LOPDMethod
 from lopd.methods.opsd import OPSDMethod
 from lopd.methods.sdft import SDFTMethod
 from lopd.methods.sdpo import SDPOMethod
 from lopd.methods.skill_sd import SkillSDMethod
+from lopd.run.context import Models
 
 __all__ = [
     "METHODS",

@@ -15,21 +15,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
-from torch import nn
 
-from lopd.seeds import Stream, seed_of
+from lopd.config import Config, ConfigError, LOPDConfig
+from lopd.latent.experience import Experience
+from lopd.latent.teacher import TaskLatents
+from lopd.rollout.engine import RolloutEngine
+from lopd.run.context import Models
+from lopd.run.seeds import Stream, seed_of
+from lopd.run.tasks import TaskSampler
 from lopd.types import Task, Trajectory
-
-if TYPE_CHECKING:
-    from lopd.composer import LatentComposer
-    from lopd.config import Config, LOPDConfig
-    from lopd.engine import RolloutEngine
-    from lopd.experience import Experience
-    from lopd.fsdp import Sharding
-    from lopd.tasks import TaskSampler
 
 __all__ = [
     "DistillSpec",
@@ -37,7 +34,6 @@ __all__ = [
     "MethodBase",
     "MethodContext",
     "MethodSpec",
-    "Models",
 ]
 
 
@@ -66,35 +62,6 @@ class DistillSpec:
 
 
 @dataclass
-class Models:
-    """The run's models.
-
-    Attributes:
-        student: the trained ``*ForCausalLM`` (theta).
-        backbone: the frozen base ``*ForCausalLM``: the teacher, and the composer encoder's base
-            (with peft's LoRA injected when there is a composer).
-        composer: the latent composer (phi), or ``None`` for methods without one.
-        tokenizer: the backbone's tokenizer.
-        pad_id: padding id (also the latent placeholder id).
-        device: where the models live.
-        sharding: FSDP2 sharding of the models (a no-op unless ``model.parallel=fsdp2``).
-    """
-
-    student: nn.Module
-    backbone: nn.Module
-    composer: LatentComposer | None
-    tokenizer: Any
-    pad_id: int
-    device: torch.device
-    sharding: Sharding
-
-    def hidden_states(self, model: nn.Module, **kwargs: Any) -> torch.Tensor:
-        """Final hidden states ``[B, L, d]`` of ``model``'s decoder (never ``[B, L, V]`` logits);
-        ``kwargs`` are the decoder's (``input_ids`` or ``inputs_embeds``, ``attention_mask``)."""
-        return self.sharding.hidden_states(model, **kwargs)
-
-
-@dataclass
 class MethodContext:
     """What a method is built from.
 
@@ -106,6 +73,7 @@ class MethodContext:
         experience: the bank's trajectories and every task's retrieved experiences (methods
             that build a bank), else ``None``.
         latents0: ``task_id -> [J*K, d]`` c_phi0 from the cold start (composer methods).
+        latents: c_phi of any task, the composer over the bank's retrievals (composer methods).
         seed: the run seed.
         rank: this process's rank.
     """
@@ -116,6 +84,7 @@ class MethodContext:
     train_tasks: list[Task]
     experience: Experience | None = None
     latents0: dict[str, torch.Tensor] | None = None
+    latents: TaskLatents | None = None
     seed: int = 0
     rank: int = 0
 
@@ -218,3 +187,25 @@ class MethodSpec:
     def builds_bank(self) -> bool:
         """Whether the run collects the experience bank (its rollouts count toward the budget)."""
         return self.uses_bank or self.uses_composer
+
+    def check_parallel(self, cfg: Config, world: int) -> None:
+        """FSDP2 runs every sharded forward as a collective: ranks need equal work.
+
+        Raises:
+            ConfigError: the method or its batch sizes do not split over ``world`` ranks.
+        """
+        if cfg.model.parallel != "fsdp2" or world == 1:
+            return
+        if not self.supports_fsdp2:
+            raise ConfigError(f"lopd.method={self.name} does not support model.parallel=fsdp2")
+        per_step = max(1, cfg.lopd.tasks_per_step // self.group_size(cfg))
+        if per_step % world:
+            raise ConfigError(
+                f"model.parallel=fsdp2 needs the {per_step} tasks a step draws "
+                f"(lopd.tasks_per_step) to split evenly over {world} ranks"
+            )
+        if self.uses_composer and cfg.cold_start.batch_size % world:
+            raise ConfigError(
+                f"model.parallel=fsdp2 needs cold_start.batch_size={cfg.cold_start.batch_size} "
+                f"to split evenly over {world} ranks"
+            )

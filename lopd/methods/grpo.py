@@ -12,7 +12,8 @@ from lopd.config import Config
 from lopd.loss import segment_mean
 from lopd.methods.base import MethodBase, MethodContext
 from lopd.methods.groups import group_advantages, group_rollouts, ppo_clip_loss
-from lopd.methods.rows import ActionRows, lm_head, lm_logits, student_action_hidden
+from lopd.methods.rows import student_action_hidden
+from lopd.rollout.batch import ActionRows, lm_head, lm_logits
 from lopd.types import Trajectory
 
 __all__ = ["GRPOMethod"]

@@ -27,17 +27,12 @@ from typing import Any
 import torch
 
 from lopd.config import Config
-from lopd.injection import TeacherSequence
+from lopd.latent.injection import TeacherSequence
+from lopd.latent.teacher import latent_teacher_sequence, teacher_action_hidden
 from lopd.loss import advantages_from_rewards, dual_update, lopd_loss
 from lopd.methods.base import DistillSpec, MethodBase, MethodContext
-from lopd.methods.latent_teacher import compose, latent_teacher_sequence, teacher_action_hidden
-from lopd.methods.rows import (
-    ActionRows,
-    distill_metric_sums,
-    distill_rows,
-    lm_head,
-    student_action_hidden,
-)
+from lopd.methods.rows import distill_metric_sums, distill_rows, student_action_hidden
+from lopd.rollout.batch import ActionRows, lm_head
 from lopd.types import Task, Trajectory
 
 __all__ = ["LOPDMethod", "LOPDSettings"]
@@ -88,7 +83,7 @@ class LOPDMethod(MethodBase):
     """Eq. 13: top-M + tail reverse KL on action tokens + beta (m - Delta) + latent anchor.
 
     Args:
-        ctx: needs ``models.composer``, ``experience`` (retrievals) and ``latents0``.
+        ctx: needs ``latents`` (the composer over the bank's retrievals) and ``latents0``.
         settings: the hyper-parameters.
         tasks_per_step: rollouts per step across ranks.
 
@@ -98,11 +93,11 @@ class LOPDMethod(MethodBase):
 
     def __init__(self, ctx: MethodContext, settings: LOPDSettings, tasks_per_step: int) -> None:
         super().__init__(ctx, tasks_per_step)
-        if ctx.models.composer is None or ctx.experience is None or ctx.latents0 is None:
+        if ctx.latents is None or ctx.latents0 is None:
             raise ValueError("LOPD needs the composer, the bank's retrievals and c_phi0")
         self.settings = settings
-        self.composer = ctx.models.composer
-        self.retrieved = ctx.experience.retrieved
+        self.task_latents = ctx.latents
+        self.composer = ctx.latents.composer
         self.latents0 = ctx.latents0
         self.beta = settings.beta_init
 
@@ -168,7 +163,7 @@ class LOPDMethod(MethodBase):
         """The teacher's latent context, ``[B, J*K, d]``: c_phi, or c_phi0 for ``lopd-frozen``."""
         if self.settings.frozen_composer:
             return self.cached_latents0(tasks)
-        return compose(self.composer, self.retrieved, tasks)
+        return self.task_latents(tasks)
 
     def cached_latents0(self, tasks: Sequence[Task]) -> torch.Tensor:
         """c_phi0 of ``tasks`` from the cold start's cache, ``[B, J*K, d]``."""

@@ -16,12 +16,13 @@ import torch
 
 from lopd.config import Config
 from lopd.methods.base import DistillSpec, MethodBase, MethodContext
-from lopd.methods.rows import ActionRows, distill_loss, lm_head
+from lopd.methods.rows import distill_loss
 from lopd.methods.text_teacher import (
     TextTeacherSequence,
     build_text_teacher_sequence,
     text_teacher_hidden,
 )
+from lopd.rollout.batch import ActionRows, lm_head
 from lopd.types import Trajectory
 
 __all__ = ["OPSD_SYSTEM_TEMPLATE", "OPSDMethod"]

@@ -8,29 +8,27 @@ alone (:func:`distill_rows`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from lopd.distributed import is_sharded
-from lopd.fsdp import full_weight
-from lopd.injection import action_rows, pad_batch
 from lopd.loss import segment_mean
-from lopd.methods.base import DistillSpec, Models
-from lopd.precision import autocast_cast
+from lopd.methods.base import DistillSpec
+from lopd.parallel.distributed import is_sharded
+from lopd.parallel.fsdp import full_weight
+from lopd.parallel.precision import autocast_cast
+from lopd.rollout.batch import ActionRows, lm_head, pad_batch
+from lopd.run.context import Models
 from lopd.types import Trajectory
+from lopd_kernels.hf import lm_head_topk_tail_kl
 
 __all__ = [
     "DISTILL_METRICS",
-    "ActionRows",
     "distill_loss",
     "distill_metric_sums",
     "distill_rows",
-    "lm_head",
-    "lm_logits",
     "student_action_hidden",
     "zero_loss",
 ]
@@ -47,34 +45,6 @@ DISTILL_METRICS = (
 as zeros: ranks reduce metrics by key)."""
 
 
-@dataclasses.dataclass
-class ActionRows:
-    """Where the supervised tokens of a batch of trajectories are.
-
-    Attributes:
-        batch: ``[N]`` int64 trajectory index of each supervised row.
-        rows: ``[N]`` int64 student position ``p - 1`` whose logits predict action token ``p``.
-        targets: ``[N]`` int64 the sampled action token ``input_ids[p]``.
-    """
-
-    batch: torch.Tensor
-    rows: torch.Tensor
-    targets: torch.Tensor
-
-    @classmethod
-    def of(cls, trajectories: Sequence[Trajectory], device: torch.device) -> ActionRows:
-        batch, rows, targets = [], [], []
-        for i, traj in enumerate(trajectories):
-            r = action_rows(traj.action_mask)
-            ids = torch.as_tensor(traj.input_ids, dtype=torch.long)
-            batch.append(torch.full_like(r, i))
-            rows.append(r)
-            targets.append(ids[r + 1])
-        return cls(
-            torch.cat(batch).to(device), torch.cat(rows).to(device), torch.cat(targets).to(device)
-        )
-
-
 def student_action_hidden(
     models: Models, trajectories: Sequence[Trajectory], where: ActionRows
 ) -> torch.Tensor:
@@ -89,21 +59,6 @@ def student_action_hidden(
     ids, mask = pad_batch([t.input_ids for t in trajectories], models.pad_id, device)
     hidden = models.hidden_states(models.student, input_ids=ids, attention_mask=mask)
     return hidden[where.batch, where.rows]
-
-
-def lm_head(model: nn.Module) -> nn.Module:
-    """The output embedding (LM head) of a ``*ForCausalLM``."""
-    head = model.get_output_embeddings()
-    if head is None:
-        raise TypeError(f"{type(model).__name__} has no output embeddings (LM head)")
-    return head
-
-
-def lm_logits(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """``head(h)``, ``[N, V]``; a sharded frozen head is gathered first (:func:`full_weight`)."""
-    if is_sharded(head.weight):
-        return nn.functional.linear(h, full_weight(head), getattr(head, "bias", None))
-    return head(h)
 
 
 def distill_rows(
@@ -129,7 +84,6 @@ def distill_rows(
     # The HF-facing helper users get (one way from hidden states and heads to the kernels): fused
     # with the heads, or on their materialized [N, V] logits (action rows only). A sharded frozen
     # head goes in as its gathered (weight, bias) pair.
-    from lopd_kernels.hf import lm_head_topk_tail_kl
 
     if spec.fused_linear:
         # Under mixed precision the fused kernel reads 16-bit operands, as an autocast lm_head

@@ -22,13 +22,14 @@ from lopd.config import Config
 from lopd.methods.base import DistillSpec, MethodBase, MethodContext
 from lopd.methods.ema import EMATeacher
 from lopd.methods.groups import group_rollouts
-from lopd.methods.rows import DISTILL_METRICS, ActionRows, distill_loss, lm_head, zero_loss
+from lopd.methods.rows import DISTILL_METRICS, distill_loss, zero_loss
 from lopd.methods.text_teacher import (
     TextTeacherSequence,
     build_text_teacher_sequence,
     text_teacher_hidden,
 )
-from lopd.seeds import Stream, seed_of
+from lopd.rollout.batch import ActionRows, lm_head
+from lopd.run.seeds import Stream, seed_of
 from lopd.types import Trajectory
 
 __all__ = ["SDPO_USER_TEMPLATE", "SDPOMethod"]

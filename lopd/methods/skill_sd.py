@@ -55,7 +55,7 @@ from lopd.loss import segment_mean
 from lopd.methods.base import MethodBase, MethodContext
 from lopd.methods.ema import EMATeacher
 from lopd.methods.groups import group_advantages, group_rollouts, ppo_clip_loss
-from lopd.methods.rows import ActionRows, lm_head, lm_logits, student_action_hidden
+from lopd.methods.rows import student_action_hidden
 from lopd.methods.skills import (
     ModelSkillSummarizer,
     RuleSkillSummarizer,
@@ -68,6 +68,7 @@ from lopd.methods.text_teacher import (
     build_text_teacher_sequence,
     text_teacher_hidden,
 )
+from lopd.rollout.batch import ActionRows, lm_head, lm_logits
 from lopd.types import Task, Trajectory
 
 __all__ = ["SkillSDMethod", "importance_weighted_reverse_kl", "sampled_logprobs"]

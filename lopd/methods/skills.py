@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from lopd.rollout.chat import render_prompt, stop_token_ids
 from lopd.types import Task, Trajectory
 
 __all__ = [
@@ -453,7 +454,6 @@ class ModelSkillSummarizer:
     @torch.no_grad()
     def write(self, trajectories: Sequence[Trajectory], success: float) -> str:
         """The model's raw answer to :meth:`request`."""
-        from lopd.chat import render_prompt, stop_token_ids
 
         tok = self.tokenizer
         ids = render_prompt(tok, "", self.request(trajectories, success))

@@ -3,7 +3,7 @@
 The teacher prompt is the student's rendered prompt with text inserted into one message; the
 student's tokens after its prompt are appended unchanged, so student position ``p >= prompt_len``
 is teacher position ``p + offset`` with one constant offset: the same exact student-to-teacher map
-of action tokens as the latent injection (:mod:`lopd.injection`).
+of action tokens as the latent injection (:mod:`lopd.latent.injection`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lopd.injection import pad_batch
-from lopd.methods.base import Models
-from lopd.methods.rows import ActionRows
+from lopd.rollout.batch import ActionRows, pad_batch
+from lopd.rollout.chat import encode
+from lopd.run.context import Models
 from lopd.types import Trajectory
 
 __all__ = ["TextTeacherSequence", "build_text_teacher_sequence", "text_teacher_hidden"]
@@ -65,7 +65,6 @@ def build_text_teacher_sequence(
         ValueError: a suffix is given for a message the trajectory does not have, or the message
             text is not found in the decoded prompt.
     """
-    from lopd.chat import encode
 
     prompt = traj.input_ids[: traj.prompt_len]
     text = tokenizer.decode(prompt, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -105,7 +104,7 @@ def text_teacher_hidden(
         models: the run's models (tokenizer's padding id, sharding).
         model: the teacher ``*ForCausalLM`` (frozen base or EMA shadow).
         sequences: B teacher sequences, one per trajectory of ``where``.
-        where: the student's :class:`~lopd.methods.rows.ActionRows`.
+        where: the student's :class:`~lopd.rollout.batch.ActionRows`.
     """
     device = where.rows.device
     ids, mask = pad_batch([s.input_ids for s in sequences], models.pad_id, device)

@@ -1,0 +1,76 @@
+"""Configuration errors and the checks every section's ``validate`` is written with.
+
+Each message names the field (``section.field``) and what it must be, so a bad value stops the
+run with one line before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+__all__ = [
+    "BankTooSmallError",
+    "ConfigError",
+    "at_least",
+    "greater_than",
+    "in_unit_interval",
+    "one_of",
+    "optional_at_least",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field (or file line)."""
+
+
+class BankTooSmallError(ConfigError):
+    """The experience bank cannot serve ``composer.num_retrieved`` experiences per task.
+
+    Attributes:
+        bank_size: entries in the bank (0: the base model had no rollout with reward >=
+            ``bank.min_reward``).
+    """
+
+    def __init__(self, message: str, bank_size: int) -> None:
+        super().__init__(message)
+        self.bank_size = bank_size
+
+
+def at_least(bound: int, **fields: float) -> None:
+    """Every ``name=value`` is ``>= bound`` (names written ``section__field``)."""
+    for name, value in fields.items():
+        if value < bound:
+            raise ConfigError(f"{_dotted(name)} must be >= {bound}, got {value}")
+
+
+def greater_than(bound: int, **fields: float) -> None:
+    """Every ``name=value`` is ``> bound``."""
+    for name, value in fields.items():
+        if not value > bound:
+            raise ConfigError(f"{_dotted(name)} must be > {bound}, got {value}")
+
+
+def optional_at_least(bound: int, **fields: int | None) -> None:
+    """Every ``name=value`` is ``None`` or ``>= bound``."""
+    for name, value in fields.items():
+        if value is not None and value < bound:
+            raise ConfigError(f"{_dotted(name)} must be >= {bound} or null, got {value}")
+
+
+def in_unit_interval(**fields: float) -> None:
+    """Every ``name=value`` is in ``[0, 1]``."""
+    for name, value in fields.items():
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{_dotted(name)} must be in [0, 1], got {value}")
+
+
+def one_of(allowed: Collection[Any], **fields: Any) -> None:
+    """Every ``name=value`` is one of ``allowed``."""
+    for name, value in fields.items():
+        if value not in allowed:
+            raise ConfigError(f"{_dotted(name)} must be one of {allowed}, got {value!r}")
+
+
+def _dotted(name: str) -> str:
+    return name.replace("__", ".")

@@ -1,0 +1,207 @@
+"""The training methods' sections of a run's configuration (one YAML section each).
+
+``lopd`` (joint training; also selects the method), ``grpo``, ``opsd``, ``sdpo``, ``sdft`` and
+``skill_sd``: each dataclass's attributes document its fields and its ``validate`` checks them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lopd.config.checks import at_least, greater_than, in_unit_interval, one_of, optional_at_least
+from lopd_kernels import DIVERGENCES
+
+__all__ = [
+    "GRPOConfig",
+    "LOPDConfig",
+    "OPSDConfig",
+    "SDFTConfig",
+    "SDPOConfig",
+    "SkillSDConfig",
+]
+
+
+@dataclass
+class LOPDConfig:
+    """Joint training (paper 3.3, Algorithm 1, eq. 10-13).
+
+    Attributes:
+        method: the training objective, a name in :data:`lopd.methods.METHODS` (``lopd``,
+            its ablations and the baselines; their own settings are the ``grpo``, ``opsd``,
+            ``sdpo``, ``sdft`` and ``skill_sd`` sections).
+        steps: training iterations.
+        tasks_per_step: training tasks sampled per iteration (one rollout each): the rollout
+            budget per step, across all data-parallel ranks.
+        micro_batch: trajectories per forward/backward (gradient accumulation inside a step).
+        lr: AdamW learning rate of the student theta.
+        composer_lr: AdamW learning rate of the composer phi.
+        weight_decay: AdamW weight decay for both.
+        grad_clip: global gradient-norm clip (student and composer separately).
+        top_m: M, teacher top-M support plus a tail bucket; ``None`` = full vocabulary.
+        temperature: distillation temperature applied to both logits.
+        divergence: ``reverse`` (paper) or ``forward`` KL.
+        margin: m, the privileged margin.
+        anchor_weight: lambda, weight of ``||c_phi - sg c_phi0||^2``.
+        dual_lr: eta_beta, step size of the dual ascent on beta.
+        beta_init: initial beta.
+        fused_linear: compute the KL from final hidden states and ``lm_head`` with
+            ``fused_linear_topk_tail_kl`` (no ``[N, V]`` logits) instead of ``topk_tail_kl``.
+    """
+
+    method: str = "lopd"
+    steps: int = 30
+    tasks_per_step: int = 8
+    micro_batch: int = 4
+    lr: float = 1e-5
+    composer_lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    top_m: int | None = 20
+    temperature: float = 1.0
+    divergence: str = "reverse"
+    margin: float = 0.05
+    anchor_weight: float = 0.2
+    dual_lr: float = 0.5
+    beta_init: float = 0.0
+    fused_linear: bool = False
+
+    def validate(self) -> None:
+        at_least(1, lopd__tasks_per_step=self.tasks_per_step, lopd__micro_batch=self.micro_batch)
+        at_least(
+            0,
+            lopd__margin=self.margin,
+            lopd__anchor_weight=self.anchor_weight,
+            lopd__dual_lr=self.dual_lr,
+            lopd__beta_init=self.beta_init,
+            lopd__lr=self.lr,
+            lopd__composer_lr=self.composer_lr,
+            lopd__weight_decay=self.weight_decay,
+            lopd__steps=self.steps,
+        )
+        greater_than(0, lopd__grad_clip=self.grad_clip, lopd__temperature=self.temperature)
+        optional_at_least(1, lopd__top_m=self.top_m)
+        one_of(DIVERGENCES, lopd__divergence=self.divergence)
+
+
+@dataclass
+class GRPOConfig:
+    """GRPO (paper B.1; ``lopd.method=grpo``).
+
+    Attributes:
+        group_size: G, rollouts per task; a step draws ``max(1, lopd.tasks_per_step // G)``
+            tasks.
+        clip_eps: PPO clip epsilon.
+    """
+
+    group_size: int = 4
+    clip_eps: float = 0.2
+
+    def validate(self) -> None:
+        at_least(1, grpo__group_size=self.group_size)
+        greater_than(0, grpo__clip_eps=self.clip_eps)
+
+
+@dataclass
+class OPSDConfig:
+    """OPSD (paper B.1; ``lopd.method=opsd``): the distillation kernel of its frozen teacher.
+
+    Attributes:
+        top_m: teacher top-M support plus a tail bucket; ``None`` = the full vocabulary.
+        divergence: ``forward`` (paper) or ``reverse`` KL. Temperature and ``fused_linear`` are
+            the ``lopd`` section's.
+    """
+
+    top_m: int | None = None
+    divergence: str = "forward"
+
+    def validate(self) -> None:
+        optional_at_least(1, opsd__top_m=self.top_m)
+        one_of(DIVERGENCES, opsd__divergence=self.divergence)
+
+
+@dataclass
+class SDPOConfig:
+    """SDPO (paper B.1; ``lopd.method=sdpo``).
+
+    Attributes:
+        group_size: G, rollouts per task (a success is distilled into its siblings).
+        ema_rate: the EMA teacher's update rate per optimizer step.
+        divergence: ``reverse`` (paper) or ``forward`` KL over the teacher's top-M
+            (``lopd.top_m``) plus a tail bucket.
+    """
+
+    group_size: int = 4
+    ema_rate: float = 0.05
+    divergence: str = "reverse"
+
+    def validate(self) -> None:
+        at_least(1, sdpo__group_size=self.group_size)
+        in_unit_interval(sdpo__ema_rate=self.ema_rate)
+        one_of(DIVERGENCES, sdpo__divergence=self.divergence)
+
+
+@dataclass
+class SDFTConfig:
+    """SDFT (paper B.1; ``lopd.method=sdft``): an EMA teacher with a demonstration as text.
+
+    Attributes:
+        ema_rate: alpha, the EMA teacher's update rate, applied after every optimizer step.
+        top_m: teacher top-M support plus a tail bucket; ``None`` = the full vocabulary (paper).
+        divergence: ``forward`` (paper) or ``reverse`` KL. Temperature and ``fused_linear`` are
+            the ``lopd`` section's.
+    """
+
+    ema_rate: float = 0.01
+    top_m: int | None = None
+    divergence: str = "forward"
+
+    def validate(self) -> None:
+        in_unit_interval(sdft__ema_rate=self.ema_rate)
+        optional_at_least(1, sdft__top_m=self.top_m)
+        one_of(DIVERGENCES, sdft__divergence=self.divergence)
+
+
+@dataclass
+class SkillSDConfig:
+    """Skill-SD (paper B.1; ``lopd.method=skill-sd``): a skill-conditioned self-teacher.
+
+    Attributes:
+        group_size: G, rollouts per task (group-normalized advantages, as GRPO); a step draws
+            ``max(1, lopd.tasks_per_step // G)`` tasks.
+        clip_eps_low, clip_eps_high: the PPO-clip range ``[1 - low, 1 + high]``.
+        sdl_weight: lambda_sdl, weight of the importance-weighted sampled-token reverse KL.
+        ucb_c: c of the UCB1 skill choice (paper: sqrt 2).
+        teacher_sync_every: the teacher is the student's weights copied every this many
+            optimizer steps (1: the current student itself, no copy is kept).
+        summarizer: who writes a skill from a task's rollouts: ``model`` (the student itself,
+            greedy; a text missing one of the three sections falls back to the rule summary)
+            or ``rule`` (the deterministic summarizer of :mod:`lopd.methods.skills`, the
+            stand-in for models too small to write one, such as the tiny default).
+        summary_max_tokens: token budget of a model-written skill.
+        max_skills: bank capacity; the oldest skill leaves when a new one would exceed it.
+    """
+
+    group_size: int = 4
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    sdl_weight: float = 0.001
+    ucb_c: float = math.sqrt(2.0)
+    teacher_sync_every: int = 1
+    summarizer: str = "model"
+    summary_max_tokens: int = 256
+    max_skills: int = 256
+
+    def validate(self) -> None:
+        at_least(
+            1,
+            skill_sd__group_size=self.group_size,
+            skill_sd__teacher_sync_every=self.teacher_sync_every,
+            skill_sd__summary_max_tokens=self.summary_max_tokens,
+            skill_sd__max_skills=self.max_skills,
+        )
+        greater_than(
+            0, skill_sd__clip_eps_low=self.clip_eps_low, skill_sd__clip_eps_high=self.clip_eps_high
+        )
+        at_least(0, skill_sd__sdl_weight=self.sdl_weight, skill_sd__ucb_c=self.ucb_c)
+        one_of(("model", "rule"), skill_sd__summarizer=self.summarizer)

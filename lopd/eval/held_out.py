@@ -1,0 +1,129 @@
+"""Held-out evaluation: the student alone, and the frozen base model generating with latents.
+
+:class:`HeldOutEvaluator` is the trainer's evaluation phase (rank 0 evaluates, the other ranks
+wait): ``vanilla`` (the student before training), ``lopd`` (the trained student) and
+``base_composer`` (the frozen base model generating with retrieved latents, through
+:mod:`lopd.latent.conditioned`). Metrics: :func:`lopd.eval.summary.summarize`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lopd.atomic import atomic_write_text
+from lopd.envs import make_env
+from lopd.eval.summary import summarize
+from lopd.latent.conditioned import LatentConditionedLM, LatentPromptEnv, find_run
+from lopd.latent.teacher import TaskLatents
+from lopd.rollout.chat import render_prompt
+from lopd.run.context import RunContext
+from lopd.run.seeds import Stream, seed_of
+from lopd.types import Task, Trajectory
+
+__all__ = ["HeldOutEvaluator"]
+
+
+class HeldOutEvaluator:
+    """Evaluation on the held-out split (rank 0 generates; the other ranks wait).
+
+    Args:
+        ctx: the run (its models, engine, held-out tasks, precision and ranks). Every evaluation
+            of a run uses the same seed (``Stream.EVAL``) and ``eval.temperature`` (0 = greedy).
+        latents: c_phi of any task, for ``base_composer`` (``None`` without a composer).
+    """
+
+    def __init__(self, ctx: RunContext, latents: TaskLatents | None = None) -> None:
+        self.ctx, self.latents = ctx, latents
+        self.models, self.engine, self.tasks = ctx.models, ctx.engine, list(ctx.test_tasks)
+        self.seed = seed_of(ctx.cfg.seed, Stream.EVAL)
+        self.temperature = ctx.cfg.eval.temperature
+        self.num_placeholders = ctx.cfg.composer.num_latents * ctx.cfg.composer.num_retrieved
+        # Tasks composed per forward.
+        self.chunk = max(1, ctx.cfg.lopd.micro_batch)
+
+    def __call__(self, which: str) -> dict[str, Any]:
+        """Summary metrics (:func:`summarize`, ``task_rewards`` in the order of the held-out
+        tasks, and ``seconds``) of one evaluation on rank 0, ``{}`` on the others.
+
+        Args:
+            which: ``vanilla`` or ``lopd`` (the student) or ``base_composer`` (the frozen base
+                model generating with retrieved latents).
+        """
+        result: dict[str, Any] = {}
+        # Under FSDP2 every rank gathers the weights; rank 0 alone generates.
+        with self.models.sharding.gathered():
+            if self.ctx.dist.is_main:
+                t0 = time.perf_counter()
+                if which == "base_composer":
+                    trajs = self.rollout_with_latents()
+                else:
+                    trajs = self.engine.generate(
+                        self.models.student,
+                        self.tasks,
+                        self.seed,
+                        temperature=self.temperature,
+                        count=False,
+                        progress=self.ctx.progress,
+                    )
+                result = summarize(trajs)
+                # Per-task rewards (task order) for paired comparisons across evaluations.
+                result["task_rewards"] = [float(t.reward) for t in trajs]
+                result["seconds"] = time.perf_counter() - t0
+                self.ctx.log(
+                    f"eval {which}: reward {result['reward_mean']:.3f} ± "
+                    f"{result['reward_stderr']:.3f} (n={result['n']}), "
+                    f"success {result['success_rate']:.3f}"
+                )
+            self.ctx.dist.barrier()
+        return result
+
+    def cached(self, which: str, path: Path) -> dict[str, Any]:
+        """:meth:`__call__`, or its result from an earlier session of the run at ``path``
+        (written atomically by rank 0 the first time)."""
+        if path.exists():
+            return json.loads(path.read_text())
+        result = self(which)
+        if self.ctx.dist.is_main:
+            atomic_write_text(path, json.dumps(result))
+        return result
+
+    @torch.no_grad()
+    def rollout_with_latents(self) -> list[Trajectory]:
+        """The frozen base model rolled out on the held-out tasks with their c_phi injected."""
+        if self.latents is None:
+            raise ValueError("base_composer evaluation needs a composer")
+        tokenizer, pad_id, n = self.models.tokenizer, self.models.pad_id, self.num_placeholders
+        ph = tokenizer.convert_ids_to_tokens(pad_id)
+        domain_of = {t.task_id: t.domain for t in self.tasks}
+
+        def env_factory(task: Task) -> LatentPromptEnv:
+            return LatentPromptEnv(make_env(task), domain_of[task.task_id], n, ph)
+
+        prompts, starts, latents = [], [], []
+        bs = self.chunk
+        for i in range(0, len(self.tasks), bs):
+            chunk = self.tasks[i : i + bs]
+            with self.ctx.precision.autocast():
+                lat = self.latents(chunk)
+            for task, lt in zip(chunk, lat):
+                env = env_factory(task)
+                ids = render_prompt(tokenizer, env.system_prompt(), env.reset(task), env.tools())
+                prompts.append(ids)
+                starts.append(find_run(ids, pad_id, n))
+                latents.append(lt)
+        with self.latents.composer.teacher_mode() as backbone:
+            lm = LatentConditionedLM(backbone, prompts, latents, starts)
+            return self.engine.generate(
+                lm,
+                self.tasks,
+                self.seed,
+                temperature=self.temperature,
+                count=False,
+                make_env=env_factory,
+                progress=self.ctx.progress,
+            )

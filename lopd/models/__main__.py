@@ -1,0 +1,101 @@
+"""``python -m lopd.models``: build the tiny default model, or probe what a reference is worth.
+
+* ``build-tiny``: the embedded tiny Qwen3, deterministically from a seed
+  (:func:`lopd.tiny.build.build_tiny`; writes ``lopd/assets/tiny-qwen3`` by default).
+* ``probe-reference``: held-out reward of a model alone, with a retrieved reference trajectory,
+  and with a mismatched one (:func:`lopd.tiny.probe.probe_reference`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from lopd.envs import builtin_tasks, load_tasks_jsonl
+from lopd.models.loading import load_model
+from lopd.tiny.build import TINY_ASSET_DIR, TinyBuildConfig, build_tiny
+from lopd.tiny.probe import format_report, probe_reference
+
+
+def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``probe-reference`` command line."""
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the tiny)")
+    parser.add_argument("--task-seed", type=int, default=0, help="built-in task-set seed")
+    parser.add_argument("--tasks", default=None, help="JSONL task file with train/val/test splits")
+    parser.add_argument("--splits", nargs="+", default=["val", "test"])
+    parser.add_argument("--n", type=int, default=None, help="held-out tasks per split (all)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--out", default=None, help="write the JSON report here")
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    """Run the probe from parsed arguments; prints the table, optionally writes the JSON."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    if args.tasks:
+        tasks = load_tasks_jsonl(args.tasks)
+        train = [t for t in tasks if t.split == "train"]
+        heldout = {s: [t for t in tasks if t.split == s][: args.n] for s in args.splits}
+    else:
+        train = builtin_tasks("tool_use", "train", seed=args.task_seed)
+        heldout = {
+            s: builtin_tasks("tool_use", s, n=args.n, seed=args.task_seed) for s in args.splits
+        }
+    report = probe_reference(model, tokenizer, train, heldout, seeds=args.seeds)
+    report["model"] = args.model or "tiny (lopd/assets/tiny-qwen3)"
+    report["tasks"] = args.tasks or f"built-in, task-set seed {args.task_seed}"
+    print(format_report(report))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lopd.models", description=__doc__.split("\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build-tiny", help="build the tiny default model deterministically")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", default=str(TINY_ASSET_DIR), help="output directory")
+    b.add_argument("--threads", type=int, default=TinyBuildConfig.threads)
+    b.add_argument("--sft-steps", type=int, default=TinyBuildConfig.sft_steps)
+    b.add_argument("--first-call-steps", type=int, default=TinyBuildConfig.first_call_steps)
+    b.add_argument("--excerpt-steps", type=int, default=TinyBuildConfig.excerpt_steps)
+    b.add_argument("--eval-tasks", type=int, default=TinyBuildConfig.eval_tasks)
+    add_probe_arguments(
+        sub.add_parser(
+            "probe-reference",
+            help="base model alone vs with a retrieved reference trajectory (held-out reward)",
+        )
+    )
+    args = parser.parse_args(argv)
+    if args.command == "probe-reference":
+        return run_probe(args)
+    if args.command == "build-tiny":
+        cfg = TinyBuildConfig(
+            seed=args.seed,
+            threads=args.threads,
+            sft_steps=args.sft_steps,
+            first_call_steps=args.first_call_steps,
+            excerpt_steps=args.excerpt_steps,
+            eval_tasks=args.eval_tasks,
+        )
+        res = build_tiny(cfg, out=args.out)
+        print(
+            f"built in {res['seconds']:.0f}s: weights sha256 {res['weights_sha256'][:16]}, "
+            f"val reward bare {res['val_reward_bare']}, with reference "
+            f"{res['val_reward_reference']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

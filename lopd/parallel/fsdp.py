@@ -1,0 +1,214 @@
+"""``model.parallel=fsdp2``: student, teacher and encoder backbone sharded with FSDP2.
+
+Each model is sharded with ``fully_shard`` per decoder layer plus one root over the whole model
+(the root holds the embedding, final norm and LM head, tied or not). Every rank then holds a
+``1 / world`` slice of every parameter, gradient and AdamW state of the student and of the
+composer's LoRA; gradients are averaged by FSDP's reduce-scatter (float32 on GPU with 16-bit
+parameters, :func:`lopd.parallel.precision.fsdp_mixed_precision`). What each use of a model needs:
+
+* **Training forwards of the student** go through the root (:meth:`Sharding.hidden_states`), so
+  FSDP gathers the root's parameters before the forward and keeps them gathered until the
+  backward has reduce-scattered their gradients. The distillation kernels read the student's
+  full ``lm_head`` weight in that window (a plain tensor then); see :func:`full_weight`.
+* **The frozen backbone** (teacher with the adapter off, composer encoder with it on, OPSD's
+  teacher) is called by the composer and the teacher helpers through its decoder directly. Its
+  root's parameters (embedding, norm, head: frozen, no gradient to reduce) stay gathered on every
+  rank (:meth:`Sharding.gather_frozen_roots`); its decoder layers, LoRA included, stay sharded.
+* **Generation** is rank-local (each rank rolls out its own tasks, rank 0 alone evaluates) while
+  a sharded forward is a collective, so rollouts run inside :meth:`Sharding.gathered`: all ranks
+  gather the full weights once, generate without collectives, and reshard.
+
+Models are loaded whole on every rank and sharded afterwards (the student right after it is
+copied, the backbone after the bank and the cold start, which read it unsharded), so the peak
+memory of the setup is that of the unsharded models.
+
+Every sharded forward is a collective: ranks must run the same number of training forwards, so
+the trainer requires ``lopd.tasks_per_step`` (and the group count of group methods) to divide
+evenly across ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from lopd.parallel.distributed import Dist, is_sharded
+from lopd_kernels.hf import decoder_of
+
+__all__ = ["DecoderRoot", "Sharding", "full_weight"]
+
+
+class DecoderRoot(nn.Module):
+    """The FSDP root over a causal LM; its forward returns final hidden states ``[B, L, d]``
+    (the decoder's, no ``[B, L, V]`` logits).
+
+    Args:
+        lm: a Hugging Face ``*ForCausalLM`` (kept as the submodule ``lm``).
+    """
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, **kwargs: Any) -> torch.Tensor:
+        return decoder_of(self.lm)(**kwargs).last_hidden_state
+
+
+def full_weight(head: nn.Module) -> torch.Tensor:
+    """The full ``[V, d]`` weight of an LM head for the kernels.
+
+    A gathered (unsharded) weight is returned as is. A sharded weight is gathered with
+    ``DTensor.full_tensor()``, which is only right for a frozen head: a trainable head must be
+    used inside its root's forward-backward window, where FSDP has gathered it.
+
+    Raises:
+        RuntimeError: a trainable head is still sharded.
+    """
+    w = head.weight
+    if not is_sharded(w):
+        return w
+    if w.requires_grad:
+        raise RuntimeError(
+            "the student's LM head is sharded: use it after a forward through its FSDP root "
+            "(Sharding.hidden_states), which gathers it until the backward"
+        )
+    return w.full_tensor()
+
+
+class Sharding:
+    """FSDP2 sharding of the run's models (every method is a no-op when disabled).
+
+    Args:
+        enabled: ``model.parallel == "fsdp2"``.
+        dist: the process group facts.
+        mp_policy: FSDP2 ``MixedPrecisionPolicy`` or ``None``.
+        pad_id: a valid token id (the warm-up forward through each root).
+    """
+
+    def __init__(self, enabled: bool, dist: Dist, mp_policy: Any = None, pad_id: int = 0) -> None:
+        self.enabled = enabled
+        self.dist = dist
+        self.mp_policy = mp_policy
+        self.pad_id = pad_id
+        self._roots: list[tuple[nn.Module, DecoderRoot, bool]] = []  # (model, root, trainable)
+        self._gather_depth = 0
+
+    def shard(self, model: nn.Module, trainable: bool) -> None:
+        """``fully_shard`` every decoder layer of ``model``, then its root.
+
+        Args:
+            model: a ``*ForCausalLM`` (peft adapters already injected, if any).
+            trainable: the student (training forwards go through the root) or a frozen model
+                (its root's parameters stay gathered).
+        """
+        if not self.enabled:
+            return
+        # Optional: FSDP2/DCP exist only in torch builds with distributed support.
+        from torch.distributed.fsdp import fully_shard
+
+        kwargs = {"mp_policy": self.mp_policy} if self.mp_policy is not None else {}
+        layers = getattr(decoder_of(model), "layers", None)
+        if layers is None:
+            raise TypeError(f"{type(model).__name__} has no decoder .layers to shard")
+        for layer in layers:
+            fully_shard(layer, **kwargs)
+        root = DecoderRoot(model)
+        fully_shard(root, **kwargs)
+        # FSDP picks its root at the first forward: run one through the root on every rank
+        # now, before any rank-local call could reach a layer first.
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            root(input_ids=torch.tensor([[self.pad_id]], device=device))
+        if trainable:
+            root.reshard()
+        else:
+            # The warm-up left the root's parameters gathered; a backward through the layers
+            # would reshard them in FSDP's end-of-backward callback: keep them gathered.
+            root.set_reshard_after_backward(False, recurse=False)
+        self._roots.append((model, root, trainable))
+
+    def gather_frozen_roots(self) -> None:
+        """Gather the frozen models' root parameters (embedding, norm, head) if anything
+        resharded them (``state_dict()`` does, for a checkpoint). Every rank calls it; a no-op
+        without communication when they are gathered already. The trainer calls it before every
+        step."""
+        for _, root, trainable in self._roots:
+            if not trainable:
+                root.unshard()
+
+    def is_sharded(self, model: nn.Module) -> bool:
+        return any(m is model for m, _, _ in self._roots)
+
+    def hidden_states(self, model: nn.Module, **kwargs: Any) -> torch.Tensor:
+        """Final hidden states of ``model``'s decoder, ``[B, L, d]``: through the FSDP root for
+        the sharded student, straight through the decoder otherwise."""
+        for m, root, trainable in self._roots:
+            if m is model and trainable:
+                return root(**kwargs)
+        return decoder_of(model)(**kwargs).last_hidden_state
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """All sharded models with full weights on every rank, and no collective per forward,
+        for rank-local generation. Every rank must enter it (it all-gathers); re-entrant."""
+        if not self._roots or self._gather_depth:
+            self._gather_depth += 1
+            try:
+                yield
+            finally:
+                self._gather_depth -= 1
+            return
+        # Optional: FSDP2/DCP exist only in torch builds with distributed support.
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = [
+            (m, root)
+            for _, root, _ in self._roots
+            for m in root.modules()
+            if isinstance(m, FSDPModule)
+        ]
+        self._gather_depth += 1
+        try:
+            for _, root, _ in self._roots:
+                root.set_reshard_after_forward(False)
+            for m, _ in modules:
+                m.unshard()
+            yield
+        finally:
+            self._gather_depth -= 1
+            for m, root in modules:
+                if m is not root:
+                    m.reshard()
+                    m.set_reshard_after_forward(True, recurse=False)
+            for _, root, trainable in self._roots:
+                if trainable:
+                    root.reshard()
+
+    def full_state_dict(self, module: nn.Module, trainable_only: bool = False) -> dict:
+        """The full (unsharded) state dict of ``module`` on rank 0, on the CPU; ``{}`` on the
+        other ranks. A collective when sharded; ``module.state_dict()`` otherwise.
+
+        Args:
+            module: a model, or a module holding sharded ones (the composer).
+            trainable_only: only parameters with ``requires_grad`` (the composer's phi).
+        """
+        names = {n for n, p in module.named_parameters() if p.requires_grad}
+        if not self.enabled:
+            sd = module.state_dict()
+        else:
+            # Optional: FSDP2/DCP exist only in torch builds with distributed support.
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            options = StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
+            )
+            sd = get_model_state_dict(module, options=options)
+        # (A tied frozen weight can survive ignore_frozen_params: filter by name.)
+        return {k: v for k, v in sd.items() if k in names} if trainable_only else sd
