@@ -74,8 +74,8 @@ def load() -> None:
         is_python_module=False,
         verbose=False,
     )
-    topk_tail_kl.register_compiled_op_impls("lopd_simt_emu")
-    varlen_cross_attention.register_compiled_op_impls("lopd_simt_emu")
+    topk_tail_kl.CUSTOM_OPS.register_compiled("lopd_simt_emu")
+    varlen_cross_attention.CUSTOM_OPS.register_compiled("lopd_simt_emu")
 
 
 def set_schedule_seed(seed: int) -> None:

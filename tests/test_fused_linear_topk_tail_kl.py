@@ -175,7 +175,7 @@ def test_frozen_heads_tail_projection(dtype, divergence):
 def emulated_cuda_epilogue(monkeypatch):
     from tests import simt_emu
 
-    chunked = importlib.import_module("lopd_kernels.fused_linear_chunked")
+    chunked = importlib.import_module("lopd_kernels.fused_linear_topk_tail_kl_chunked")
 
     reason = simt_emu.unavailable_reason()
     if reason:
