@@ -62,7 +62,7 @@ SWITCHES: dict[str, Switch] = {
             "csrc/cuda/topk_tail_kl_launch.cuh). v1: csrc/cuda/topk_tail_kl_kernels.cuh, a "
             "branchy natural-log lse_add with accurate expf per entry and side, the 64-bit key "
             "built for every entry, one tile in flight, the full-vocabulary mode merging a "
-            "one-entry state per entry. v2: csrc/cuda/topk_tail_kl_fwd_v2.cuh, base-2 tails "
+            "one-entry state per entry. v2: csrc/cuda/topk_tail_kl_kernels_v2.cuh, base-2 tails "
             "(one FFMA + MUFU.EX2 per entry and side, one rescale per 8 entries, admitted "
             "candidates masked to -inf), a float compare before the 64-bit key, the next tile "
             "loaded while the current one is processed, and the same chunked base-2 state in "

@@ -40,11 +40,12 @@ Implementations (``torch.ops.lopd.varlen_cross_attention_<impl>_fwd/_bwd``, one 
 * ``"triton"``: ``lopd_kernels/triton/varlen_cross_attention.py``: split-KV online-softmax
   forward, a dQ pass and a dK/dV pass. Runs on CUDA, or on CPU tensors under
   ``TRITON_INTERPRET=1``.
-* ``"cuda"``: hand-written CUDA kernels (``csrc/cuda/varlen_cross_attention_kernels.cuh``): a
-  forward with an online softmax over key tiles staged in shared memory, a dQ kernel and a dK/dV
-  kernel (one block per key tile, looping over the ``G * Lq`` query rows of its kv head: no
-  atomics). Two paths, picked by the launcher: bf16 / fp16 inputs with ``D % 16 == 0`` and
-  ``D <= 128`` run on tensor cores through ``nvcuda::wmma`` (m16n16k16, i.e. ``mma.sync`` on
+* ``"cuda"``: hand-written CUDA kernels (``csrc/cuda/varlen_cross_attention_kernels*.cuh``,
+  launched by ``csrc/cuda/varlen_cross_attention_launch.cuh``): a forward with an online
+  softmax over key tiles staged in shared memory, a dQ kernel and a dK/dV kernel (one block per
+  key tile, looping over the ``G * Lq`` query rows of its kv head: no atomics). Two paths,
+  picked by the launcher: bf16 / fp16 inputs with ``D % 16 == 0`` and ``D <= 128`` run on
+  tensor cores through ``nvcuda::wmma`` (m16n16k16, i.e. ``mma.sync`` on
   sm_80 / sm_90; not Hopper's ``wgmma``), in the flash-attention manner: fp32 scores, softmax and
   accumulators, ``P`` and ``dS`` rounded to the input dtype only as tensor-core operands (dK/dV
   also multiplies their rounding errors, as a second operand, for accuracy); fp32 inputs and

@@ -2,8 +2,9 @@
 
 The scheme of :mod:`lopd_kernels.topk_tail_kl_checks`: :func:`check_inputs` reads only metadata
 (shapes, dtypes, devices, Python scalars); :func:`check_values` reads the item boundaries
-``cu_seqlens_k``, on CPU tensors only (on a GPU that would be a device sync per call: the CUDA
-kernels check what memory safety needs, ``csrc/cuda/varlen_cross_attention_launch.cuh``).
+``cu_seqlens_k``, on CPU tensors only: on a GPU that would be a device sync per call, so the
+boundaries of CUDA tensors are taken as given (as flash-attn's varlen API takes them; the CUDA
+launcher, ``csrc/cuda/varlen_cross_attention_launch.cuh``, checks the shapes and grid limits).
 """
 
 from __future__ import annotations

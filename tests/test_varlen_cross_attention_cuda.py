@@ -1,4 +1,4 @@
-"""varlen_cross_attention's CUDA kernels (csrc/cuda/varlen_cross_attention_kernels.cuh) against
+"""varlen_cross_attention's CUDA kernels (csrc/cuda/varlen_cross_attention_kernels*.cuh) against
 the float64 reference: out and lse, and dq, dk, dv under a random output gradient *and* a nonzero
 lse gradient, on two targets (as tests/test_topk_tail_kl_cuda.py):
 

@@ -27,7 +27,7 @@ in bf16). GEMM-tiled kernels (fused linear, attention) get no per-entry figure, 
 first CUDA forward: its per-entry guards (``i < valid`` for a row's last partial tile,
 ``base < V``) are branches, so the shortest path through its loop skips the per-entry work and
 is no common path (its loops are still listed, with static size and both path lengths, in the
-JSON). The second CUDA forward (``csrc/cuda/topk_tail_kl_fwd_v2.cuh``) handles the partial tile
+JSON). The second CUDA forward (``csrc/cuda/topk_tail_kl_kernels_v2.cuh``) handles the partial tile
 after its main loop, so its figure is declared (:data:`CUDA_ENTRIES`) like a Triton kernel's.
 
     python tools/kernel_report.py [--only NAME,...] [--json OUT] [--md OUT] [--no-cuda]
@@ -201,7 +201,7 @@ def _variant_specs() -> list[TritonSpec]:
 CUDA_THREADS = {"fwd_wmma_kernel": 128, "dq_wmma_kernel": 128, "dkdv_wmma_kernel": 128}
 # CUDA kernels whose main loop streams a logit row with no per-entry bounds checks on its
 # common path (so that the shortest path is that common path): vocabulary entries per main-loop
-# iteration, from the source (csrc/cuda/topk_tail_kl_fwd_v2.cuh: two tiles of 256 threads x 8
+# iteration, from the source (csrc/cuda/topk_tail_kl_kernels_v2.cuh: two tiles of 256 threads x 8
 # entries per iteration, the next tile's loads issued unconditionally).
 CUDA_ENTRIES = {"topk_tail_kl_fwd_kernel_v2": 2 * 2048, "topk_tail_kl_fwd_full_kernel_v2": 2 * 2048}
 
