@@ -40,18 +40,19 @@ Implementations (``torch.ops.lopd.varlen_cross_attention_<impl>_fwd/_bwd``, one 
 * ``"triton"``: ``lopd_kernels/triton/varlen_cross_attention.py``: split-KV online-softmax
   forward, a dQ pass and a dK/dV pass. Runs on CUDA, or on CPU tensors under
   ``TRITON_INTERPRET=1``.
-* ``"cuda"``: hand-written CUDA kernels (``csrc/cuda/varlen_cross_attention_kernels*.cuh``,
-  launched by ``csrc/cuda/varlen_cross_attention_launch.cuh``): a forward with an online
-  softmax over key tiles staged in shared memory, a dQ kernel and a dK/dV kernel (one block per
-  key tile, looping over the ``G * Lq`` query rows of its kv head: no atomics). Two paths,
-  picked by the launcher: bf16 / fp16 inputs with ``D % 16 == 0`` and ``D <= 128`` run on
-  tensor cores through ``nvcuda::wmma`` (m16n16k16, i.e. ``mma.sync`` on
-  sm_80 / sm_90; not Hopper's ``wgmma``), in the flash-attention manner: fp32 scores, softmax and
-  accumulators, ``P`` and ``dS`` rounded to the input dtype only as tensor-core operands (dK/dV
-  also multiplies their rounding errors, as a second operand, for accuracy); fp32 inputs and
-  other head dims run CUDA-core fp32 FMA kernels. Available when ``lopd_kernels._C`` was built
-  with CUDA. Tested on CPU under the SIMT emulator (``tests/test_varlen_cross_attention_cuda.py``,
-  which emulates WMMA too); neither path has ever run on a GPU, so neither speed is measured.
+* ``"cuda"``: hand-written CUDA kernels (``csrc/cuda/varlen_cross_attention_kernels.cuh`` and
+  ``csrc/cuda/varlen_cross_attention_kernels_wmma.cuh``, launched by
+  ``csrc/cuda/varlen_cross_attention_launch.cuh``): a forward with an online softmax over key tiles
+  staged in shared memory, a dQ kernel and a dK/dV kernel (one block per key tile, looping over the
+  ``G * Lq`` query rows of its kv head: no atomics). Two paths, picked by the launcher: bf16 / fp16
+  inputs with ``D % 16 == 0`` and ``D <= 128`` run on tensor cores through ``nvcuda::wmma``
+  (m16n16k16, i.e. ``mma.sync`` on sm_80 / sm_90; not Hopper's ``wgmma``), in the flash-attention
+  manner: fp32 scores, softmax and accumulators, ``P`` and ``dS`` rounded to the input dtype only
+  as tensor-core operands (dK/dV also multiplies their rounding errors, as a second operand, for
+  accuracy); fp32 inputs and other head dims run CUDA-core fp32 FMA kernels. Available when
+  ``lopd_kernels._C`` was built with CUDA. Tested on CPU under the SIMT emulator
+  (``tests/test_varlen_cross_attention_cuda.py``, which emulates WMMA too); neither path has ever
+  run on a GPU, so neither speed is measured.
 * ``"auto"``: the ``"cpu"`` kernels for CPU tensors; Triton for CUDA tensors when Triton is
   importable, else the CUDA kernels (if built); else (and for float64) the reference. Not the
   CUDA kernels while Triton is there: nothing has measured them on a GPU yet. At the QFormer
