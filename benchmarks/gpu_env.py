@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_common as gc
+import common as gc
 
 PACKAGES = ("triton", "transformers", "trl", "datasets", "liger-kernel", "flash-attn", "peft")
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_common as gc
+import common as gc
 
 VARIANTS = ("materialized", "chunked", "triton", "trl_chunked_divergence", "liger_fused_linear_jsd")
 SETTINGS = ("frozen-heads", "student-head")
@@ -189,21 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget-s", type=float, default=8.0, help="fewer reps when one call is this slow"
     )
-    gc.add_common_args(parser, reps=5)
-    args = parser.parse_args(argv)
-    device = gc.resolve_device(args.device)
+    args, device = gc.parse_args(parser, argv, reps=5)
     if device is None:
         return 0
     import lopd_kernels as lk
 
     rec = gc.Recorder(args.records, device)
-    ok = True
-    for setting in args.settings.split(","):
-        ok &= gc.run_guarded(
-            f"fused_linear {args.variant} {setting}",
-            lambda setting=setting: bench_setting(args, lk, rec, device, setting),
-        )
-        gc.free_cuda(device)
+    ok = gc.run_each(
+        f"fused_linear {args.variant}", args.settings.split(","),
+        lambda setting: bench_setting(args, lk, rec, device, setting), device,
+    )  # fmt: skip
     return 0 if ok else 1
 
 

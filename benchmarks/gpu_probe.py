@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_common as gc
+import common as gc
 
 
 def probes(lk, device: torch.device, backend: str) -> dict:
@@ -58,9 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env-json", required=True)
     parser.add_argument("--backends", default="triton,cuda", help="comma-separated")
-    gc.add_common_args(parser, reps=1)
-    args = parser.parse_args(argv)
-    device = gc.resolve_device(args.device)
+    args, device = gc.parse_args(parser, argv, reps=1)
     if device is None:
         return 0
     import lopd_kernels as lk

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_common as gc
+import common as gc
 
 VARIANTS = (
     "triton", "cuda", "sdpa_padded", "flash_attn_varlen", "module_fused", "module_padded",
@@ -130,9 +130,7 @@ def bench_width(args, lk, rec, device, dtype, d, heads, kv_heads, lengths, n_q, 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", required=True, choices=VARIANTS)
-    gc.add_common_args(parser, reps=20)
-    args = parser.parse_args(argv)
-    device = gc.resolve_device(args.device)
+    args, device = gc.parse_args(parser, argv, reps=20)
     if device is None:
         return 0
     import lopd_kernels as lk

@@ -9,18 +9,20 @@ measured) holds records in the format of ``benchmarks/results/*.json``. ``merge`
 cross-variant ratios (each variant ran in its own process, so no script knows them) and writes
 ``benchmarks/results/gpu_<op>.json``, replacing an older record of the same (op, backend,
 shapes, device); ``python benchmarks/report.py`` then prints them with the CPU tables. A record
-whose commit is "unknown" (the device's copy of the tree has no .git) gets ``--commit`` (default:
-this checkout's HEAD). Standard library only: ``gpu_run.py`` prints the table without torch.
+whose commit is "unknown" (a source tree without ``.git``) gets ``--commit`` (default: this
+checkout's HEAD).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as gc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -112,15 +114,6 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _head_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=ROOT, check=True)  # fmt: skip
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def merge(records: list[dict[str, Any]], results_dir: Path, commit: str) -> list[Path]:
     """Writes ``results_dir/gpu_<op>.json`` (JSON lists); returns the files written."""
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -129,14 +122,11 @@ def merge(records: list[dict[str, Any]], results_dir: Path, commit: str) -> list
         path = results_dir / f"gpu_{op}.json"
         rows = json.loads(path.read_text()) if path.exists() else []
 
-        def key(r: dict[str, Any]) -> tuple:
-            return (r["op"], r["backend"], json.dumps(r["shapes"], sort_keys=True), r["device"])
-
         new = [dict(r, commit=commit if r.get("commit") in (None, "unknown") else r["commit"])
                for r in records if r["op"] == op]  # fmt: skip
-        keys = {key(r) for r in new}
-        rows = [r for r in rows if key(r) not in keys] + new
-        path.write_text(json.dumps(rows, indent=1) + "\n")
+        keys = {gc.record_key(r) for r in new}
+        rows = [r for r in rows if gc.record_key(r) not in keys] + new
+        gc.atomic_write_text(path, json.dumps(rows, indent=1) + "\n")
         written.append(path)
     return written
 
@@ -152,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "show":
         print(table(records))
         return 0
-    for path in merge(records, Path(args.results_dir), args.commit or _head_commit()):
+    for path in merge(records, Path(args.results_dir), args.commit or gc.git_commit()):
         print(f"wrote {path}")
     return 0
 

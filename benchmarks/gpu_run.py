@@ -1,55 +1,63 @@
-"""The prepared GPU check: build, test and benchmark everything GPU-side in one call, in budget.
+"""The GPU check: build, test and benchmark everything GPU-side on one CUDA machine, in one run.
 
     bash benchmarks/gpu_all.sh OUT [--dry-run-cpu] [--only STEP,...] [--list]
 
-``benchmarks/gpu_all.sh`` runs this file with the machine's python3. Every step is a subprocess
-of its own (a device fault or a hang loses that step only), killed with its process group at its
-time cap, and reported in ``OUT/summary.md`` / ``OUT/summary.json`` as soon as it ends. The
-steps, most valuable first (``--list`` prints them with their weights):
+``benchmarks/gpu_all.sh`` runs this file with the machine's python3 (``PYTHON=...`` picks
+another): the torch, Triton and nvcc installed there, and this checkout. Every step is a
+subprocess of its own (a device fault or a hang loses that step only), killed with its process
+group at its time cap, and reported in ``OUT/summary.md`` / ``OUT/summary.json`` as soon as it
+ends. The steps, most valuable first (``--list`` prints them with their weights; the commands
+are in ``benchmarks/gpu_steps.py``):
 
-1. ``wheels``: installs ``.whl/*.whl`` (carried peers: TRL, Liger) into a scratch site folder;
-2. ``build`` (in the background from the start, CPU only): the extension with the CUDA kernels
-   for sm_90a; a failed build leaves the Triton path, and the CUDA steps say they were skipped;
-3. ``env``: versions, device, copy bandwidth and bf16 matrix rate;
-4. ``topk_*``: ``topk_tail_kl`` Triton, then its baselines, then the launch sweep;
-5. ``tests_triton``: the kernel tests of every op on real CUDA tensors (Triton paths);
-6. ``probe``: waits for the build, then checks which backends run (``gpu_probe.py``);
-7. ``tests_cuda``: the real-GPU CUDA kernel tests; ``topk_cuda``;
-8. ``fused_*``: materialized -> chunked -> Triton at N=8192, d=4096, V=151,936, then TRL, Liger;
-9. ``varlen_*`` / ``qformer_*``: varlen attention (Triton, CUDA, padded SDPA, flash-attn) and
-   the QFormer module (fused vs padded);
-10. ``train_*``: one LOPD step of a Qwen3-0.6B-shaped model, fused linear on and off;
-11. ``memcheck``: the CUDA (and Triton out-of-bounds) tests under compute-sanitizer memcheck,
+1. ``build`` (in the background from the start, CPU only): the extension with the CUDA kernels
+   for this machine's GPU (``LOPD_CUDA_ARCHS``, default from ``nvidia-smi``), copied into
+   ``lopd_kernels/`` when it succeeds; a failed build leaves the Triton path, and the CUDA steps
+   say they were skipped;
+2. ``env``: versions, device, copy bandwidth and bf16 matrix rate;
+3. ``topk_*``: ``topk_tail_kl`` Triton, then its baselines, then the launch sweep;
+4. ``tests_triton``: the kernel tests of every op on real CUDA tensors (Triton paths);
+5. ``probe``: waits for the build, then checks which backends run (``gpu_probe.py``);
+6. ``tests_cuda``: the real-GPU CUDA kernel tests; ``topk_cuda``;
+7. ``fused_*``: materialized -> chunked -> Triton at N=8192, d=4096, V=151,936, then TRL and
+   Liger where they are installed (``pip install trl liger-kernel``; steps whose peer is missing
+   are skipped and say so);
+8. ``varlen_*`` / ``qformer_*``: varlen attention (Triton, CUDA, padded SDPA, flash-attn where
+   installed) and the QFormer module (fused vs padded);
+9. ``train_*``: one LOPD step of a Qwen3-0.6B-shaped model, fused linear on and off;
+10. ``memcheck``: the CUDA (and Triton out-of-bounds) tests under compute-sanitizer memcheck,
     small shapes, ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` (the caching allocator hides overruns
     inside its blocks), no compile-check tests.
 
-Time: a global budget (``LOPD_GPU_BUDGET_S``, default 540 s, inside one 600 s device call).
-Each step's cap is its weight's share of the time left, so time a step does not use goes to the
-ones after it, and a step that runs to its cap cannot starve them. What comes back (at most 8
-files, under the device tool's limit): ``summary.md``, ``summary.json``, ``records.jsonl``
-(every figure, written the moment it is measured), ``env.json``, ``gpu_all.log`` (every step's
-output, streamed) and ``logs.tar.gz`` (per-step logs, junit XML, the build log).
+Time: the whole run is bounded by ``LOPD_GPU_BUDGET_S`` (default 1800 s). Each step's cap is its
+weight's share of the time left, so time a step does not use goes to the ones after it, and a
+step that runs to its cap cannot starve them.
+
+What it writes in OUT: ``summary.md`` (the step table and every figure), ``summary.json``,
+``records.jsonl`` (every figure, appended the moment it is measured, in the record format of
+``benchmarks/results/*.json``), ``env.json``, ``gpu_all.log`` (every step's output, streamed)
+and ``logs/`` (per-step logs, junit XML of the test steps, the build log). Then, in the
+checkout:
+
+    python benchmarks/gpu_results.py merge OUT/records.jsonl   # -> benchmarks/results/gpu_<op>.json
+    python benchmarks/report.py                                # every table, the GPU ones too
 
 ``--dry-run-cpu`` runs every step on the CPU at tiny shapes (Triton under its interpreter, the
 C++ kernels standing in for CUDA, pytest selections collected but not run, no build): the CI
-check that this script does not rot between GPU sessions (tests/test_gpu_scripts.py).
+check that this script keeps working on machines without a GPU (tests/test_gpu_scripts.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import importlib.util
 import json
 import os
 import re
-import shlex
 import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -59,13 +67,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import common  # noqa: E402
 import gpu_fork  # noqa: E402
 import gpu_results  # noqa: E402
 from gpu_steps import MEMCHECK_K, MEMCHECK_K_TRITON_ONLY, Step, plan  # noqa: E402
 
 MIN_CAP_S = 10.0  # below this a step is skipped: a python + torch process needs ~5 s to start
-FINISH_RESERVE_S = 10.0  # kept back for the summary and the log bundle
-BUILD_CAP_S = 300.0
+FINISH_RESERVE_S = 10.0  # kept back for the summary
+BUILD_CAP_S = 600.0
+DEFAULT_BUDGET_S = 1800.0
 
 
 class Run:
@@ -75,9 +85,9 @@ class Run:
         self.out, self.dry, self.budget, self.py = out, dry, budget, py
         out.mkdir(parents=True, exist_ok=True)
         self.t0 = time.monotonic()
-        self.work = Path(tempfile.mkdtemp(prefix="lopd_gpu_"))
-        self.logs = self.work / "logs"
-        self.logs.mkdir()
+        self.work = Path(tempfile.mkdtemp(prefix="lopd_gpu_"))  # the extension's build folder
+        self.logs = out / "logs"
+        self.logs.mkdir(exist_ok=True)
         self.records = out / "records.jsonl"
         self.env_json = out / "env.json"
         # Open for the whole run (line-buffered): every step's output is appended as it comes.
@@ -87,16 +97,12 @@ class Run:
         self.build_status = "not started"
         self.backends: dict[str, str] = {}
         self.current: subprocess.Popen | None = None
-        self.commit = _commit()
+        self.commit = common.git_commit()
         self.env = dict(os.environ)
-        site = self.work / "site"
         self.env.update(
             PYTHONUNBUFFERED="1",
-            PYTHONPATH=os.pathsep.join(
-                p for p in (str(site), str(ROOT), self.env.get("PYTHONPATH", "")) if p
-            ),
-            LOPD_GPU_RECORDS=str(self.records),
-            LOPD_GPU_COMMIT=self.commit,
+            PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), self.env.get("PYTHONPATH", "")) if p),
+            **{common.RECORDS_ENV: str(self.records), common.COMMIT_ENV: self.commit},
         )
         if dry:
             self.env["TRITON_INTERPRET"] = "1"  # Triton kernels on CPU tensors
@@ -139,7 +145,7 @@ class Run:
             assert proc.stdout is not None
             for line in proc.stdout:
                 sys.stdout.write(line)
-                sys.stdout.flush()  # what the device call shows if it is cut short
+                sys.stdout.flush()  # each line on the console at once
                 self.log.write(line)
                 step_log.write(line)
 
@@ -168,7 +174,7 @@ class Run:
 
     def skip_unrunnable(self, probed: bool) -> None:
         """Skips, now, the pending steps that cannot run, so that their share of the time goes
-        to the others (called after the wheels are installed and after the probe)."""
+        to the others (called at the start and after the probe)."""
         for s in self.steps:
             why = self.unrunnable(s, probed) if s.status == "pending" else None
             if why:
@@ -185,9 +191,7 @@ class Run:
         step.cap_s = round(cap, 1)
         self.say(f"step {step.name} (cap {cap:.0f} s): {' '.join(step.cmd or [step.name])}")
         start = time.monotonic()
-        if step.name == "wheels":
-            rc = self.install_wheels(step, cap)
-        elif step.name == "probe":
+        if step.name == "probe":
             rc = self.probe(step, cap)
         else:
             cmd = step.cmd
@@ -220,22 +224,8 @@ class Run:
         took = "" if step.elapsed_s is None else f" in {step.elapsed_s:.0f} s"
         self.say(f"{step.name}: {status}{took}{' (' + note + ')' if note else ''}")
         self.write_summary()
-        if step.tests or step.name == "probe":  # junit XML and the build log, kept at once
-            self.bundle_logs()
 
     # ------------------------------------------------------------------ built-in steps
-
-    def install_wheels(self, step: Step, cap: float) -> int | None:
-        """``pip install --no-deps --target`` of every carried wheel; if pip rejects one, each
-        alone, so that a bad wheel costs only the steps that need it."""
-        wheels = sorted(glob.glob(str(ROOT / ".whl" / "*.whl")))
-        step.note = ", ".join(Path(w).name for w in wheels)
-        site = shlex.quote(str(self.work / "site"))
-        pip = f"{shlex.quote(self.py)} -m pip install -q --no-index --no-deps --no-compile"
-        pip += f" --no-cache-dir --upgrade --target {site}"
-        each = f'for w in "$@"; do {pip} "$w" || {{ echo "not installed: $w"; bad=1; }}; done'
-        script = f'{pip} "$@" && exit 0; bad=0; {each}; exit $bad'
-        return self.run_cmd(step, ["bash", "-c", script, "wheels", *wheels], cap, self.env)
 
     def probe(self, step: Step, cap: float) -> int | None:
         """Waits for the background build (within the build's own cap), installs what it built,
@@ -262,9 +252,11 @@ class Run:
 
     def start_build(self) -> None:
         build_dir = self.work / "build"
+        arch = _local_cuda_arch() or "80;90a"
         default = (
             "true" if self.dry else
-            f"LOPD_CUDA=1 LOPD_CUDA_ARCHS=${{LOPD_CUDA_ARCHS:-90a}} MAX_JOBS=${{MAX_JOBS:-12}} "
+            f"LOPD_CUDA=1 LOPD_CUDA_ARCHS=${{LOPD_CUDA_ARCHS:-'{arch}'}} "
+            f"MAX_JOBS=${{MAX_JOBS:-{os.cpu_count() or 4}}} "
             f"nice -n 10 {self.py} setup.py build_ext --build-lib {build_dir}/lib "
             f"--build-temp {build_dir}/tmp"
         )  # fmt: skip
@@ -379,7 +371,7 @@ class Run:
             "steps": [{k: v for k, v in dataclasses.asdict(s).items() if k not in ("env",)}
                       for s in self.steps],
         }  # fmt: skip
-        _atomic_write(self.out / "summary.json", json.dumps(data, indent=1) + "\n")
+        common.atomic_write_text(self.out / "summary.json", json.dumps(data, indent=1) + "\n")
         lines = [f"# GPU run at {self.commit} ({'CPU dry run' if self.dry else 'GPU'})", "",
                  f"wall {self.elapsed():.0f} s of a {self.budget:.0f} s budget; "
                  f"build: {self.build_status}; {len(records)} records", "",
@@ -393,18 +385,11 @@ class Run:
             lines.append(f"| {s.name} | {_cell(s.cap_s)} | {_cell(s.elapsed_s)} | {s.status} | "
                          f"{note.replace('|', '/')[:300]} |")  # fmt: skip
         if failed:
-            lines += ["", "Failed tests (first 15 per step; all in logs.tar.gz):", *failed]
+            lines += ["", "Failed tests (first 15 per step; all in logs/<step>.xml):", *failed]
         steps_md = "\n".join(lines)
         figures_md = "\n".join(["```", gpu_results.table(records), "```", ""])
-        _atomic_write(self.out / "summary.md", steps_md + "\n\n" + figures_md)
+        common.atomic_write_text(self.out / "summary.md", steps_md + "\n\n" + figures_md)
         return steps_md, figures_md
-
-    def bundle_logs(self) -> None:
-        tmp = self.work / "logs.tar.gz"
-        with tarfile.open(tmp, "w:gz") as tar:
-            tar.add(self.logs, arcname="logs")
-        shutil.copyfile(tmp, self.out / "logs.tar.gz.tmp")
-        os.replace(self.out / "logs.tar.gz.tmp", self.out / "logs.tar.gz")
 
     def stop_children(self) -> None:
         for proc in (self.current, self.build):
@@ -426,12 +411,6 @@ def _cell(v: Any) -> str:
     return "" if v is None else f"{v:g}"
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGTERM to the child's process group (it was started in a session of its own), SIGKILL
     after 5 s."""
@@ -451,7 +430,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _importable(module: str, env: dict[str, str]) -> bool:
-    """Whether ``module`` imports under ``env``'s PYTHONPATH (the carried wheels included)."""
+    """Whether ``module`` imports under ``env``'s PYTHONPATH."""
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     saved = sys.path[:]
     sys.path[:0] = paths
@@ -464,28 +443,36 @@ def _importable(module: str, env: dict[str, str]) -> bool:
         importlib.invalidate_caches()
 
 
-def _commit() -> str:
-    if os.environ.get("LOPD_GPU_COMMIT"):
-        return os.environ["LOPD_GPU_COMMIT"]
+def _local_cuda_arch() -> str | None:
+    """This machine's first GPU as a CUDA architecture for ``LOPD_CUDA_ARCHS`` ("90a" for compute
+    capability 9.0, the architecture-specific target CI compiles for; "80" for 8.0), from
+    ``nvidia-smi``; None without one."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                             capture_output=True, timeout=10, check=True)  # fmt: skip
-        return out.stdout.strip()
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return None
+    major, _, minor = (out.split() or [""])[0].partition(".")
+    if not (major.isdigit() and minor.isdigit()):
+        return None
+    return f"{major}{minor}" + ("a" if major == "9" else "")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", help="results folder ($OUT on the device machine)")
+    parser.add_argument("out", help="results folder (created if missing)")
     parser.add_argument("--dry-run-cpu", action="store_true", help="tiny CPU run of every step")
     parser.add_argument("--only", default="", help="comma-separated step names to run")
     parser.add_argument("--list", action="store_true", help="print the steps and exit")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    default_budget = 600 if args.dry_run_cpu else 540
-    budget = float(os.environ.get("LOPD_GPU_BUDGET_S", default_budget))
+    budget = float(os.environ.get("LOPD_GPU_BUDGET_S", DEFAULT_BUDGET_S))
     run = Run(out, args.dry_run_cpu, budget, os.environ.get("PYTHON", sys.executable))
     run.steps = plan(run)
     if args.list:
@@ -514,7 +501,6 @@ def main(argv: list[str] | None = None) -> int:
         run.say(f"signal {signum}: stopping; the summary keeps what finished")
         run.stop_children()
         run.write_summary()
-        run.bundle_logs()
         sys.exit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -524,14 +510,11 @@ def main(argv: list[str] | None = None) -> int:
         run.start_build()
     else:
         run.build_status = "not needed by --only"
+    run.skip_unrunnable(probed=False)  # steps whose optional peer is not installed
     run.write_summary()
-    wheels_done = False
     for step in run.steps:
         if step.status != "pending":
             continue
-        if not wheels_done and step.name != "wheels":
-            run.skip_unrunnable(probed=False)  # the carried peers are installed (or absent)
-            wheels_done = True
         run.run_step(step)
         if step.name == "probe":
             run.skip_unrunnable(probed=True)
@@ -545,15 +528,14 @@ def main(argv: list[str] | None = None) -> int:
         run.wait_build(0)
     run.stop_children()
     steps_md, figures_md = run.write_summary()
-    run.bundle_logs()
-    shutil.rmtree(run.work, ignore_errors=True)  # the logs are in logs.tar.gz now
-    files = sorted(p.name for p in out.rglob("*") if p.is_file())
+    shutil.rmtree(run.work, ignore_errors=True)  # the build folder (its log is in logs/)
     bad = [s for s in run.steps if s.status in ("FAILED", "TIMEOUT")]
-    print(figures_md)  # the step table last: the device call returns the output's tail
+    print(figures_md)  # the step table last, where the terminal shows it
     print(steps_md)
-    print(f"files in {out} ({len(files)}, the device returns at most 8): {', '.join(files)}")
-    if len(files) > 8:
-        print("WARNING: more than 8 files: the device tool would drop some")
+    files = sorted(p.name for p in out.iterdir() if p.is_file())
+    n_logs = sum(1 for p in run.logs.iterdir() if p.is_file())
+    print(f"wrote {out}: {', '.join(files)}, logs/ ({n_logs} files); merge the figures with "
+          f"`python benchmarks/gpu_results.py merge {out / 'records.jsonl'}`")  # fmt: skip
     failed_build = not run.build_status.startswith(("ok", "not needed"))
     return 1 if bad or failed_build or (not _has_device(run) and not run.dry) else 0
 

@@ -2,7 +2,8 @@
 
 Each step is one command with a weight (its share of the time left is its cap), the probe keys
 it needs (``"<op>/<backend>"``: a CUDA step is skipped when the probe found that backend absent)
-and the modules it requires (carried peers). ``--list`` prints them.
+and the modules it requires (optional peers compared against: TRL, Liger, flash-attn; a step
+whose peer is not installed is skipped and says so). ``--list`` prints them.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ class Step:
     Attributes:
         name: unique id (``--only`` takes these).
         weight: nominal seconds; the cap is this share of the time left.
-        cmd: argv (``None`` for the built-in steps: wheels, probe).
+        cmd: argv (``None`` for the built-in step: probe).
         needs: probe keys (``"<op>/<backend>"``) that must have run, else the step is skipped.
-        requires: importable modules (carried peers), else the step is skipped.
+        requires: importable modules (optional peers), else the step is skipped.
         env: extra environment.
         tests: a pytest step (its junit XML and counts go into the summary).
     """
@@ -77,7 +78,6 @@ def plan(run: Any) -> list[Step]:
     files = sorted({f for pattern in KERNEL_TESTS for f in glob.glob(pattern, root_dir=ROOT)})
     sanitizer = sanitizer_path()
     steps = [
-        Step("wheels", 20),
         Step("env", 15, bench("gpu_env.py", "--env-json", str(run.env_json))),
         # Both top-M forward kernels (switch topk_tail_kl.triton_fwd), old against new.
         Step("topk_triton", 40, bench("gpu_topk_tail_kl.py", "--variant", "triton")),
@@ -121,8 +121,4 @@ def plan(run: Any) -> list[Step]:
     steps.append(Step("memcheck", 60, memcheck, tests=True, env=no_cache))
     if not sanitizer and not run.dry:
         steps[-1].status, steps[-1].note = "skipped", "compute-sanitizer not found"
-    if not glob.glob(str(ROOT / ".whl" / "*.whl")):
-        steps[0].status, steps[0].note = "skipped", "no .whl/*.whl carried (gpu_wheels.sh)"
-    elif run.dry:  # gpu_wheels.sh fetches them for the GPU machine's python 3.12
-        steps[0].status, steps[0].note = "skipped", "dry run: .whl/ holds python 3.12 wheels"
     return steps

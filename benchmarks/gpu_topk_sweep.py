@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_common as gc
+import common as gc
 from gpu_topk_tail_kl import SIZES, make_inputs
 
 # (BLOCK_V, num_warps); the first is the launchers' default.
@@ -72,9 +72,7 @@ def sweep_teacher(args, rec, device, teacher: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--teachers", default="iid,zipf", help="comma-separated")
-    gc.add_common_args(parser, reps=10)
-    args = parser.parse_args(argv)
-    device = gc.resolve_device(args.device)
+    args, device = gc.parse_args(parser, argv, reps=10)
     if device is None:
         return 0
     rec = gc.Recorder(args.records, device)

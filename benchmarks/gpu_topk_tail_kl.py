@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_common as gc
+import common as gc
 
 # Each compiled backend's forward kernel switch (lopd_kernels/kernel_variants.py; for Triton the
 # launcher's FWD_SWITCH, named here so that the script imports no Triton before it needs to).
@@ -214,21 +214,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{', '.join(FWD_SWITCHES.values())}, lopd_kernels/kernel_variants.py), "
         "comma-separated; default: every variant",
     )
-    gc.add_common_args(parser, reps=10)
-    args = parser.parse_args(argv)
-    device = gc.resolve_device(args.device)
+    args, device = gc.parse_args(parser, argv, reps=10)
     if device is None:
         return 0
     import lopd_kernels as lk
 
     rec = gc.Recorder(args.records, device)
-    ok = True
-    for teacher in args.teachers.split(","):
-        ok &= gc.run_guarded(
-            f"topk_tail_kl {args.variant} {teacher}",
-            lambda teacher=teacher: bench_teacher(args, lk, rec, device, teacher),
-        )
-        gc.free_cuda(device)
+    ok = gc.run_each(
+        f"topk_tail_kl {args.variant}", args.teachers.split(","),
+        lambda teacher: bench_teacher(args, lk, rec, device, teacher), device,
+    )  # fmt: skip
     return 0 if ok else 1
 
 

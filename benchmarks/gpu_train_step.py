@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_common as gc
+import common as gc
 
 VARIANTS = ("fused_linear", "materialized")
 # size -> (Qwen3Config kwargs, batch B, length L, latent rows J*K)
@@ -79,9 +79,7 @@ def build(args, device: torch.device, dtype: torch.dtype):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", required=True, choices=VARIANTS)
-    gc.add_common_args(parser, reps=3)
-    args = parser.parse_args(argv)
-    device = gc.resolve_device(args.device)
+    args, device = gc.parse_args(parser, argv, reps=3)
     if device is None:
         return 0
     import lopd_kernels as lk

@@ -2,9 +2,10 @@
 // csrc/common/schemas.h). Implementations register per dispatch key in csrc/cpu/<op>.cpp and
 // csrc/cuda/<op>.cu (TORCH_LIBRARY_IMPL); every build declares the same op names, a CPU build
 // the `_cuda_` ops without a kernel. Fake (meta) implementations and autograd for torch.compile
-// live next to each op in lopd_kernels/<op>.py. The Triton implementations and the fused-linear
-// ops are Python custom ops (lopd_kernels/); the Python module `lopd_kernels._C` itself
-// (build information for `python -m lopd_kernels.info`) is csrc/module.cpp.
+// are registered by each op's CustomOps in lopd_kernels/<op>.py (lopd_kernels/_custom_ops.py).
+// The Triton implementations and the fused-linear ops are Python custom ops, defined there too;
+// the Python module `lopd_kernels._C` itself (build information for
+// `python -m lopd_kernels.info`) is csrc/module.cpp.
 #include <torch/library.h>
 
 #include "common/schemas.h"

@@ -1,17 +1,20 @@
 """lopd_kernels: fused distillation kernels for on-policy (self-)distillation.
 
-Public API (see README): ``topk_tail_kl``, ``TopKTailKL``, ``fused_linear_topk_tail_kl``,
-``sparse_teacher_topk_tail_kl`` (a teacher given by its top-M ids and log-probs only),
-``varlen_cross_attention``, ``QFormerCompressor`` and the Hugging Face helpers of
-:mod:`lopd_kernels.hf`. Each op has a PyTorch reference and C++ CPU, Triton and CUDA kernels
-behind ``backend=`` (the words of :data:`BACKENDS`, chosen by :mod:`lopd_kernels._backend`);
-kernels are the custom ops ``torch.ops.lopd.<op>_<impl>_fwd/_bwd``. ``python -m
-lopd_kernels.info`` prints what this install was built with and what ``"auto"`` picks.
+Public API (see README and ``docs/kernels.md``): the loss ops ``topk_tail_kl``,
+``fused_linear_topk_tail_kl``, ``sparse_teacher_topk_tail_kl`` (a teacher given by its top-M ids
+and log-probs only), each with its ``nn.Module`` (``TopKTailKL``, ``FusedLinearTopKTailKL``,
+``SparseTeacherTopKTailKL``); ``varlen_cross_attention`` and its module ``QFormerCompressor``;
+the Hugging Face helpers of :mod:`lopd_kernels.hf`. Each op has a PyTorch reference and C++ CPU,
+Triton and CUDA kernels behind ``backend=`` (the words of :data:`BACKENDS`, chosen by
+:mod:`lopd_kernels._backend`); kernels are the custom ops ``torch.ops.lopd.<op>_<impl>_fwd/_bwd``
+(:mod:`lopd_kernels._custom_ops`). ``python -m lopd_kernels.info`` prints what this install was
+built with and what ``"auto"`` picks.
 """
 
 from lopd_kernels._backend import BACKENDS, BackendUnavailableError, extension_loaded
 from lopd_kernels._constants import DIVERGENCES
 from lopd_kernels.fused_linear_topk_tail_kl import (
+    FusedLinearTopKTailKL,
     fused_linear_topk_tail_kl,
     fused_linear_topk_tail_kl_reference,
 )
@@ -37,6 +40,7 @@ __all__ = [
     "BACKENDS",
     "DIVERGENCES",
     "BackendUnavailableError",
+    "FusedLinearTopKTailKL",
     "QFormerCompressor",
     "SparseTeacherTopKTailKL",
     "SparseTeacherTopKTailKLOutput",

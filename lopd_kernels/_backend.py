@@ -9,18 +9,19 @@ Every op has the same implementation words (:data:`IMPLS`):
 * ``"triton"``: Triton kernels (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``).
 
 Each kernel implementation of op ``<op>`` is the custom-op pair ``torch.ops.lopd.<op>_<impl>_fwd``
-and ``..._bwd`` (:func:`op_name`), the forward differentiable through the backward. An op module
-declares one :class:`OpBackends`: what this install lacks (:func:`compiled_unavailable`) and the
-order in which ``"auto"`` tries implementations per device type. :meth:`OpBackends.resolve`
+and ``..._bwd``, the forward differentiable through the backward (names and registration:
+:mod:`lopd_kernels._custom_ops`). An op module declares one :class:`OpBackends`: what this
+install lacks (:func:`compiled_unavailable`) and the order in which ``"auto"`` tries
+implementations per device type. :meth:`OpBackends.resolve`
 turns a ``backend=`` argument into an implementation word or raises
 :class:`BackendUnavailableError`, whose message always reads ``"<op>: backend='<b>' <reason>;
 ..."``.
 
 Adding an op: give it a reference, declare its ``OpBackends`` and register ``<op>_<impl>_fwd/_bwd``
-for each kernel (C++ ops in ``csrc/common/schemas.h`` + ``csrc/ops.cpp``; Triton ones with
-``torch.library.custom_op`` in ``lopd_kernels/<op>.py``). Adding a kernel *variant* (a second
-Triton forward, say) keeps the op name and is chosen inside its launcher, so the resolver and the
-autograd wiring do not change.
+for each kernel through its ``CustomOps`` (C++ ops declared in ``csrc/common/schemas.h`` +
+``csrc/ops.cpp``; Python ones defined by ``CustomOps.define`` in ``lopd_kernels/<op>.py``).
+Adding a kernel *variant* (a second Triton forward, say) keeps the op name and is chosen inside
+its launcher, so the resolver and the autograd wiring do not change (``docs/kernels.md``).
 
 ``import lopd_kernels`` always works: when ``lopd_kernels._C`` is missing (a pure-Python install,
 or a build that failed) the compiled implementations are unavailable and one warning says so.
@@ -36,7 +37,9 @@ from collections.abc import Mapping
 
 import torch
 
-IMPLS = ("torch", "cpu", "cuda", "triton")
+from lopd_kernels._constants import IMPLS
+from lopd_kernels._custom_ops import NAMESPACE, op_name
+
 BACKENDS = ("auto", *IMPLS)
 
 EXTENSION_MISSING = (
@@ -58,17 +61,21 @@ class BackendUnavailableError(RuntimeError, ValueError):
     """
 
 
-def op_name(op: str, impl: str, phase: str) -> str:
-    """``"<op>_<impl>_<phase>"``, the name of an implementation's custom op (``phase``: fwd/bwd)."""
-    if impl not in IMPLS[1:] or phase not in ("fwd", "bwd"):
-        raise ValueError(f"no custom op for impl={impl!r}, phase={phase!r}")
-    return f"{op}_{impl}_{phase}"
+def triton_import_error(op: str, err: ImportError) -> RuntimeError:
+    """The error of a Triton implementation whose launchers cannot be imported (they are imported
+    on first use: triton is optional)."""
+    return RuntimeError(
+        f"{op}: backend='triton' needs triton ({err}); install triton (pip install 'lopd[gpu]') "
+        "or use backend='auto'"
+    )
 
 
 @functools.cache
 def extension_loaded() -> bool:
     """Whether ``lopd_kernels._C`` (the C++/CUDA ops) could be imported."""
     try:
+        # The compiled extension is optional (a pure-Python install has none): imported here,
+        # once, so that a missing one costs a warning instead of the import of lopd_kernels.
         from lopd_kernels import _C  # noqa: F401
     except ImportError as err:
         warnings.warn(
@@ -95,7 +102,7 @@ def has_kernel(name: str, dispatch_key: str) -> bool:
     """Whether ``torch.ops.lopd.<name>`` has a kernel for ``dispatch_key`` ("CPU", "CUDA")."""
     if not has_cpp_op(name):
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"lopd::{name}", dispatch_key)
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{name}", dispatch_key)
 
 
 def compiled_unavailable(op: str) -> dict[str, str]:
@@ -132,6 +139,7 @@ def triton_available() -> bool:
     """
     if not _TRITON:
         try:
+            # triton is optional (machines without it use the other backends): imported lazily.
             import triton  # noqa: F401
 
             ok = torch.cuda.is_available() or triton_interpreting()

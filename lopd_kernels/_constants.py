@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import torch
 
+#: The implementation words of every op, the ``backend=`` values besides ``"auto"``: the PyTorch
+#: reference, the C++ CPU kernels, the hand-written CUDA kernels, the Triton kernels.
+IMPLS = ("torch", "cpu", "cuda", "triton")
+
 #: ``divergence=`` values of the distillation ops: KL(student || teacher) (the paper's) and
 #: KL(teacher || student).
 DIVERGENCES = ("reverse", "forward")

@@ -1,9 +1,12 @@
-"""The top-M + tail bucket maths in closed form (PyTorch, no autograd): one definition.
+"""The top-M + tail bucket maths in PyTorch: one definition for every op of the family.
 
-A leaf module (it imports only torch): the chunked fused-linear path, the Triton fused-linear
-launcher and the PyTorch twins of the per-row kernels all take their bucket coefficients from
-here. The derivation is ``docs/math.md`` ("Gradients"); per row, with ``g_b = log P_b - log Q_b``
-and ``b(j)`` the bucket of vocabulary entry ``j`` (itself if in the top-M, else the tail)::
+A leaf module (it imports only torch). The references of ``topk_tail_kl`` and
+``sparse_teacher_topk_tail_kl`` take their bucket divergence from here (:func:`bucket_divergence`,
+:func:`masked_logsumexp`: differentiable, NaN-free at empty and zero-mass buckets); the chunked
+fused-linear path, the Triton fused-linear launcher and the PyTorch twins of the per-row kernels
+take their closed-form bucket coefficients (no autograd). The derivation is ``docs/math.md``
+("Gradients"); per row, with ``g_b = log P_b - log Q_b`` and ``b(j)`` the bucket of vocabulary
+entry ``j`` (itself if in the top-M, else the tail)::
 
     reverse KL:  dKL/ds_j = S_j (g_b(j) - KL)          dKL/dt_j = T_j (1 - P_b(j) / Q_b(j))
     forward KL:  dF/ds_j  = S_j (1 - Q_b(j) / P_b(j))   dF/dt_j  = T_j (-g_b(j) - F)
@@ -24,12 +27,46 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["bucket_coefs", "effective_top_m", "rows_bwd_torch", "rows_fwd_torch"]
+__all__ = [
+    "bucket_coefs",
+    "bucket_divergence",
+    "effective_top_m",
+    "masked_logsumexp",
+    "rows_bwd_torch",
+    "rows_fwd_torch",
+]
 
 
 def effective_top_m(top_m: int, vocab: int) -> int:
     """Number of top buckets M; 0 (the full-vocabulary KL) for ``top_m`` 0 or ``>= V``."""
     return 0 if top_m == 0 or top_m >= vocab else top_m
+
+
+def masked_logsumexp(x: Tensor, keep: Tensor) -> Tensor:
+    """Row log-sum-exp over ``x[keep]``; ``-inf`` (with zero, not NaN, gradient) if empty."""
+    x = x.masked_fill(~keep, -math.inf)
+    empty = (x == -math.inf).all(dim=-1, keepdim=True)
+    # logsumexp over an all -inf row has gradient exp(-inf - (-inf)) = NaN: feed it zeros there.
+    out = torch.logsumexp(x.masked_fill(empty, 0.0), dim=-1)
+    return out.masked_fill(empty.squeeze(-1), -math.inf)
+
+
+def bucket_divergence(logp: Tensor, logq: Tensor, reverse: bool) -> Tensor:
+    """``sum_b W_b (log W_b - log O_b)`` over the last dim; zero-mass buckets add exactly 0, and
+    a bucket with mass against a zero-mass one adds +inf (also when ``exp`` of its log-mass
+    underflows, where ``0 * inf`` would be NaN)."""
+    w, o = (logp, logq) if reverse else (logq, logp)
+    zero = w == -math.inf
+    # Mass too small for exp against none: +inf (the expression below would give 0 * inf).
+    # Elsewhere mass against none gives exp(w) * inf = inf by the expression itself, whose
+    # gradient to o (-exp(w)) stays finite and is kept.
+    underflow = ~zero & (o == -math.inf) & (w.exp() == 0)
+    # Double masking: the unused branch of a where still backpropagates 0 * its local gradient,
+    # so the masked entries must be finite inside the expression too.
+    w_safe = w.masked_fill(zero, 0.0)
+    o_safe = o.masked_fill(zero | underflow, 0.0)
+    terms = torch.where(zero, 0.0, w_safe.exp() * (w_safe - o_safe))
+    return terms.masked_fill(underflow, math.inf).sum(dim=-1)
 
 
 def bucket_coefs(

@@ -7,10 +7,10 @@ logits, so the ``[N, V]`` logits of both models and their gradients never exist 
 Implementations (``torch.ops.lopd.fused_linear_topk_tail_kl_<impl>_fwd/_bwd``, one schema):
 
 - ``"cpu"``, ``"cuda"`` (and ``"auto"``): the chunked path
-  (:mod:`lopd_kernels.fused_linear_chunked`): token chunks, one vendor GEMM (MKL / cuBLAS) per
-  logit block, the per-row ``topk_tail_kl`` kernels as the epilogue (C++ on CPU; on a GPU
-  Triton's, else CUDA's: :func:`lopd_kernels.fused_linear_chunked.epilogue_impl`), O(M) state
-  per row; frozen heads skip their logit recompute (tail projections).
+  (:mod:`lopd_kernels.fused_linear_topk_tail_kl_chunked`): token chunks, one vendor GEMM (MKL /
+  cuBLAS) per logit block, the per-row ``topk_tail_kl`` kernels as the epilogue (C++ on CPU; on
+  a GPU Triton's, else CUDA's: ``epilogue_impl`` there), O(M) state per row; frozen heads skip
+  their logit recompute (tail projections).
 - ``"triton"`` (GPU, or ``TRITON_INTERPRET=1``): one kernel that tiles tokens x vocabulary, keeps
   the logit tile in registers and streams the tail log-sum-exps and the running teacher top-M;
   see :mod:`lopd_kernels.triton.fused_linear_topk_tail_kl`.
@@ -25,18 +25,24 @@ dtype) and weight gradients accumulate in float32 across token chunks. Hugging F
 
 from __future__ import annotations
 
-import math
-
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from lopd_kernels._backend import OpBackends, check_backend
-from lopd_kernels._constants import DIVERGENCES, KERNEL_DTYPES
+from lopd_kernels._backend import OpBackends
+from lopd_kernels._constants import KERNEL_DTYPES
+from lopd_kernels._custom_ops import CustomOps
+from lopd_kernels._reduction import check_module_options, reduce_kl
 from lopd_kernels.bucket_math import effective_top_m
-from lopd_kernels.fused_linear_chunked import auto_chunk_rows, chunked_bwd, chunked_fwd
+from lopd_kernels.fused_linear_topk_tail_kl_checks import check_inputs, check_values
+from lopd_kernels.fused_linear_topk_tail_kl_chunked import auto_chunk_rows, chunked_bwd, chunked_fwd
 from lopd_kernels.topk_tail_kl import TopKTailKLOutput, teacher_topk_mass, topk_tail_kl_reference
 
-__all__ = ["auto_chunk_rows", "fused_linear_topk_tail_kl", "fused_linear_topk_tail_kl_reference"]
+__all__ = [
+    "FusedLinearTopKTailKL",
+    "auto_chunk_rows",
+    "fused_linear_topk_tail_kl",
+    "fused_linear_topk_tail_kl_reference",
+]
 
 OP = "fused_linear_topk_tail_kl"
 #: The chunked "cpu" / "cuda" implementations need no compiled code (their per-row epilogue
@@ -44,7 +50,6 @@ OP = "fused_linear_topk_tail_kl"
 #: logit tiles are plain tl.dot loops, not yet tuned against cuBLAS
 #: (benchmarks/gpu_fused_linear.py measures both).
 BACKENDS = OpBackends(OP, unavailable={}, auto={"cpu": ("cpu",), "cuda": ("cuda",)})
-IMPLS = ("cpu", "cuda", "triton")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -79,11 +84,11 @@ def fused_linear_topk_tail_kl_reference(
     backend is tested against, not something to run at scale. Logits are formed in float32
     (float64 inputs stay float64). Arguments as :func:`fused_linear_topk_tail_kl`.
     """
-    _check_scalars(top_m, temperature, divergence, ignore_index, "torch", None)
-    _check_tensors(
+    check_inputs(
         student_hidden, student_weight, teacher_hidden, teacher_weight, target_ids,
-        student_bias, teacher_bias, ignore_index,
+        student_bias, teacher_bias, top_m, temperature, divergence, ignore_index, None,
     )  # fmt: skip
+    check_values(target_ids, student_weight.shape[0], ignore_index)
     return topk_tail_kl_reference(
         _linear_f32(student_hidden, student_weight, student_bias),
         _linear_f32(teacher_hidden, teacher_weight, teacher_bias),
@@ -96,12 +101,14 @@ def fused_linear_topk_tail_kl_reference(
 
 
 # ----------------------------------------------------------------------------------------------
-# Custom ops + autograd: fused_linear_topk_tail_kl_{cpu,cuda,triton}_{fwd,bwd}
+# Custom ops: fused_linear_topk_tail_kl_{cpu,cuda,triton}_{fwd,bwd}, all defined here (one schema);
+# fakes and autograd registered by CUSTOM_OPS
 # ----------------------------------------------------------------------------------------------
 
 
 def _forward(impl: str, args: tuple, chunk_size: int, tail_proj: list[bool]) -> tuple:
     if impl == "triton":
+        # triton is optional (machines without it run the chunked path): imported lazily.
         from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_fwd_triton
 
         empty = args[0].new_empty(0, dtype=torch.float32)
@@ -113,16 +120,17 @@ def _backward_grads(
     impl: str, args: tuple, projs: tuple, scalars: tuple, chunk_size: int, needs, shared: bool
 ) -> list:
     if impl == "triton":
+        # triton is optional (machines without it run the chunked path): imported lazily.
         from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_bwd_triton
 
         return fused_linear_bwd_triton(*args, *scalars, tuple(needs), shared)
     return chunked_bwd(*args, *projs, *scalars, chunk_size, tuple(needs), shared)
 
 
-def _make_ops(impl: str):
-    """Registers ``lopd::fused_linear_topk_tail_kl_<impl>_fwd/_bwd``, fakes and autograd."""
+def _kernels(impl: str):
+    """The forward and backward of implementation ``impl`` as functions with the op's schema
+    (the chunked path for ``cpu`` / ``cuda``, the fused kernel for ``triton``)."""
 
-    @torch.library.custom_op(f"lopd::{OP}_{impl}_fwd", mutates_args=())
     def fwd(
         student_hidden: Tensor,
         student_weight: Tensor,
@@ -151,30 +159,6 @@ def _make_ops(impl: str):
         args += (teacher_bias, target_ids, top_m, temperature, reverse, ignore_index)
         return _forward(impl, args, chunk_size, tail_proj)
 
-    @fwd.register_fake
-    def _(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-          teacher_bias, target_ids, top_m, temperature, reverse, ignore_index, chunk_size,
-          tail_proj):  # fmt: skip
-        n = student_hidden.shape[0]
-        m = effective_top_m(top_m, student_weight.shape[0])
-        kl = student_hidden.new_empty(n, dtype=torch.float32)
-        ids = student_hidden.new_empty(n, m, dtype=torch.long)
-        projs = [
-            kl.new_empty(n, h.shape[1]) if flag and m > 0 and impl != "triton" else kl.new_empty(0)
-            for flag, h in zip(tail_proj, (student_hidden, teacher_hidden))
-        ]
-        bucket = kl.new_empty(n, 2, m + 1)
-        return (
-            kl,
-            torch.empty_like(kl),
-            torch.empty_like(kl),
-            ids,
-            kl.new_empty(n, 2),
-            bucket,
-            *projs,
-        )
-
-    @torch.library.custom_op(f"lopd::{OP}_{impl}_bwd", mutates_args=())
     def bwd(
         grad_kl: Tensor,
         grad_student_logprob: Tensor,
@@ -212,38 +196,49 @@ def _make_ops(impl: str):
         # One fresh empty per unused slot: a custom op's outputs must not alias each other.
         return [student_hidden.new_empty(0) if g is None else g for g in grads]
 
-    @bwd.register_fake
-    def _(grad_kl, grad_student_logprob, grad_teacher_logprob, student_hidden, student_weight,
-          student_bias, teacher_hidden, teacher_weight, teacher_bias, target_ids, topk_ids, kl,
-          lse, bucket_logp, student_tail_proj, teacher_tail_proj, temperature, reverse,
-          ignore_index, chunk_size, needs, shared_weight):  # fmt: skip
-        likes = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight)
-        likes += (teacher_bias,)
-        out = []
-        for i, (need, like) in enumerate(zip(needs, likes)):
-            skip = not need or like is None or (i == 4 and shared_weight)
-            out.append(student_hidden.new_empty(0) if skip else torch.empty_like(like))
-        return out
-
-    def backward(ctx, g_kl, g_slp, g_tlp, *_unused):
-        hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket, proj_s, proj_t = ctx.saved_tensors
-        temperature, reverse, ignore, chunk = ctx.args
-        needs = list(ctx.needs_input_grad[:6])
-        zeros = kl.new_zeros(kl.shape)
-        g_kl, g_slp, g_tlp = (zeros if g is None else g for g in (g_kl, g_slp, g_tlp))
-        shared = ws is wt or (ws.data_ptr() == wt.data_ptr() and ws.shape == wt.shape)
-        shared = shared and needs[1] and needs[4] and ws.stride() == wt.stride()
-        grads = bwd(
-            g_kl, g_slp, g_tlp, hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket, proj_s,
-            proj_t, temperature, reverse, ignore, chunk, needs, shared,
-        )  # fmt: skip
-        out = [g if need and g.numel() else None for g, need in zip(grads, needs)]
-        if shared and out[1] is None and needs[1]:
-            out[1] = torch.zeros_like(ws)
-        return (*out, None, None, None, None, None, None, None)
-
-    torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
     return fwd, bwd
+
+
+def _make_fwd_fake(tail_projections: bool):
+    """The forward's fake; ``tail_projections``: whether the implementation returns the tail
+    projections it is asked for (the chunked ones; the Triton one returns ``[0]`` tensors)."""
+
+    def fwd_fake(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                 teacher_bias, target_ids, top_m, temperature, reverse, ignore_index, chunk_size,
+                 tail_proj):  # fmt: skip
+        n = student_hidden.shape[0]
+        m = effective_top_m(top_m, student_weight.shape[0])
+        kl = student_hidden.new_empty(n, dtype=torch.float32)
+        ids = student_hidden.new_empty(n, m, dtype=torch.long)
+        projs = [
+            kl.new_empty(n, h.shape[1]) if flag and m > 0 and tail_projections else kl.new_empty(0)
+            for flag, h in zip(tail_proj, (student_hidden, teacher_hidden))
+        ]
+        bucket = kl.new_empty(n, 2, m + 1)
+        return (
+            kl,
+            torch.empty_like(kl),
+            torch.empty_like(kl),
+            ids,
+            kl.new_empty(n, 2),
+            bucket,
+            *projs,
+        )
+
+    return fwd_fake
+
+
+def _bwd_fake(grad_kl, grad_student_logprob, grad_teacher_logprob, student_hidden, student_weight,
+              student_bias, teacher_hidden, teacher_weight, teacher_bias, target_ids, topk_ids,
+              kl, lse, bucket_logp, student_tail_proj, teacher_tail_proj, temperature, reverse,
+              ignore_index, chunk_size, needs, shared_weight):  # fmt: skip
+    likes = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight)
+    likes += (teacher_bias,)
+    out = []
+    for i, (need, like) in enumerate(zip(needs, likes)):
+        skip = not need or like is None or (i == 4 and shared_weight)
+        out.append(student_hidden.new_empty(0) if skip else torch.empty_like(like))
+    return out
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -254,108 +249,39 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(ids, lse, bucket, proj_s, proj_t)
 
 
-#: implementation word -> (forward op, backward op)
-OPS = {impl: _make_ops(impl) for impl in IMPLS}
+def _make_backward(bwd_op):
+    """The autograd backward of a forward op, differentiating through ``bwd_op``."""
+
+    def backward(ctx, g_kl, g_slp, g_tlp, *_unused):
+        hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket, proj_s, proj_t = ctx.saved_tensors
+        temperature, reverse, ignore, chunk = ctx.args
+        needs = list(ctx.needs_input_grad[:6])
+        zeros = kl.new_zeros(kl.shape)
+        g_kl, g_slp, g_tlp = (zeros if g is None else g for g in (g_kl, g_slp, g_tlp))
+        shared = ws is wt or (ws.data_ptr() == wt.data_ptr() and ws.shape == wt.shape)
+        shared = shared and needs[1] and needs[4] and ws.stride() == wt.stride()
+        grads = bwd_op(
+            g_kl, g_slp, g_tlp, hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket, proj_s,
+            proj_t, temperature, reverse, ignore, chunk, needs, shared,
+        )  # fmt: skip
+        out = [g if need and g.numel() else None for g, need in zip(grads, needs)]
+        if shared and out[1] is None and needs[1]:
+            out[1] = torch.zeros_like(ws)
+        return (*out, None, None, None, None, None, None, None)
+
+    return backward
+
+
+CUSTOM_OPS = CustomOps(OP, _make_fwd_fake(True), _bwd_fake, _setup_context, _make_backward)
+CUSTOM_OPS.define("cpu", *_kernels("cpu"))
+CUSTOM_OPS.define("cuda", *_kernels("cuda"))
+# The Triton kernel keeps no tail projections (its backward recomputes the logit tiles).
+CUSTOM_OPS.define("triton", *_kernels("triton"), fwd_fake=_make_fwd_fake(False))
 
 
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
-
-
-def _check_scalars(
-    top_m: int | None,
-    temperature: float,
-    divergence: str,
-    ignore_index: int,
-    backend: str,
-    chunk_size: int | None,
-) -> int:
-    """Validate the scalar arguments; return ``top_m`` as an int (0 = full vocabulary)."""
-    if top_m is None:
-        top_m = 0
-    elif isinstance(top_m, bool) or not isinstance(top_m, int) or top_m < 1:
-        raise ValueError(f"top_m must be a positive int or None (full vocabulary), got {top_m!r}")
-    if not isinstance(temperature, (int, float)) or not (
-        math.isfinite(temperature) and temperature > 0
-    ):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
-    check_backend(backend)
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size must be a positive int or None (auto), got {chunk_size!r}")
-    return top_m
-
-
-def _check_tensors(
-    hs: Tensor,
-    ws: Tensor,
-    ht: Tensor,
-    wt: Tensor,
-    target: Tensor,
-    bs: Tensor | None,
-    bt: Tensor | None,
-    ignore_index: int,
-) -> None:
-    named = {"student_hidden": hs, "student_weight": ws, "teacher_hidden": ht}
-    named |= {"teacher_weight": wt, "target_ids": target}
-    named |= {k: v for k, v in (("student_bias", bs), ("teacher_bias", bt)) if v is not None}
-    for name, x in named.items():
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.device != hs.device:
-            raise ValueError(f"{name} is on {x.device} but student_hidden is on {hs.device}")
-        if name != "target_ids" and not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    for name, x in (("student_hidden", hs), ("student_weight", ws)):
-        if x.dim() != 2:
-            raise ValueError(f"{name} must be 2-D, got shape {tuple(x.shape)}")
-    for name, x in (("teacher_hidden", ht), ("teacher_weight", wt)):
-        if x.dim() != 2:
-            raise ValueError(f"{name} must be 2-D, got shape {tuple(x.shape)}")
-    vocab = ws.shape[0]
-    if hs.shape[1] != ws.shape[1]:
-        raise ValueError(
-            f"student_hidden [N, d] = {tuple(hs.shape)} and student_weight [V, d] = "
-            f"{tuple(ws.shape)} disagree on d"
-        )
-    if ht.shape[1] != wt.shape[1]:
-        raise ValueError(
-            f"teacher_hidden [N, d] = {tuple(ht.shape)} and teacher_weight [V, d] = "
-            f"{tuple(wt.shape)} disagree on d"
-        )
-    if wt.shape[0] != vocab:
-        raise ValueError(f"teacher_weight has {wt.shape[0]} vocabulary rows, student {vocab}")
-    if vocab == 0:
-        raise ValueError("student_weight has an empty vocabulary (V = 0)")
-    if ht.shape[0] != hs.shape[0]:
-        raise ValueError(f"teacher_hidden has {ht.shape[0]} rows, student_hidden {hs.shape[0]}")
-    if hs.dtype != ws.dtype or ht.dtype != wt.dtype:
-        raise TypeError(
-            "each hidden state must share its weight's dtype, got "
-            f"student {hs.dtype}/{ws.dtype}, teacher {ht.dtype}/{wt.dtype}"
-        )
-    if target.dtype not in (torch.int64, torch.int32) or target.shape != (hs.shape[0],):
-        raise ValueError(
-            f"target_ids must be int64/int32 of shape [N] = [{hs.shape[0]}], "
-            f"got {target.dtype} {tuple(target.shape)}"
-        )
-    for name, b, w in (("student_bias", bs, ws), ("teacher_bias", bt, wt)):
-        if b is not None and b.shape != (vocab,):
-            raise ValueError(f"{name} must have shape [V] = [{vocab}], got {tuple(b.shape)}")
-        if b is not None and b.dtype != w.dtype:
-            raise TypeError(f"{name} must have its weight's dtype {w.dtype}, got {b.dtype}")
-    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
-    if bool(bad.any()):
-        raise ValueError(
-            f"target_ids must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
-            f"got {target[bad][:4].tolist()}"
-        )
 
 
 def fused_linear_topk_tail_kl(
@@ -407,9 +333,10 @@ def fused_linear_topk_tail_kl(
         wherever they require grad; weight gradients are accumulated in float32 and returned in
         the weight's dtype.
     """
-    m = _check_scalars(top_m, temperature, divergence, ignore_index, backend, chunk_size)
     hs, ws, ht, wt = student_hidden, student_weight, teacher_hidden, teacher_weight
-    _check_tensors(hs, ws, ht, wt, target_ids, student_bias, teacher_bias, ignore_index)
+    m = check_inputs(hs, ws, ht, wt, target_ids, student_bias, teacher_bias, top_m, temperature,
+                     divergence, ignore_index, chunk_size)  # fmt: skip
+    check_values(target_ids, ws.shape[0], ignore_index)
     target = target_ids.long()
     fp64 = torch.float64 in (hs.dtype, ht.dtype)
     impl = BACKENDS.resolve(backend, hs.device, fp64=fp64)
@@ -432,9 +359,79 @@ def fused_linear_topk_tail_kl(
     flags = [False, False]
     if impl != "triton":  # the chunked path
         flags = [tail_proj(hs, ws, student_bias), tail_proj(ht, wt, teacher_bias)]
-    kl, lp_s, lp_t, ids, _lse, bucket, *_ = OPS[impl][0](
+    kl, lp_s, lp_t, ids, _lse, bucket, *_ = CUSTOM_OPS.fwd_op(impl)(
         hs, ws, student_bias, ht, wt, teacher_bias, target, m, float(temperature),
         divergence == "reverse", ignore_index, chunk_size or 0, flags,
     )  # fmt: skip
     mass = teacher_topk_mass(bucket, target, ignore_index)
     return TopKTailKLOutput(kl, lp_t - lp_s.detach(), lp_s, lp_t, ids, mass)
+
+
+class FusedLinearTopKTailKL(nn.Module):
+    """Module form of :func:`fused_linear_topk_tail_kl` returning the (reduced) KL loss.
+
+    Args:
+        top_m, temperature, divergence, ignore_index, backend, chunk_size: as in
+            :func:`fused_linear_topk_tail_kl`.
+        reduction: ``"none"`` (``[N]`` per-token KL, 0 at ignored tokens), ``"mean"`` (over
+            non-ignored tokens; 0, never NaN, when every token is ignored) or ``"sum"``.
+
+    Shapes:
+        student_hidden ``[N, d_s]``, student_weight ``[V, d_s]``, teacher_hidden ``[N, d_t]``,
+        teacher_weight ``[V, d_t]``, target_ids ``[N]``, optional biases ``[V]``; output ``[N]``
+        for ``"none"``, else a scalar.
+    """
+
+    def __init__(
+        self,
+        top_m: int | None = 20,
+        temperature: float = 1.0,
+        divergence: str = "reverse",
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        backend: str = "auto",
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        check_module_options(reduction, divergence, backend)
+        self.top_m = top_m
+        self.temperature = temperature
+        self.divergence = divergence
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.backend = backend
+        self.chunk_size = chunk_size
+
+    def forward(
+        self,
+        student_hidden: Tensor,
+        student_weight: Tensor,
+        teacher_hidden: Tensor,
+        teacher_weight: Tensor,
+        target_ids: Tensor,
+        student_bias: Tensor | None = None,
+        teacher_bias: Tensor | None = None,
+    ) -> Tensor:
+        kl = fused_linear_topk_tail_kl(
+            student_hidden,
+            student_weight,
+            teacher_hidden,
+            teacher_weight,
+            target_ids,
+            student_bias=student_bias,
+            teacher_bias=teacher_bias,
+            top_m=self.top_m,
+            temperature=self.temperature,
+            divergence=self.divergence,
+            ignore_index=self.ignore_index,
+            backend=self.backend,
+            chunk_size=self.chunk_size,
+        ).kl
+        return reduce_kl(kl, target_ids, self.ignore_index, self.reduction)
+
+    def extra_repr(self) -> str:
+        return (
+            f"top_m={self.top_m}, temperature={self.temperature}, divergence={self.divergence!r}, "
+            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+            f"backend={self.backend!r}, chunk_size={self.chunk_size}"
+        )

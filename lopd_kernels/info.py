@@ -35,6 +35,7 @@ def _triton() -> dict[str, Any]:
     out: dict[str, Any] = {"installed": spec is not None, "version": None, "imports": False}
     if spec is not None:
         try:
+            # triton is optional (this report runs on machines without it): imported lazily.
             import triton
 
             out["version"] = triton.__version__
@@ -49,6 +50,7 @@ def _triton() -> dict[str, Any]:
 def _extension() -> dict[str, Any]:
     if not _backend.extension_loaded():
         return {"loaded": False}
+    # The compiled extension is optional; extension_loaded() just imported it.
     from lopd_kernels import _C
 
     return {

@@ -48,7 +48,7 @@ SWITCHES: dict[str, Switch] = {
             "Triton top-M forward (top_m >= 1; rows merged by the bitonic path, top_m > 64 by "
             "default, always run v1). v1: lopd_kernels/triton/topk_tail_kl_kernels.py, five "
             "block reductions per block on the common path, evicted student logits re-read "
-            "from global memory. v2: lopd_kernels/triton/topk_tail_kl_fused_kernels.py, two "
+            "from global memory. v2: lopd_kernels/triton/topk_tail_kl_kernels_v2.py, two "
             "tuple reductions per block on the common path, the top-M student logits kept in "
             "registers."
         ),
@@ -62,7 +62,7 @@ SWITCHES: dict[str, Switch] = {
             "csrc/cuda/topk_tail_kl_launch.cuh). v1: csrc/cuda/topk_tail_kl_kernels.cuh, a "
             "branchy natural-log lse_add with accurate expf per entry and side, the 64-bit key "
             "built for every entry, one tile in flight, the full-vocabulary mode merging a "
-            "one-entry state per entry. v2: csrc/cuda/topk_tail_kl_fwd_v2.cuh, base-2 tails "
+            "one-entry state per entry. v2: csrc/cuda/topk_tail_kl_kernels_v2.cuh, base-2 tails "
             "(one FFMA + MUFU.EX2 per entry and side, one rescale per 8 entries, admitted "
             "candidates masked to -inf), a float compare before the 64-bit key, the next tile "
             "loaded while the current one is processed, and the same chunked base-2 state in "
@@ -75,8 +75,9 @@ SWITCHES: dict[str, Switch] = {
         default="v2",
         doc=(
             "The chunked path of fused_linear_topk_tail_kl (backends cpu / cuda, "
-            "lopd_kernels/fused_linear_chunked.py). v1: on a GPU the CUDA per-row kernels as the "
-            "epilogue (Triton only without them); the frozen-head tail projection by three "
+            "lopd_kernels/fused_linear_topk_tail_kl_chunked.py). v1: on a GPU the CUDA per-row "
+            "kernels as the epilogue (Triton only without them); the frozen-head tail projection "
+            "by three "
             "elementwise passes + a scatter (+ a cast for a bf16 head); on a GPU with a bf16 head "
             "the logit gradient cast twice (once per GEMM) and the weight gradient accumulated "
             "as `out += part` per 64 MiB slab. v2: Triton-first epilogue on a GPU (as "

@@ -39,10 +39,11 @@ Layering as in :mod:`lopd_kernels.topk_tail_kl`: kernels (C++
 ``csrc/cpu/sparse_teacher_topk_tail_kl.cpp``, Triton
 ``lopd_kernels/triton/sparse_teacher_topk_tail_kl.py``) -> custom ops
 ``torch.ops.lopd.sparse_teacher_topk_tail_kl_<impl>_fwd`` / ``_bwd`` (``cpu``: C++, schema in
-``csrc/common/schemas.h``; ``triton``: ``torch.library.custom_op`` here), each with a fake impl
-and autograd -> :func:`sparse_teacher_topk_tail_kl` -> :class:`SparseTeacherTopKTailKL`. There
-is no CUDA C++ kernel: on GPUs the Triton kernel runs.
-:func:`sparse_teacher_topk_tail_kl_reference` is the float64-capable oracle.
+``csrc/common/schemas.h``; ``triton``: defined here), each with a fake impl and autograd
+registered by :data:`CUSTOM_OPS` -> :func:`sparse_teacher_topk_tail_kl` ->
+:class:`SparseTeacherTopKTailKL`. There is no CUDA C++ kernel: on GPUs the Triton kernel runs.
+:func:`sparse_teacher_topk_tail_kl_reference` is the float64-capable oracle; input checks are
+:mod:`lopd_kernels.sparse_teacher_topk_tail_kl_checks`.
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lopd_kernels._backend import OpBackends, check_backend, compiled_unavailable
-from lopd_kernels._constants import DIVERGENCES, REDUCTIONS, TRITON_SPARSE_TEACHER_MAX_TOP_M
-from lopd_kernels.sparse_teacher_checks import check_sparse_inputs, check_sparse_teacher_values
-from lopd_kernels.topk_tail_kl import _bucket_divergence, _masked_logsumexp
+from lopd_kernels._backend import OpBackends, compiled_unavailable, triton_import_error
+from lopd_kernels._constants import TRITON_SPARSE_TEACHER_MAX_TOP_M
+from lopd_kernels._custom_ops import CustomOps
+from lopd_kernels._reduction import check_module_options, reduce_kl
+from lopd_kernels.bucket_math import bucket_divergence, masked_logsumexp
+from lopd_kernels.sparse_teacher_topk_tail_kl_checks import check_inputs, check_values
 
 __all__ = [
     "SparseTeacherTopKTailKL",
@@ -130,7 +133,7 @@ def sparse_teacher_topk_tail_kl_reference(
     Computes in float64 when either floating input is float64, else float32. Same arguments,
     validation and outputs as :func:`sparse_teacher_topk_tail_kl` (without ``backend``).
     """
-    check_sparse_inputs(
+    check_inputs(
         student_logits,
         teacher_topk_logprobs,
         teacher_topk_ids,
@@ -148,7 +151,7 @@ def sparse_teacher_topk_tail_kl_reference(
     tgt = target_ids.reshape(-1).long()
     lp_all = teacher_topk_logprobs.reshape(-1, m).to(dtype)
     ids_all = teacher_topk_ids.reshape(-1, m).long()
-    check_sparse_teacher_values(lp_all, ids_all, tgt, vocab, ignore_index, mass_tolerance)
+    check_values(lp_all, ids_all, tgt, vocab, ignore_index, mass_tolerance)
 
     rows = (tgt != ignore_index).nonzero().squeeze(1)
     s = student_logits.reshape(-1, vocab).to(dtype)[rows] / temperature
@@ -160,11 +163,11 @@ def sparse_teacher_topk_tail_kl_reference(
     lse_s = torch.logsumexp(s, dim=-1, keepdim=True)
     slp = (s.gather(1, a) - lse_s).squeeze(1)
     logp_top = (s.gather(1, safe_ids) - lse_s).masked_fill(pad, -math.inf)
-    logp_tail = _masked_logsumexp(s, ~in_top).unsqueeze(1) - lse_s
+    logp_tail = masked_logsumexp(s, ~in_top).unsqueeze(1) - lse_s
     logq_tail = teacher_log_tail(lp, tail_floor, divergence == "reverse").unsqueeze(1)
     logp = torch.cat([logp_top, logp_tail], 1)
     logq = torch.cat([lp, logq_tail], 1)
-    kl = _bucket_divergence(logp, logq, divergence == "reverse")
+    kl = bucket_divergence(logp, logq, divergence == "reverse")
     with torch.no_grad():
         s_mass = logp_top.exp().sum(-1)
         t_mass = lp.exp().sum(-1)
@@ -207,22 +210,60 @@ def _bwd_fake(grad_kl, grad_student_logprob, student_logits, *_args):
     return torch.empty_like(student_logits)
 
 
+def _setup_context(ctx, inputs, output) -> None:
+    student, _lp, ids, target, temperature, reverse, ignore_index, _floor = inputs
+    kl, _slp, lse, bucket_logp = output
+    ctx.save_for_backward(student, ids, target, kl, lse, bucket_logp)
+    ctx.temperature = temperature
+    ctx.reverse = reverse
+    ctx.ignore_index = ignore_index
+
+
+def _make_backward(bwd_op):
+    """The autograd backward of a forward op, differentiating through ``bwd_op``."""
+
+    def backward(ctx, g_kl, g_slp, _g_lse, _g_bucket):
+        student, ids, target, kl, lse, bucket_logp = ctx.saved_tensors
+        grad = None
+        if ctx.needs_input_grad[0]:
+
+            def upstream(g):
+                return kl.new_zeros(kl.shape) if g is None else g.float().contiguous()
+
+            grad = bwd_op(
+                upstream(g_kl),
+                upstream(g_slp),
+                student,
+                ids,
+                target,
+                kl,
+                lse,
+                bucket_logp,
+                ctx.temperature,
+                ctx.reverse,
+                ctx.ignore_index,
+            )
+        return grad, None, None, None, None, None, None, None
+
+    return backward
+
+
+CUSTOM_OPS = CustomOps(OP, _fwd_fake, _bwd_fake, _setup_context, _make_backward)
+
+
 def _triton_launchers():
-    """The Triton launchers, imported on first use (Triton is optional)."""
+    """The Triton launchers, imported on first use."""
     try:
+        # triton is optional (machines without it use the other backends): imported lazily.
         from lopd_kernels.triton.sparse_teacher_topk_tail_kl import (
             sparse_teacher_bwd_triton,
             sparse_teacher_fwd_triton,
         )
     except ImportError as err:
-        raise RuntimeError(
-            f"{OP}: backend='triton' needs triton ({err}); install triton (pip install "
-            "'lopd[gpu]') or use backend='auto'"
-        ) from err
+        raise triton_import_error(OP, err) from err
     return sparse_teacher_fwd_triton, sparse_teacher_bwd_triton
 
 
-@torch.library.custom_op(f"lopd::{OP}_triton_fwd", mutates_args=())
 def _triton_fwd(
     student_logits: Tensor,
     teacher_topk_logprobs: Tensor,
@@ -247,7 +288,6 @@ def _triton_fwd(
     )
 
 
-@torch.library.custom_op(f"lopd::{OP}_triton_bwd", mutates_args=())
 def _triton_bwd(
     grad_kl: Tensor,
     grad_student_logprob: Tensor,
@@ -278,53 +318,8 @@ def _triton_bwd(
     )
 
 
-def _make_autograd(bwd_op):
-    """setup_context/backward pair for a forward op, differentiating through ``bwd_op``."""
-
-    def setup_context(ctx, inputs, output):
-        student, _lp, ids, target, temperature, reverse, ignore_index, _floor = inputs
-        kl, _slp, lse, bucket_logp = output
-        ctx.save_for_backward(student, ids, target, kl, lse, bucket_logp)
-        ctx.temperature = temperature
-        ctx.reverse = reverse
-        ctx.ignore_index = ignore_index
-
-    def backward(ctx, g_kl, g_slp, _g_lse, _g_bucket):
-        student, ids, target, kl, lse, bucket_logp = ctx.saved_tensors
-        grad = None
-        if ctx.needs_input_grad[0]:
-
-            def upstream(g):
-                return kl.new_zeros(kl.shape) if g is None else g.float().contiguous()
-
-            grad = bwd_op(
-                upstream(g_kl),
-                upstream(g_slp),
-                student,
-                ids,
-                target,
-                kl,
-                lse,
-                bucket_logp,
-                ctx.temperature,
-                ctx.reverse,
-                ctx.ignore_index,
-            )
-        return grad, None, None, None, None, None, None, None
-
-    return setup_context, backward
-
-
-def _register(namespace_op: str, bwd_op) -> None:
-    torch.library.register_fake(f"{namespace_op}_fwd")(_fwd_fake)
-    torch.library.register_fake(f"{namespace_op}_bwd")(_bwd_fake)
-    setup, backward = _make_autograd(bwd_op)
-    torch.library.register_autograd(f"{namespace_op}_fwd", backward, setup_context=setup)
-
-
-_register(f"lopd::{OP}_triton", torch.ops.lopd.sparse_teacher_topk_tail_kl_triton_bwd)
-if "cpu" not in BACKENDS.unavailable:
-    _register(f"lopd::{OP}_cpu", torch.ops.lopd.sparse_teacher_topk_tail_kl_cpu_bwd)
+CUSTOM_OPS.define("triton", _triton_fwd, _triton_bwd)
+CUSTOM_OPS.register_compiled()
 
 
 def _limits(m: int) -> dict[str, str]:
@@ -387,7 +382,7 @@ def sparse_teacher_topk_tail_kl(
             names the argument (and the flattened row). Validation reads the teacher's values:
             one host sync per call on CUDA.
     """
-    check_sparse_inputs(
+    check_inputs(
         student_logits,
         teacher_topk_logprobs,
         teacher_topk_ids,
@@ -417,9 +412,8 @@ def sparse_teacher_topk_tail_kl(
     lp = teacher_topk_logprobs.reshape(-1, m).to(torch.float32).contiguous()
     ids = teacher_topk_ids.reshape(-1, m).to(torch.int64).contiguous()
     tgt = target_ids.reshape(-1).to(torch.int64).contiguous()
-    check_sparse_teacher_values(lp, ids, tgt, vocab, ignore_index, mass_tolerance)
-    op = getattr(torch.ops.lopd, f"{OP}_{name}_fwd")
-    kl, slp, _lse, bucket = op(
+    check_values(lp, ids, tgt, vocab, ignore_index, mass_tolerance)
+    kl, slp, _lse, bucket = CUSTOM_OPS.fwd_op(name)(
         s,
         lp,
         ids,
@@ -466,11 +460,7 @@ class SparseTeacherTopKTailKL(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        if divergence not in DIVERGENCES:
-            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
-        check_backend(backend)
+        check_module_options(reduction, divergence, backend)
         self.temperature = temperature
         self.divergence = divergence
         self.ignore_index = ignore_index
@@ -498,11 +488,7 @@ class SparseTeacherTopKTailKL(nn.Module):
             mass_tolerance=self.mass_tolerance,
             backend=self.backend,
         ).kl
-        if self.reduction == "none":
-            return kl
-        if self.reduction == "sum":
-            return kl.sum()
-        return kl.sum() / (target_ids != self.ignore_index).sum().clamp(min=1)
+        return reduce_kl(kl, target_ids, self.ignore_index, self.reduction)
 
     def extra_repr(self) -> str:
         return (

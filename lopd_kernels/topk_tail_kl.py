@@ -18,11 +18,11 @@ Gradients flow to both logits: ``kl`` to both, ``student_logprob`` to the studen
 Layering: kernels (C++ ``csrc/cpu/``, CUDA ``csrc/cuda/``, Triton
 ``lopd_kernels/triton/topk_tail_kl.py``) -> custom ops ``torch.ops.lopd.topk_tail_kl_<impl>_fwd``
 / ``_bwd`` for ``<impl>`` in ``cpu``, ``cuda`` (C++, schemas in ``csrc/common/schemas.h``) and
-``triton`` (``torch.library.custom_op`` here), each with a fake impl -> autograd registered once
-per forward op (``torch.library.register_autograd``) -> :func:`topk_tail_kl` ->
-:class:`TopKTailKL`. :func:`topk_tail_kl_reference` is the plain-autograd PyTorch oracle
-(float64-capable) every backend is tested against; backend choice is
-:class:`lopd_kernels._backend.OpBackends`.
+``triton`` (defined here), each with a fake impl and autograd registered by :data:`CUSTOM_OPS`
+(:class:`lopd_kernels._custom_ops.CustomOps`) -> :func:`topk_tail_kl` -> :class:`TopKTailKL`.
+:func:`topk_tail_kl_reference` is the plain-autograd PyTorch oracle (float64-capable) every
+backend is tested against; backend choice is :class:`lopd_kernels._backend.OpBackends`; input
+checks are :mod:`lopd_kernels.topk_tail_kl_checks`.
 """
 
 from __future__ import annotations
@@ -33,15 +33,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lopd_kernels._backend import OpBackends, check_backend, compiled_unavailable
-from lopd_kernels._constants import (
-    CUDA_TOPK_MAX_TOP_M,
-    DIVERGENCES,
-    REDUCTIONS,
-    TRITON_TOPK_MAX_TOP_M,
-)
+from lopd_kernels._backend import OpBackends, compiled_unavailable, triton_import_error
+from lopd_kernels._constants import CUDA_TOPK_MAX_TOP_M, TRITON_TOPK_MAX_TOP_M
+from lopd_kernels._custom_ops import CustomOps
+from lopd_kernels._reduction import check_module_options, reduce_kl
+from lopd_kernels.bucket_math import bucket_divergence, masked_logsumexp
 from lopd_kernels.row_layout import rows_in_place
-from lopd_kernels.topk_tail_kl_checks import check_inputs, check_target_values
+from lopd_kernels.topk_tail_kl_checks import check_inputs, check_values
 
 __all__ = ["TopKTailKL", "TopKTailKLOutput", "topk_tail_kl", "topk_tail_kl_reference"]
 
@@ -96,33 +94,6 @@ def teacher_topk_mass(bucket_logp: Tensor, target_ids: Tensor, ignore_index: int
 # ------------------------------------------------------------------------------------ reference
 
 
-def _masked_logsumexp(x: Tensor, keep: Tensor) -> Tensor:
-    """Row log-sum-exp over ``x[keep]``; ``-inf`` (with zero, not NaN, gradient) if empty."""
-    x = x.masked_fill(~keep, -math.inf)
-    empty = (x == -math.inf).all(dim=-1, keepdim=True)
-    # logsumexp over an all -inf row has gradient exp(-inf - (-inf)) = NaN: feed it zeros there.
-    out = torch.logsumexp(x.masked_fill(empty, 0.0), dim=-1)
-    return out.masked_fill(empty.squeeze(-1), -math.inf)
-
-
-def _bucket_divergence(logp: Tensor, logq: Tensor, reverse: bool) -> Tensor:
-    """``sum_b W_b (log W_b - log O_b)`` over the last dim; zero-mass buckets add exactly 0, and
-    a bucket with mass against a zero-mass one adds +inf (also when ``exp`` of its log-mass
-    underflows, where ``0 * inf`` would be NaN)."""
-    w, o = (logp, logq) if reverse else (logq, logp)
-    zero = w == -math.inf
-    # Mass too small for exp against none: +inf (the expression below would give 0 * inf).
-    # Elsewhere mass against none gives exp(w) * inf = inf by the expression itself, whose
-    # gradient to o (-exp(w)) stays finite and is kept.
-    underflow = ~zero & (o == -math.inf) & (w.exp() == 0)
-    # Double masking: the unused branch of a where still backpropagates 0 * its local gradient,
-    # so the masked entries must be finite inside the expression too.
-    w_safe = w.masked_fill(zero, 0.0)
-    o_safe = o.masked_fill(zero | underflow, 0.0)
-    terms = torch.where(zero, 0.0, w_safe.exp() * (w_safe - o_safe))
-    return terms.masked_fill(underflow, math.inf).sum(dim=-1)
-
-
 def topk_tail_kl_reference(
     student_logits: Tensor,
     teacher_logits: Tensor,
@@ -163,7 +134,7 @@ def topk_tail_kl_reference(
         else torch.float32
     )
     tgt = target_ids.reshape(-1).long()
-    check_target_values(tgt, vocab, ignore_index)
+    check_values(tgt, vocab, ignore_index)
     keep = target_ids != ignore_index
     rows = keep.reshape(-1).nonzero().squeeze(1)
     # Gather the kept rows straight from [..., V] (a strided view such as logits[:, :-1] is not
@@ -183,9 +154,9 @@ def topk_tail_kl_reference(
         order = torch.sort(t.detach(), dim=-1, descending=True, stable=True).indices
         ids = order[:, :m]
         tail = torch.ones_like(s, dtype=torch.bool).scatter(1, ids, False)
-        logp = torch.cat([s.gather(1, ids), _masked_logsumexp(s, tail).unsqueeze(1)], 1) - lse_s
-        logq = torch.cat([t.gather(1, ids), _masked_logsumexp(t, tail).unsqueeze(1)], 1) - lse_t
-    kl = _bucket_divergence(logp, logq, divergence == "reverse")
+        logp = torch.cat([s.gather(1, ids), masked_logsumexp(s, tail).unsqueeze(1)], 1) - lse_s
+        logq = torch.cat([t.gather(1, ids), masked_logsumexp(t, tail).unsqueeze(1)], 1) - lse_t
+    kl = bucket_divergence(logp, logq, divergence == "reverse")
     with torch.no_grad():
         if m == 0:
             mass = torch.ones(rows.numel(), dtype=dtype, device=s.device)
@@ -210,6 +181,8 @@ def topk_tail_kl_reference(
 
 
 # ------------------------------------------------------------------------------------ custom ops
+# One schema for every implementation (csrc/common/schemas.h): cpu and cuda are C++ ops, triton
+# the Python ops defined below; fakes and autograd are registered for all of them by CUSTOM_OPS.
 
 
 def _fwd_fake(
@@ -257,22 +230,67 @@ def _bwd_fake(
     return gs, gt
 
 
+def _setup_context(ctx, inputs, output) -> None:
+    student, teacher, target, _top_m, temperature, reverse, ignore_index = inputs
+    kl, _slp, _tlp, topk_ids, lse, bucket_logp = output
+    # O(M) per row beyond the inputs themselves: lse [N, 2], bucket_logp [N, 2, M + 1].
+    ctx.save_for_backward(student, teacher, target, topk_ids, kl, lse, bucket_logp)
+    ctx.temperature = temperature
+    ctx.reverse = reverse
+    ctx.ignore_index = ignore_index
+
+
+def _make_backward(bwd_op):
+    """The autograd backward of a forward op, differentiating through ``bwd_op``."""
+
+    def backward(ctx, g_kl, g_slp, g_tlp, _g_ids, _g_lse, _g_bucket):
+        student, teacher, target, topk_ids, kl, lse, bucket_logp = ctx.saved_tensors
+        need_s, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        rows = (kl.shape[0],)
+
+        def upstream(g):
+            if g is None:
+                return kl.new_zeros(rows)
+            return g.to(torch.float32).contiguous()
+
+        gs, gt = bwd_op(
+            upstream(g_kl),
+            upstream(g_slp),
+            upstream(g_tlp),
+            student,
+            teacher,
+            target,
+            topk_ids,
+            kl,
+            lse,
+            bucket_logp,
+            ctx.temperature,
+            ctx.reverse,
+            ctx.ignore_index,
+            need_s,
+            need_t,
+        )
+        return (gs if need_s else None, gt if need_t else None, None, None, None, None, None)
+
+    return backward
+
+
+CUSTOM_OPS = CustomOps(OP, _fwd_fake, _bwd_fake, _setup_context, _make_backward)
+
+
 def _triton_launchers():
-    """The Triton launchers, imported on first use (Triton is optional)."""
+    """The Triton launchers, imported on first use."""
     try:
+        # triton is optional (machines without it use the other backends): imported lazily.
         from lopd_kernels.triton.topk_tail_kl import (
             topk_tail_kl_bwd_triton,
             topk_tail_kl_fwd_triton,
         )
     except ImportError as err:
-        raise RuntimeError(
-            f"topk_tail_kl: backend='triton' needs triton and lopd_kernels.triton.topk_tail_kl "
-            f"({err}); install triton (pip install 'lopd[gpu]') or use backend='auto'"
-        ) from err
+        raise triton_import_error(OP, err) from err
     return topk_tail_kl_fwd_triton, topk_tail_kl_bwd_triton
 
 
-@torch.library.custom_op("lopd::topk_tail_kl_triton_fwd", mutates_args=())
 def _triton_fwd(
     student_logits: Tensor,
     teacher_logits: Tensor,
@@ -292,7 +310,7 @@ def _triton_fwd(
             ~bad.any(), "topk_tail_kl: target_ids outside [0, V) that are not ignore_index"
         )
     else:
-        check_target_values(target_ids, vocab, ignore_index)
+        check_values(target_ids, vocab, ignore_index)
     # The launcher reads strided rows in place (it copies only a non-dense vocabulary axis).
     return fwd(
         student_logits,
@@ -305,7 +323,6 @@ def _triton_fwd(
     )
 
 
-@torch.library.custom_op("lopd::topk_tail_kl_triton_bwd", mutates_args=())
 def _triton_bwd(
     grad_kl: Tensor,
     grad_student_logprob: Tensor,
@@ -344,78 +361,8 @@ def _triton_bwd(
     )
 
 
-def _make_autograd(bwd_op):
-    """setup_context/backward pair for a forward op, differentiating through ``bwd_op``."""
-
-    def setup_context(ctx, inputs, output):
-        student, teacher, target, _top_m, temperature, reverse, ignore_index = inputs
-        kl, _slp, _tlp, topk_ids, lse, bucket_logp = output
-        # O(M) per row beyond the inputs themselves: lse [N, 2], bucket_logp [N, 2, M + 1].
-        ctx.save_for_backward(student, teacher, target, topk_ids, kl, lse, bucket_logp)
-        ctx.temperature = temperature
-        ctx.reverse = reverse
-        ctx.ignore_index = ignore_index
-
-    def backward(ctx, g_kl, g_slp, g_tlp, _g_ids, _g_lse, _g_bucket):
-        student, teacher, target, topk_ids, kl, lse, bucket_logp = ctx.saved_tensors
-        need_s, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        rows = (kl.shape[0],)
-
-        def upstream(g):
-            if g is None:
-                return kl.new_zeros(rows)
-            return g.to(torch.float32).contiguous()
-
-        gs, gt = bwd_op(
-            upstream(g_kl),
-            upstream(g_slp),
-            upstream(g_tlp),
-            student,
-            teacher,
-            target,
-            topk_ids,
-            kl,
-            lse,
-            bucket_logp,
-            ctx.temperature,
-            ctx.reverse,
-            ctx.ignore_index,
-            need_s,
-            need_t,
-        )
-        return (gs if need_s else None, gt if need_t else None, None, None, None, None, None)
-
-    return setup_context, backward
-
-
-torch.library.register_fake("lopd::topk_tail_kl_triton_fwd")(_fwd_fake)
-torch.library.register_fake("lopd::topk_tail_kl_triton_bwd")(_bwd_fake)
-_setup, _backward = _make_autograd(torch.ops.lopd.topk_tail_kl_triton_bwd)
-torch.library.register_autograd("lopd::topk_tail_kl_triton_fwd", _backward, setup_context=_setup)
-
-
-def register_compiled_op_impls(namespace: str) -> None:
-    """Fake impls and autograd for ``<namespace>::topk_tail_kl_<impl>_fwd/_bwd``, ops declared in
-    C++ with the schemas of csrc/common/schemas.h: ``cpu`` and ``cuda`` in ``lopd``; the
-    SIMT-emulated test build of the CUDA kernels declares ``cuda`` in its own namespace."""
-    ops = getattr(torch.ops, namespace)
-    for impl in ("cpu", "cuda"):
-        fwd, bwd = f"{OP}_{impl}_fwd", f"{OP}_{impl}_bwd"
-        if not (hasattr(ops, fwd) and hasattr(ops, bwd)):
-            continue
-        torch.library.register_fake(f"{namespace}::{fwd}")(_fwd_fake)
-        torch.library.register_fake(f"{namespace}::{bwd}")(_bwd_fake)
-        setup, backward = _make_autograd(getattr(ops, bwd))
-        torch.library.register_autograd(f"{namespace}::{fwd}", backward, setup_context=setup)
-
-
-if "cpu" not in BACKENDS.unavailable or "cuda" not in BACKENDS.unavailable:
-    register_compiled_op_impls("lopd")
-
-
-def _fwd_op(impl: str):
-    """The forward custom op of an implementation word (``cpu``, ``cuda``, ``triton``)."""
-    return getattr(torch.ops.lopd, f"{OP}_{impl}_fwd")
+CUSTOM_OPS.define("triton", _triton_fwd, _triton_bwd)
+CUSTOM_OPS.register_compiled()
 
 
 def _limits(top_m: int) -> dict[str, str]:
@@ -482,7 +429,7 @@ def topk_tail_kl(
             ignore_index=ignore_index,
         )
     return call_fwd_op(
-        _fwd_op(name),
+        CUSTOM_OPS.fwd_op(name),
         student_logits,
         teacher_logits,
         target_ids,
@@ -550,11 +497,7 @@ class TopKTailKL(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        if divergence not in DIVERGENCES:
-            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
-        check_backend(backend)
+        check_module_options(reduction, divergence, backend)
         self.top_m = top_m
         self.temperature = temperature
         self.divergence = divergence
@@ -573,12 +516,7 @@ class TopKTailKL(nn.Module):
             ignore_index=self.ignore_index,
             backend=self.backend,
         ).kl
-        if self.reduction == "none":
-            return kl
-        if self.reduction == "sum":
-            return kl.sum()
-        count = (target_ids != self.ignore_index).sum().clamp(min=1)
-        return kl.sum() / count
+        return reduce_kl(kl, target_ids, self.ignore_index, self.reduction)
 
     def extra_repr(self) -> str:
         return (

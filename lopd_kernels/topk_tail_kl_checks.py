@@ -1,8 +1,11 @@
 """Input validation of ``topk_tail_kl`` (every backend), each message naming the bad argument.
 
-:func:`check_inputs` reads only metadata (shapes, dtypes, devices, Python scalars), so it runs
-under ``torch.compile`` without graph breaks; :func:`check_target_values` reads the targets. The
-compiled kernels repeat the checks they need in C++ (``csrc/common/topk_tail_kl_checks.h``).
+The scheme of every op's ``<op>_checks.py``: :func:`check_inputs` reads only metadata (shapes,
+dtypes, devices, Python scalars), so it runs under ``torch.compile`` without graph breaks;
+:func:`check_values` reads tensor data (here the targets; a host sync on a GPU, so each backend
+calls it where it can afford one). The compiled kernels repeat the checks they need in C++
+(``csrc/common/topk_tail_kl_checks.h``). :func:`check_loss_options` holds the scalar options the
+whole top-M + tail family shares.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from torch import Tensor
 
 from lopd_kernels._constants import DIVERGENCES, REFERENCE_DTYPES
 
-__all__ = ["check_inputs", "check_target_values"]
+__all__ = ["check_inputs", "check_loss_options", "check_values"]
 
 
 def check_inputs(
@@ -76,7 +79,7 @@ def check_inputs(
     return 0 if top_m is None or top_m >= vocab else top_m
 
 
-def check_target_values(target_ids: Tensor, vocab: int, ignore_index: int) -> None:
+def check_values(target_ids: Tensor, vocab: int, ignore_index: int) -> None:
     """Raises if a target is neither ``ignore_index`` nor in ``[0, V)`` (reads the data)."""
     bad = (target_ids != ignore_index) & ((target_ids < 0) | (target_ids >= vocab))
     if bool(bad.any()):

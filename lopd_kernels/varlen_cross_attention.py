@@ -40,17 +40,19 @@ Implementations (``torch.ops.lopd.varlen_cross_attention_<impl>_fwd/_bwd``, one 
 * ``"triton"``: ``lopd_kernels/triton/varlen_cross_attention.py``: split-KV online-softmax
   forward, a dQ pass and a dK/dV pass. Runs on CUDA, or on CPU tensors under
   ``TRITON_INTERPRET=1``.
-* ``"cuda"``: hand-written CUDA kernels (``csrc/cuda/varlen_cross_attention_kernels.cuh``): a
-  forward with an online softmax over key tiles staged in shared memory, a dQ kernel and a dK/dV
-  kernel (one block per key tile, looping over the ``G * Lq`` query rows of its kv head: no
-  atomics). Two paths, picked by the launcher: bf16 / fp16 inputs with ``D % 16 == 0`` and
-  ``D <= 128`` run on tensor cores through ``nvcuda::wmma`` (m16n16k16, i.e. ``mma.sync`` on
-  sm_80 / sm_90; not Hopper's ``wgmma``), in the flash-attention manner: fp32 scores, softmax and
-  accumulators, ``P`` and ``dS`` rounded to the input dtype only as tensor-core operands (dK/dV
-  also multiplies their rounding errors, as a second operand, for accuracy); fp32 inputs and
-  other head dims run CUDA-core fp32 FMA kernels. Available when ``lopd_kernels._C`` was built
-  with CUDA. Tested on CPU under the SIMT emulator (``tests/test_varlen_cross_attention_cuda.py``,
-  which emulates WMMA too); neither path has ever run on a GPU, so neither speed is measured.
+* ``"cuda"``: hand-written CUDA kernels (``csrc/cuda/varlen_cross_attention_kernels.cuh`` and
+  ``csrc/cuda/varlen_cross_attention_kernels_wmma.cuh``, launched by
+  ``csrc/cuda/varlen_cross_attention_launch.cuh``): a forward with an online softmax over key tiles
+  staged in shared memory, a dQ kernel and a dK/dV kernel (one block per key tile, looping over the
+  ``G * Lq`` query rows of its kv head: no atomics). Two paths, picked by the launcher: bf16 / fp16
+  inputs with ``D % 16 == 0`` and ``D <= 128`` run on tensor cores through ``nvcuda::wmma``
+  (m16n16k16, i.e. ``mma.sync`` on sm_80 / sm_90; not Hopper's ``wgmma``), in the flash-attention
+  manner: fp32 scores, softmax and accumulators, ``P`` and ``dS`` rounded to the input dtype only
+  as tensor-core operands (dK/dV also multiplies their rounding errors, as a second operand, for
+  accuracy); fp32 inputs and other head dims run CUDA-core fp32 FMA kernels. Available when
+  ``lopd_kernels._C`` was built with CUDA. Tested on CPU under the SIMT emulator
+  (``tests/test_varlen_cross_attention_cuda.py``, which emulates WMMA too); neither path has ever
+  run on a GPU, so neither speed is measured.
 * ``"auto"``: the ``"cpu"`` kernels for CPU tensors; Triton for CUDA tensors when Triton is
   importable, else the CUDA kernels (if built); else (and for float64) the reference. Not the
   CUDA kernels while Triton is there: nothing has measured them on a GPU yet. At the QFormer
@@ -66,7 +68,9 @@ import math
 
 import torch
 
-from lopd_kernels._backend import OpBackends, compiled_unavailable
+from lopd_kernels._backend import OpBackends, compiled_unavailable, triton_import_error
+from lopd_kernels._custom_ops import CustomOps
+from lopd_kernels.varlen_cross_attention_checks import check_inputs, check_values
 
 __all__ = [
     "varlen_cross_attention",
@@ -139,106 +143,10 @@ def varlen_cross_attention_reference(
 
 
 # --------------------------------------------------------------------------------------------
-# Input validation
-# --------------------------------------------------------------------------------------------
-
-
-def _validate(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_k: int | None,
-    scale: float | None,
-) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, Lq, Hq, D], got shape {tuple(q.shape)}")
-    if k.dim() != 3:
-        raise ValueError(f"k must be packed [total_k, Hkv, D], got shape {tuple(k.shape)}")
-    if v.shape != k.shape:
-        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    if k.shape[2] != q.shape[3]:
-        raise ValueError(f"k head dim {k.shape[2]} must equal q head dim {q.shape[3]}")
-    if k.shape[1] == 0 or q.shape[2] % k.shape[1] != 0:
-        raise ValueError(
-            f"q heads ({q.shape[2]}) must be a positive multiple of k/v heads ({k.shape[1]})"
-        )
-    if not q.is_floating_point():
-        raise TypeError(f"q must be floating point, got {q.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if cu_seqlens_k.dtype != torch.int32:
-        raise TypeError(f"cu_seqlens_k must be int32, got {cu_seqlens_k.dtype}")
-    if cu_seqlens_k.dim() != 1 or cu_seqlens_k.numel() != q.shape[0] + 1:
-        raise ValueError(
-            f"cu_seqlens_k must be [B+1] = [{q.shape[0] + 1}], got {tuple(cu_seqlens_k.shape)}"
-        )
-    for name, t in (("k", k), ("v", v), ("cu_seqlens_k", cu_seqlens_k)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-    if scale is not None and not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite float, got {scale}")
-    if max_seqlen_k is not None and max_seqlen_k < 0:
-        raise ValueError(f"max_seqlen_k must be >= 0, got {max_seqlen_k}")
-    # Checking the boundaries needs their values: free on CPU, a device sync on GPU (skipped).
-    if cu_seqlens_k.device.type == "cpu":
-        cu = cu_seqlens_k.long()
-        if cu[0] != 0 or cu[-1] != k.shape[0] or bool((cu[1:] < cu[:-1]).any()):
-            raise ValueError(
-                "cu_seqlens_k must start at 0, be non-decreasing and end at total_k = "
-                f"{k.shape[0]}; got {cu_seqlens_k.tolist()}"
-            )
-        if max_seqlen_k is not None and q.shape[0] > 0:
-            longest = int((cu[1:] - cu[:-1]).max())
-            if max_seqlen_k < longest:
-                raise ValueError(f"max_seqlen_k={max_seqlen_k} is below the longest item {longest}")
-
-
-# --------------------------------------------------------------------------------------------
 # Custom ops: varlen_cross_attention_{cpu,cuda}_{fwd,bwd} are declared in C++ (schemas in
-# csrc/common/schemas.h), varlen_cross_attention_triton_{fwd,bwd} here (kernels in
-# lopd_kernels/triton/varlen_cross_attention.py, imported lazily: CPU-only installs without
-# Triton still import this module). One schema for all three.
+# csrc/common/schemas.h), varlen_cross_attention_triton_{fwd,bwd} here. One schema for all
+# three; fakes and autograd are registered for each by CUSTOM_OPS.
 # --------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("lopd::varlen_cross_attention_triton_fwd", mutates_args=())
-def _triton_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    scale: float,
-    max_seqlen_k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton forward: returns ``out [B, Lq, Hq, D]`` and ``lse [B, Hq, Lq]`` (fp32)."""
-    from lopd_kernels.triton.varlen_cross_attention import varlen_xattn_fwd
-
-    return varlen_xattn_fwd(q, k, v, cu_seqlens_k, scale, max_seqlen_k)
-
-
-@torch.library.custom_op("lopd::varlen_cross_attention_triton_bwd", mutates_args=())
-def _triton_bwd(
-    grad_out: torch.Tensor,
-    grad_lse: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    scale: float,
-    max_seqlen_k: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton backward: returns ``dq, dk, dv`` in the input dtypes."""
-    from lopd_kernels.triton.varlen_cross_attention import varlen_xattn_bwd
-
-    return varlen_xattn_bwd(
-        grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_k, scale, max_seqlen_k
-    )
 
 
 def _fwd_fake(q, k, v, cu_seqlens_k, scale, max_seqlen_k):
@@ -250,10 +158,7 @@ def _bwd_fake(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_k, scale, max_se
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-# Autograd: the forward ops are differentiable (out and lse), each through its backward op.
-
-
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, output) -> None:
     q, k, v, cu_seqlens_k, scale, max_seqlen_k = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_k)
@@ -262,6 +167,9 @@ def _setup_context(ctx, inputs, output):
 
 
 def _make_backward(bwd_op):
+    """The autograd backward of a forward op (out and lse are differentiable), through
+    ``bwd_op``."""
+
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, cu_seqlens_k = ctx.saved_tensors
         if grad_out is None:
@@ -286,27 +194,51 @@ def _make_backward(bwd_op):
     return backward
 
 
-def _register(namespace: str, impl: str) -> None:
-    fwd, bwd = f"{namespace}::{OP}_{impl}_fwd", f"{namespace}::{OP}_{impl}_bwd"
-    torch.library.register_fake(fwd)(_fwd_fake)
-    torch.library.register_fake(bwd)(_bwd_fake)
-    bwd_op = getattr(getattr(torch.ops, namespace), f"{OP}_{impl}_bwd")
-    torch.library.register_autograd(fwd, _make_backward(bwd_op), setup_context=_setup_context)
+CUSTOM_OPS = CustomOps(OP, _fwd_fake, _bwd_fake, _setup_context, _make_backward)
 
 
-def register_compiled_op_impls(namespace: str) -> None:
-    """Fake impls and autograd for ``<namespace>::varlen_cross_attention_<impl>_fwd/_bwd``, ops
-    declared in C++: ``cpu`` and ``cuda`` in ``lopd``; the SIMT-emulated test build of the CUDA
-    kernels declares ``cuda`` in its own namespace."""
-    ops = getattr(torch.ops, namespace)
-    for impl in ("cpu", "cuda"):
-        if hasattr(ops, f"{OP}_{impl}_fwd") and hasattr(ops, f"{OP}_{impl}_bwd"):
-            _register(namespace, impl)
+def _triton_launchers():
+    """The Triton launchers, imported on first use."""
+    try:
+        # triton is optional (machines without it use the other backends): imported lazily.
+        from lopd_kernels.triton.varlen_cross_attention import varlen_xattn_bwd, varlen_xattn_fwd
+    except ImportError as err:
+        raise triton_import_error(OP, err) from err
+    return varlen_xattn_fwd, varlen_xattn_bwd
 
 
-_register("lopd", "triton")
-if "cpu" not in BACKENDS.unavailable or "cuda" not in BACKENDS.unavailable:
-    register_compiled_op_impls("lopd")
+def _triton_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+    max_seqlen_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward: returns ``out [B, Lq, Hq, D]`` and ``lse [B, Hq, Lq]`` (fp32)."""
+    fwd, _ = _triton_launchers()
+    return fwd(q, k, v, cu_seqlens_k, scale, max_seqlen_k)
+
+
+def _triton_bwd(
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+    max_seqlen_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton backward: returns ``dq, dk, dv`` in the input dtypes."""
+    _, bwd = _triton_launchers()
+    return bwd(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_k, scale, max_seqlen_k)
+
+
+CUSTOM_OPS.define("triton", _triton_fwd, _triton_bwd)
+CUSTOM_OPS.register_compiled()
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,7 +281,8 @@ def varlen_cross_attention(
         ValueError / TypeError: naming the offending argument for bad shapes, dtypes, devices,
             boundaries or backend.
     """
-    _validate(q, k, v, cu_seqlens_k, max_seqlen_k, scale)
+    check_inputs(q, k, v, cu_seqlens_k, max_seqlen_k, scale)
+    check_values(k, cu_seqlens_k, max_seqlen_k, q.shape[0])
     impl = BACKENDS.resolve(backend, q.device, fp64=q.dtype == torch.float64)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if impl == "torch":
@@ -363,6 +296,5 @@ def varlen_cross_attention(
         else:
             lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
             max_seqlen_k = int(lengths.max()) if lengths.numel() else 0
-    fwd = getattr(torch.ops.lopd, f"{OP}_{impl}_fwd")
-    out, lse = fwd(q, k, v, cu_seqlens_k, scale, int(max_seqlen_k))
+    out, lse = CUSTOM_OPS.fwd_op(impl)(q, k, v, cu_seqlens_k, scale, int(max_seqlen_k))
     return (out, lse) if return_lse else out

@@ -1,6 +1,6 @@
 """The CUDA kernels of ``csrc/cuda/`` run on the CPU by the SIMT emulator (``csrc/emu/``).
 
-``load()`` compiles ``csrc/emu/*.cpp`` once per session with g++ (``-DLOPD_SIMT_EMULATION``: the
+``load()`` compiles ``csrc/emu/*.cpp`` once per test run with g++ (``-DLOPD_SIMT_EMULATION``: the
 kernel sources nvcc compiles, with the emulator in place of the CUDA runtime) into
 ``build/simt-emu/`` and registers ``torch.ops.lopd_simt_emu.*``: the same schemas as
 ``torch.ops.lopd.*``, on CPU tensors. ``topk_tail_kl_emulated`` and
@@ -74,8 +74,8 @@ def load() -> None:
         is_python_module=False,
         verbose=False,
     )
-    topk_tail_kl.register_compiled_op_impls("lopd_simt_emu")
-    varlen_cross_attention.register_compiled_op_impls("lopd_simt_emu")
+    topk_tail_kl.CUSTOM_OPS.register_compiled("lopd_simt_emu")
+    varlen_cross_attention.CUSTOM_OPS.register_compiled("lopd_simt_emu")
 
 
 def set_schedule_seed(seed: int) -> None:

@@ -23,7 +23,8 @@ from tests.test_fused_linear_topk_tail_kl import CASES, check, check_case, make_
 from tests.triton_compile import assert_script_compiles
 from tests.utils import assert_close, triton_interpret
 
-chunked = importlib.import_module("lopd_kernels.fused_linear_chunked")
+chunked = importlib.import_module("lopd_kernels.fused_linear_topk_tail_kl_chunked")
+gemm = importlib.import_module("lopd_kernels.gemm_f32")
 SWITCH = chunked.CHUNKED_SWITCH
 VARIANTS = SWITCHES[SWITCH].choices
 FROZEN = {"student_hidden", "teacher_hidden"}
@@ -72,7 +73,7 @@ def test_epilogue_order(monkeypatch):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [0, 7])
 def test_tail_probs_triton_matches_float64(out_dtype, m):
-    from lopd_kernels.triton.tail_probs import tail_probs_triton
+    from lopd_kernels.triton.fused_linear_topk_tail_kl_chunked import tail_probs_triton
 
     g = torch.Generator().manual_seed(3)
     c, v, temp = 5, 173, 0.7
@@ -96,7 +97,7 @@ _COMPILE_SCRIPT = """
 import functools
 
 from tests.triton_compile import compile_kernel
-from lopd_kernels.triton.tail_probs import _tail_probs_kernel
+from lopd_kernels.triton.fused_linear_topk_tail_kl_chunked_kernels import _tail_probs_kernel
 
 for out in ("*bf16", "*fp32"):
     def arg_type(name, out=out):
@@ -167,10 +168,10 @@ def gemm_calls(monkeypatch):
         assert a.dtype == b.dtype and a.dtype in half and out.dtype == torch.float32
         return out.addmm_(a.float(), b.float())
 
-    monkeypatch.setattr(chunked, "half_gemm", lambda b: b.dtype in half)
-    monkeypatch.setattr(chunked, "half_addmm", lambda b: b.dtype in half)
-    monkeypatch.setattr(chunked, "mm_f32_out", mm_f32_out)
-    monkeypatch.setattr(chunked, "addmm_f32_out_", addmm_f32_out_)
+    monkeypatch.setattr(gemm, "half_gemm", lambda b: b.dtype in half)
+    monkeypatch.setattr(gemm, "half_addmm", lambda b: b.dtype in half)
+    monkeypatch.setattr(gemm, "mm_f32_out", mm_f32_out)
+    monkeypatch.setattr(gemm, "addmm_f32_out_", addmm_f32_out_)
     return calls
 
 

@@ -175,7 +175,7 @@ def test_frozen_heads_tail_projection(dtype, divergence):
 def emulated_cuda_epilogue(monkeypatch):
     from tests import simt_emu
 
-    chunked = importlib.import_module("lopd_kernels.fused_linear_chunked")
+    chunked = importlib.import_module("lopd_kernels.fused_linear_topk_tail_kl_chunked")
 
     reason = simt_emu.unavailable_reason()
     if reason:
@@ -334,6 +334,40 @@ def test_reference_backend_is_reference():
 def test_exported():
     assert lk.fused_linear_topk_tail_kl is fused_linear_topk_tail_kl
     assert lk.lm_head_topk_tail_kl is lm_head_topk_tail_kl
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_module_is_the_reduced_functional(reduction):
+    """FusedLinearTopKTailKL: the op's KL reduced (mean over the kept tokens), gradients to the
+    hidden states, head and bias included, equal to the functional's on the chunked path."""
+    inputs, target = make_inputs(9, 16, 53, bias=True, seed=3)
+    kw = {"top_m": 6, "temperature": 0.7, "chunk_size": 4}
+
+    def grads(fn):
+        leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+        loss = fn(leaves)
+        loss.sum().backward()
+        return loss.detach(), {k: v.grad for k, v in leaves.items()}
+
+    def functional(x):
+        kl = lk.fused_linear_topk_tail_kl(*(x[n] for n in NAMES), target, backend="cpu",
+                                          student_bias=x["student_bias"],
+                                          teacher_bias=x["teacher_bias"], **kw).kl  # fmt: skip
+        kept = (target != -100).sum()
+        return {"none": kl, "sum": kl.sum(), "mean": kl.sum() / kept}[reduction]
+
+    module = lk.FusedLinearTopKTailKL(reduction=reduction, backend="cpu", **kw)
+    got, got_grads = grads(lambda x: module(*(x[n] for n in NAMES), target, x["student_bias"],
+                                            x["teacher_bias"]))  # fmt: skip
+    want, want_grads = grads(functional)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=0, atol=0)
+    all_ignored = torch.full_like(target, -100)
+    if reduction == "mean":  # every token ignored: 0, not NaN
+        assert module(*(inputs[n] for n in NAMES), all_ignored).item() == 0.0
+    with pytest.raises(ValueError, match="divergence must be one of"):
+        lk.FusedLinearTopKTailKL(divergence="js")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """topk_tail_kl's CUDA kernels (csrc/cuda/topk_tail_kl_kernels.cuh, and the second forward
-csrc/cuda/topk_tail_kl_fwd_v2.cuh: every test runs once per variant of the switch
+csrc/cuda/topk_tail_kl_kernels_v2.cuh: every test runs once per variant of the switch
 topk_tail_kl.cuda_fwd) against the float64 reference: the same checks as the other backends
 (all outputs, both gradients under random upstream gradients), on two targets:
 

@@ -472,7 +472,7 @@ def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch):
 _COMPILE_SCRIPT = """
 from tests.triton_compile import compile_kernel
 import lopd_kernels.triton.topk_tail_kl as k
-import lopd_kernels.triton.topk_tail_kl_fused_kernels as f
+import lopd_kernels.triton.topk_tail_kl_kernels_v2 as f
 
 def arg_type(name):
     if name in ("s_ptr", "t_ptr", "gs_ptr", "gt_ptr"):

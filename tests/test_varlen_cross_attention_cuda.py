@@ -1,6 +1,7 @@
-"""varlen_cross_attention's CUDA kernels (csrc/cuda/varlen_cross_attention_kernels.cuh) against
-the float64 reference: out and lse, and dq, dk, dv under a random output gradient *and* a nonzero
-lse gradient, on two targets (as tests/test_topk_tail_kl_cuda.py):
+"""varlen_cross_attention's CUDA kernels (csrc/cuda/varlen_cross_attention_kernels.cuh and
+csrc/cuda/varlen_cross_attention_kernels_wmma.cuh) against the float64 reference: out and
+lse, and dq, dk, dv under a random output gradient *and* a nonzero lse gradient, on two targets
+(as tests/test_topk_tail_kl_cuda.py):
 
 - ``cuda``: the real kernels on a GPU (where the extension was built with CUDA; elsewhere these
   skip with the reason);

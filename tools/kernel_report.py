@@ -27,7 +27,7 @@ in bf16). GEMM-tiled kernels (fused linear, attention) get no per-entry figure, 
 first CUDA forward: its per-entry guards (``i < valid`` for a row's last partial tile,
 ``base < V``) are branches, so the shortest path through its loop skips the per-entry work and
 is no common path (its loops are still listed, with static size and both path lengths, in the
-JSON). The second CUDA forward (``csrc/cuda/topk_tail_kl_fwd_v2.cuh``) handles the partial tile
+JSON). The second CUDA forward (``csrc/cuda/topk_tail_kl_kernels_v2.cuh``) handles the partial tile
 after its main loop, so its figure is declared (:data:`CUDA_ENTRIES`) like a Triton kernel's.
 
     python tools/kernel_report.py [--only NAME,...] [--json OUT] [--md OUT] [--no-cuda]
@@ -170,25 +170,26 @@ def _variant_specs() -> list[TritonSpec]:
     (none in a tree from before the switches: the report then covers the other kernels)."""
     from lopd_kernels.triton import topk_tail_kl as tk
 
-    if importlib.util.find_spec("lopd_kernels.triton.topk_tail_kl_fused_kernels") is None:
+    if importlib.util.find_spec("lopd_kernels.triton.topk_tail_kl_kernels_v2") is None:
         return []
 
     specs = [
         TritonSpec(
-            "topk_tail_kl fwd top-M v2", "lopd_kernels.triton.topk_tail_kl_fused_kernels",
+            "topk_tail_kl fwd top-M v2", "lopd_kernels.triton.topk_tail_kl_kernels_v2",
             "_fwd_topm_fused_kernel", _topk_types(),
             {"M": 20, "MP": 32, "BLOCK_V": tk._FWD_BLOCK_V, "REVERSE": True}, tk._FWD_WARPS,
             tk._FWD_BLOCK_V, 4, aligned_ints=("V",), options={"maxnreg": tk._FWD_V2_MAXNREG},
         ),
     ]  # fmt: skip
-    if importlib.util.find_spec("lopd_kernels.triton.tail_probs") is not None:
-        from lopd_kernels.triton import tail_probs as tp
+    if importlib.util.find_spec("lopd_kernels.triton.fused_linear_topk_tail_kl_chunked"):
+        from lopd_kernels.triton import fused_linear_topk_tail_kl_chunked as tp
 
         # The chunked fused-linear path's v2 tail pass: one fp32 logit row in, bf16 out.
         types = {"X": "*fp32", "LSE": "*fp32", "IDS": "*i64", "OUT": "*bf16", "inv_temp": "fp32"}
         specs.append(
             TritonSpec(
-                "fused_linear chunked tail probs v2", "lopd_kernels.triton.tail_probs",
+                "fused_linear chunked tail probs v2",
+                "lopd_kernels.triton.fused_linear_topk_tail_kl_chunked_kernels",
                 "_tail_probs_kernel", types, {"M": 20, "M_PAD": 32, "BLOCK_V": tp._BLOCK_V},
                 8, tp._BLOCK_V, 4, default_type="i32", aligned_ints=("V",),
             )
@@ -200,7 +201,7 @@ def _variant_specs() -> list[TritonSpec]:
 CUDA_THREADS = {"fwd_wmma_kernel": 128, "dq_wmma_kernel": 128, "dkdv_wmma_kernel": 128}
 # CUDA kernels whose main loop streams a logit row with no per-entry bounds checks on its
 # common path (so that the shortest path is that common path): vocabulary entries per main-loop
-# iteration, from the source (csrc/cuda/topk_tail_kl_fwd_v2.cuh: two tiles of 256 threads x 8
+# iteration, from the source (csrc/cuda/topk_tail_kl_kernels_v2.cuh: two tiles of 256 threads x 8
 # entries per iteration, the next tile's loads issued unconditionally).
 CUDA_ENTRIES = {"topk_tail_kl_fwd_kernel_v2": 2 * 2048, "topk_tail_kl_fwd_full_kernel_v2": 2 * 2048}
 

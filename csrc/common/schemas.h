@@ -2,12 +2,16 @@
 // (csrc/ops.cpp, namespace `lopd`) and the SIMT-emulated test build of the CUDA kernels
 // (csrc/emu/, namespace `lopd_simt_emu`), so both declare exactly the same signatures.
 //
-// Naming (lopd_kernels/_backend.py): op <op>, implementation word <impl> in {cpu, cuda} (the
-// Python ops add triton): `<op>_<impl>_fwd` / `<op>_<impl>_bwd`. Every implementation of an op
-// has the same schema; a CPU build declares the cuda ops too, without a kernel.
+// Naming (lopd_kernels/_custom_ops.py, op_name): op <op>, implementation word <impl> in
+// {cpu, cuda} (the Python ops add triton): `<op>_<impl>_fwd` / `<op>_<impl>_bwd`, spelled here by
+// LOPD_OP_NAME. Every implementation of an op has the same schema (the Python ops' included:
+// tests/test_kernel_library.py compares them); a CPU build declares the cuda ops too, without a
+// kernel.
 #pragma once
 
 namespace lopd::schemas {
+
+#define LOPD_OP_NAME(OP, IMPL, PHASE) OP "_" IMPL "_" PHASE
 
 // ---- topk_tail_kl (lopd_kernels/topk_tail_kl.py) ----
 // Forward. top_m == 0 means the full vocabulary (no selection, no tail bucket); else
@@ -17,21 +21,21 @@ namespace lopd::schemas {
 // teacher/T), bucket_logp[N,2,M+1] (fp32 log P_b, log Q_b in topk_ids order; index M is the
 // tail; with top_m == 0 it holds 0, 0: one bucket of mass 1). Rows whose
 // target == ignore_index are all zeros; other targets must lie in [0, V).
-#define LOPD_TOPK_TAIL_KL_FWD_SCHEMA(IMPL)                                                     \
-  "topk_tail_kl_" IMPL "_fwd(Tensor student_logits, Tensor teacher_logits, Tensor target_ids, " \
-  "int top_m, float temperature, bool reverse, int ignore_index) -> "                           \
-  "(Tensor kl, Tensor student_logprob, Tensor teacher_logprob, Tensor topk_ids, Tensor lse, "   \
+#define LOPD_TOPK_TAIL_KL_FWD_SCHEMA(IMPL)                                                         \
+  LOPD_OP_NAME("topk_tail_kl", IMPL, "fwd") "(Tensor student_logits, Tensor teacher_logits, "      \
+  "Tensor target_ids, int top_m, float temperature, bool reverse, int ignore_index) -> "           \
+  "(Tensor kl, Tensor student_logprob, Tensor teacher_logprob, Tensor topk_ids, Tensor lse, "      \
   "Tensor bucket_logp)"
 
 // Backward. grad_teacher_logprob already includes the privilege's upstream gradient.
 // Returns grad_student [N,V], grad_teacher [N,V] in the logits' dtypes; a side whose
 // *_requires_grad is false gets an empty float32 tensor of shape [0].
-#define LOPD_TOPK_TAIL_KL_BWD_SCHEMA(IMPL)                                                      \
-  "topk_tail_kl_" IMPL "_bwd(Tensor grad_kl, Tensor grad_student_logprob, "                     \
-  "Tensor grad_teacher_logprob, Tensor student_logits, Tensor teacher_logits, "                 \
-  "Tensor target_ids, Tensor topk_ids, Tensor kl, Tensor lse, Tensor bucket_logp, "             \
-  "float temperature, bool reverse, int ignore_index, bool student_requires_grad, "            \
-  "bool teacher_requires_grad) -> (Tensor grad_student, Tensor grad_teacher)"
+#define LOPD_TOPK_TAIL_KL_BWD_SCHEMA(IMPL)                                                         \
+  LOPD_OP_NAME("topk_tail_kl", IMPL, "bwd") "(Tensor grad_kl, Tensor grad_student_logprob, "       \
+  "Tensor grad_teacher_logprob, Tensor student_logits, Tensor teacher_logits, Tensor target_ids, " \
+  "Tensor topk_ids, Tensor kl, Tensor lse, Tensor bucket_logp, float temperature, bool reverse, "  \
+  "int ignore_index, bool student_requires_grad, bool teacher_requires_grad) -> "                  \
+  "(Tensor grad_student, Tensor grad_teacher)"
 
 inline constexpr const char* kTopkTailKlCpuFwd = LOPD_TOPK_TAIL_KL_FWD_SCHEMA("cpu");
 inline constexpr const char* kTopkTailKlCpuBwd = LOPD_TOPK_TAIL_KL_BWD_SCHEMA("cpu");
@@ -47,17 +51,18 @@ inline constexpr const char* kTopkTailKlCudaBwd = LOPD_TOPK_TAIL_KL_BWD_SCHEMA("
 // student_logprob[N], lse[N] (fp32 log-sum-exp of student/T), bucket_logp[N,2,M+1] (fp32
 // log P_b, log Q_b in slot order, -inf at padding slots; index M is the tail). Rows whose
 // target == ignore_index are all zeros; other targets and the real slots' ids must lie in [0, V).
-#define LOPD_SPARSE_TEACHER_FWD_SCHEMA(IMPL)                                                    \
-  "sparse_teacher_topk_tail_kl_" IMPL "_fwd(Tensor student_logits, "                           \
-  "Tensor teacher_topk_logprobs, Tensor teacher_topk_ids, Tensor target_ids, "                 \
-  "float temperature, bool reverse, int ignore_index, float tail_floor) -> "                   \
-  "(Tensor kl, Tensor student_logprob, Tensor lse, Tensor bucket_logp)"
+#define LOPD_SPARSE_TEACHER_FWD_SCHEMA(IMPL)                                                       \
+  LOPD_OP_NAME("sparse_teacher_topk_tail_kl", IMPL, "fwd") "(Tensor student_logits, "              \
+  "Tensor teacher_topk_logprobs, Tensor teacher_topk_ids, Tensor target_ids, float temperature, "  \
+  "bool reverse, int ignore_index, float tail_floor) -> (Tensor kl, Tensor student_logprob, "      \
+  "Tensor lse, Tensor bucket_logp)"
 
 // Backward. Returns grad_student [N, V] in the student's dtype.
-#define LOPD_SPARSE_TEACHER_BWD_SCHEMA(IMPL)                                                    \
-  "sparse_teacher_topk_tail_kl_" IMPL "_bwd(Tensor grad_kl, Tensor grad_student_logprob, "     \
-  "Tensor student_logits, Tensor teacher_topk_ids, Tensor target_ids, Tensor kl, Tensor lse, " \
-  "Tensor bucket_logp, float temperature, bool reverse, int ignore_index) -> Tensor"
+#define LOPD_SPARSE_TEACHER_BWD_SCHEMA(IMPL)                                                       \
+  LOPD_OP_NAME("sparse_teacher_topk_tail_kl", IMPL, "bwd") "(Tensor grad_kl, "                     \
+  "Tensor grad_student_logprob, Tensor student_logits, Tensor teacher_topk_ids, "                  \
+  "Tensor target_ids, Tensor kl, Tensor lse, Tensor bucket_logp, float temperature, "              \
+  "bool reverse, int ignore_index) -> Tensor"
 
 inline constexpr const char* kSparseTeacherCpuFwd = LOPD_SPARSE_TEACHER_FWD_SCHEMA("cpu");
 inline constexpr const char* kSparseTeacherCpuBwd = LOPD_SPARSE_TEACHER_BWD_SCHEMA("cpu");
@@ -69,23 +74,24 @@ inline constexpr const char* kSparseTeacherCpuBwd = LOPD_SPARSE_TEACHER_BWD_SCHE
 // max_seqlen_k >= the longest item (sizes the CUDA grid; the CPU kernel does not need it). Math
 // in fp32. Returns out [B, Lq, Hq, D] in q's dtype and lse [B, Hq, Lq] fp32 (log-sum-exp of the
 // scaled scores); an empty item gets out = 0, lse = -inf.
-#define LOPD_VARLEN_XATTN_FWD_SCHEMA(IMPL)                                                      \
-  "varlen_cross_attention_" IMPL "_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_k, "     \
-  "float scale, int max_seqlen_k) -> (Tensor out, Tensor lse)"
+#define LOPD_VARLEN_XATTN_FWD_SCHEMA(IMPL)                                                         \
+  LOPD_OP_NAME("varlen_cross_attention", IMPL, "fwd") "(Tensor q, Tensor k, Tensor v, "            \
+  "Tensor cu_seqlens_k, float scale, int max_seqlen_k) -> (Tensor out, Tensor lse)"
 
 // Backward. grad_out like q, grad_lse fp32 [B, Hq, Lq] (honoured: delta = <do, out> - dlse),
 // out and lse from the forward. Returns dq (q's dtype), dk, dv (k's dtype; for GQA summed over the
 // query heads of each kv head); dq of an empty item is 0.
-#define LOPD_VARLEN_XATTN_BWD_SCHEMA(IMPL)                                                      \
-  "varlen_cross_attention_" IMPL "_bwd(Tensor grad_out, Tensor grad_lse, Tensor q, Tensor k, "  \
-  "Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_k, float scale, int max_seqlen_k) -> "   \
-  "(Tensor dq, Tensor dk, Tensor dv)"
+#define LOPD_VARLEN_XATTN_BWD_SCHEMA(IMPL)                                                         \
+  LOPD_OP_NAME("varlen_cross_attention", IMPL, "bwd") "(Tensor grad_out, Tensor grad_lse, "        \
+  "Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_k, float scale, "       \
+  "int max_seqlen_k) -> (Tensor dq, Tensor dk, Tensor dv)"
 
 inline constexpr const char* kVarlenCrossAttentionCpuFwd = LOPD_VARLEN_XATTN_FWD_SCHEMA("cpu");
 inline constexpr const char* kVarlenCrossAttentionCpuBwd = LOPD_VARLEN_XATTN_BWD_SCHEMA("cpu");
 inline constexpr const char* kVarlenCrossAttentionCudaFwd = LOPD_VARLEN_XATTN_FWD_SCHEMA("cuda");
 inline constexpr const char* kVarlenCrossAttentionCudaBwd = LOPD_VARLEN_XATTN_BWD_SCHEMA("cuda");
 
+#undef LOPD_OP_NAME
 #undef LOPD_TOPK_TAIL_KL_FWD_SCHEMA
 #undef LOPD_TOPK_TAIL_KL_BWD_SCHEMA
 #undef LOPD_SPARSE_TEACHER_FWD_SCHEMA

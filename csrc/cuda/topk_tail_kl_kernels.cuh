@@ -1,6 +1,6 @@
 // CUDA kernels of lopd::topk_tail_kl_cuda_fwd / _bwd (schemas: csrc/common/schemas.h): the
 // first forward (variant "v1" of the switch topk_tail_kl.cuda_fwd; "v2" is
-// topk_tail_kl_fwd_v2.cuh), the backward, and the device helpers both forwards share. Launched by
+// topk_tail_kl_kernels_v2.cuh), the backward, and the device helpers both forwards share. Launched by
 // topk_tail_kl_launch.cuh, which csrc/cuda/topk_tail_kl.cu (nvcc, the CUDA op) and
 // csrc/emu/topk_tail_kl_emu.cpp (g++, the same kernels under the SIMT emulator, for CPU tests)
 // include.

@@ -1,6 +1,6 @@
 // Host side of lopd::topk_tail_kl_cuda_fwd / _bwd (schemas: csrc/common/schemas.h): argument
 // checks, output allocation, the dtype dispatch and the launches of the kernels of
-// topk_tail_kl_kernels.cuh (v1 forward, backward) and topk_tail_kl_fwd_v2.cuh (v2 forward).
+// topk_tail_kl_kernels.cuh (v1 forward, backward) and topk_tail_kl_kernels_v2.cuh (v2 forward).
 // Included by csrc/cuda/topk_tail_kl.cu (nvcc) and csrc/emu/topk_tail_kl_emu.cpp (g++, the SIMT
 // emulator).
 #pragma once
@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "cuda/topk_tail_kl_fwd_v2.cuh"
+#include "cuda/topk_tail_kl_kernels_v2.cuh"
 #include "cuda/topk_tail_kl_kernels.cuh"
 
 namespace lopd::cuda {

@@ -1,5 +1,5 @@
 // Test build: the CUDA kernels of csrc/cuda/topk_tail_kl_kernels.cuh and
-// csrc/cuda/topk_tail_kl_fwd_v2.cuh, compiled by g++ and run on CPU tensors by the SIMT emulator
+// csrc/cuda/topk_tail_kl_kernels_v2.cuh, compiled by g++ and run on CPU tensors by the SIMT emulator
 // (csrc/emu/simt_emulator.h), as torch.ops.lopd_simt_emu.* with the same schemas as
 // torch.ops.lopd.*. Built and loaded by tests/simt_emu.py; never part of the installed library.
 #ifndef LOPD_SIMT_EMULATION

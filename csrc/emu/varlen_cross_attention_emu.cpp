@@ -1,5 +1,7 @@
-// Test build: the CUDA kernels of csrc/cuda/varlen_cross_attention_kernels.cuh, compiled by g++
-// and run on CPU tensors by the SIMT emulator (csrc/emu/simt_emulator.h), as
+// Test build: the CUDA kernels of csrc/cuda/varlen_cross_attention_kernels.cuh and
+// csrc/cuda/varlen_cross_attention_kernels_wmma.cuh (launched by
+// csrc/cuda/varlen_cross_attention_launch.cuh), compiled by g++ and run on CPU tensors by the
+// SIMT emulator (csrc/emu/simt_emulator.h), as
 // torch.ops.lopd_simt_emu.varlen_cross_attention_cuda_fwd / _bwd with the same schemas as
 // torch.ops.lopd.*. Built and loaded by tests/simt_emu.py; never part of the installed library.
 // The library block itself (TORCH_LIBRARY(lopd_simt_emu, m)) lives in topk_tail_kl_emu.cpp.
@@ -10,7 +12,7 @@
 #include <torch/library.h>
 
 #include "common/schemas.h"
-#include "cuda/varlen_cross_attention_kernels.cuh"
+#include "cuda/varlen_cross_attention_launch.cuh"
 
 TORCH_LIBRARY_FRAGMENT(lopd_simt_emu, m) {
   m.def(lopd::schemas::kVarlenCrossAttentionCudaFwd);

@@ -22,8 +22,8 @@ from lopd_kernels._constants import KERNEL_DTYPES, TRITON_TOPK_MAX_TOP_M
 from lopd_kernels.kernel_variants import SWITCHES
 from lopd_kernels.kernel_variants import variant as selected_variant
 from lopd_kernels.triton._common import LOG2E
-from lopd_kernels.triton.topk_tail_kl_fused_kernels import _fwd_topm_fused_kernel
 from lopd_kernels.triton.topk_tail_kl_kernels import _bwd_kernel, _fwd_full_kernel, _fwd_topm_kernel
+from lopd_kernels.triton.topk_tail_kl_kernels_v2 import _fwd_topm_fused_kernel
 
 __all__ = ["MAX_TOP_M", "topk_tail_kl_bwd_triton", "topk_tail_kl_fwd_triton"]
 

@@ -29,44 +29,15 @@
 #include "common/topk_tail_kl_math.h"
 #include "cpu/sparse_teacher_topk_tail_kl.h"
 #include "cpu/vec_exp.h"
+#include "cpu/vec_helpers.h"
 
 namespace lopd::cpu::CPU_CAPABILITY {
 namespace {
 
 namespace km = ::lopd::topk_tail_kl;
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kVF = Vec::size();
-constexpr int64_t kStep = 2 * kVF;  // one full vector of a 16-bit input type
-constexpr int64_t kBlock = 2048;    // elements per L1 block
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-template <typename T>
-inline void load2(const T* p, Vec& a, Vec& b) {
-  if constexpr (std::is_same_v<T, float>) {
-    a = Vec::loadu(p);
-    b = Vec::loadu(p + kVF);
-  } else {
-    at::vec::load_to_float<T>(p, a, b);
-  }
-}
-
-template <typename T>
-inline void store2(T* p, const Vec& a, const Vec& b) {
-  if constexpr (std::is_same_v<T, float>) {
-    a.store(p);
-    b.store(p + kVF);
-  } else {
-    at::vec::convert_from_float<T>(a, b).store(p);
-  }
-}
-
-inline float hmax(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, v);
-}
-
-inline float hsum(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
-}
+// Vec, kVF, kStep (one full vector of a 16-bit input type), kNegInf, load2 / store2 / hmax /
+// hsum: csrc/cpu/vec_helpers.h.
+constexpr int64_t kBlock = 2048;  // elements per L1 block
 
 // Merges the log-sum-exp of x[lo, hi) * inv into st, block by block.
 template <typename T>

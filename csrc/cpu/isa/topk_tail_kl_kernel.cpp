@@ -39,55 +39,24 @@
 #include "common/topk_tail_kl_math.h"
 #include "cpu/topk_tail_kl.h"
 #include "cpu/vec_exp.h"
+#include "cpu/vec_helpers.h"
 
 namespace lopd::cpu::CPU_CAPABILITY {
 namespace {
 
 namespace math = ::lopd::topk_tail_kl;
-using Vec = at::vec::Vectorized<float>;
 
-// Elements per vector step: two float vectors, i.e. one full vector of a 16-bit input type.
-constexpr int64_t kVF = Vec::size();
-constexpr int64_t kStep = 2 * kVF;
+// Vec, kVF (floats per vector), kStep (elements per vector step: two float vectors, i.e. one full
+// vector of a 16-bit input type), kNegInf, load2 / store2 / hmax / hsum: csrc/cpu/vec_helpers.h.
 // Entries per block: the top-M forward flushes its lane sums to double once per block (short
 // fp32 sums) and prefetches the next; the full-vocabulary forward reads each block twice while it
 // sits in L1 (2 x 2,048 fp32 values = 16 KiB).
 constexpr int64_t kBlock = 2048;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.44269504088896341f;
 // How far (log2 units) a tail term may exceed its stabilizer in the one-pass path: every term is
 // then at most 2^92 (e^64), and a lane's sum of the 2 kBlock / kStep terms of a block stays far
 // below FLT_MAX.
 constexpr float kSlack2 = 64.0f * kLog2e;
-
-template <typename T>
-inline void load2(const T* p, Vec& a, Vec& b) {
-  if constexpr (std::is_same_v<T, float>) {
-    a = Vec::loadu(p);
-    b = Vec::loadu(p + kVF);
-  } else {
-    // bf16 / fp16 are widened to fp32 in registers.
-    at::vec::load_to_float<T>(p, a, b);
-  }
-}
-
-template <typename T>
-inline void store2(T* p, const Vec& a, const Vec& b) {
-  if constexpr (std::is_same_v<T, float>) {
-    a.store(p);
-    b.store(p + kVF);
-  } else {
-    at::vec::convert_from_float<T>(a, b).store(p);
-  }
-}
-
-inline float hmax(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, v);
-}
-
-inline float hsum(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
-}
 
 // Bit l set where a[l] > b[l] (ordered: a NaN lane is 0). One compare (+ a mask move on AVX2),
 // where Vec's operator> builds an all-ones vector first.

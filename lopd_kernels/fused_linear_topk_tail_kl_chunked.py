@@ -20,23 +20,26 @@ recompute and its dh GEMM (one extra GEMM in the forward instead of two in the b
 per-row kernels first (:func:`epilogue_impl`); the tail probabilities in one pass
 (:func:`tail_probs`); with a half-precision head on a GPU the logit gradient cast once per chunk
 for both GEMMs, and the weight gradient accumulated by one fp32-output ``addmm``
-(:func:`accumulate_f32_`).
+(:func:`lopd_kernels.gemm_f32.accumulate_f32_`). The float32-output GEMMs of half-precision
+operands are :mod:`lopd_kernels.gemm_f32`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from lopd_kernels._backend import has_kernel, op_name, triton_available
+from lopd_kernels import gemm_f32 as gemm
+from lopd_kernels._backend import has_kernel, triton_available
 from lopd_kernels._constants import CUDA_TOPK_MAX_TOP_M, TRITON_TOPK_MAX_TOP_M
+from lopd_kernels._custom_ops import PHASES
 from lopd_kernels.bucket_math import bucket_coefs, effective_top_m, rows_bwd_torch, rows_fwd_torch
 from lopd_kernels.kernel_variants import variant as selected_variant
+from lopd_kernels.topk_tail_kl import CUSTOM_OPS as TOPK_TAIL_KL_OPS
 
-__all__ = ["auto_chunk_rows", "chunked_bwd", "chunked_fwd", "epilogue_kernels", "matmul_f32"]
+__all__ = ["auto_chunk_rows", "chunked_bwd", "chunked_fwd", "epilogue_kernels", "tail_probs"]
 
 #: The switch choosing between the previous chunked path (v1) and the current one (v2):
 #: lopd_kernels/kernel_variants.py.
@@ -48,14 +51,11 @@ CHUNKED_SWITCH = "fused_linear_topk_tail_kl.chunked"
 # materialized logits at N = 2048. On a GPU 512 MiB is ~440 rows of fp32 logits per block pair,
 # a ~0.5 TFLOP GEMM at d = 4096: large enough for cuBLAS to run near peak.
 _CHUNK_BUDGET_CAP = {"cpu": 256 << 20, "cuda": 512 << 20}
-# fp32 bytes of one weight slab upcast at a time when the head is bf16/fp16 (see matmul_f32).
-_SLAB_BYTES = 64 << 20
 
 
 # GPU epilogue order per variant: v1 took the CUDA per-row kernels whenever the build had them;
 # v2 follows topk_tail_kl's own "auto" on a GPU (Triton first, lopd_kernels/topk_tail_kl.py).
 _GPU_EPILOGUE_ORDER = {"v1": ("cuda", "triton"), "v2": ("triton", "cuda")}
-PHASES = ("fwd", "bwd")
 _EPILOGUE_MAX_TOP_M = {"cuda": CUDA_TOPK_MAX_TOP_M, "triton": TRITON_TOPK_MAX_TOP_M}
 
 
@@ -79,7 +79,7 @@ def epilogue_impl(device: torch.device, top_m: int = 0, variant: str | None = No
         if impl == "triton":
             if triton_available():
                 return impl
-        elif all(has_kernel(op_name("topk_tail_kl", impl, p), impl.upper()) for p in PHASES):
+        elif all(has_kernel(TOPK_TAIL_KL_OPS.name(impl, p), impl.upper()) for p in PHASES):
             return impl
     return "torch"
 
@@ -92,7 +92,7 @@ def epilogue_kernels(device: torch.device, top_m: int = 0) -> tuple[Callable, Ca
     impl = epilogue_impl(device, top_m)
     if impl == "torch":
         return rows_fwd_torch, rows_bwd_torch
-    return tuple(getattr(torch.ops.lopd, op_name("topk_tail_kl", impl, p)) for p in PHASES)
+    return TOPK_TAIL_KL_OPS.ops(impl)
 
 
 def _free_memory_bytes(device: torch.device) -> int:
@@ -101,6 +101,7 @@ def _free_memory_bytes(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
     try:
+        # psutil is optional (/proc/meminfo below serves Linux without it).
         import psutil
 
         return int(psutil.virtual_memory().available)
@@ -144,107 +145,6 @@ def auto_chunk_rows(
     return int(max(1, min(rows, max(n_rows, 1))))
 
 
-_HALF = (torch.bfloat16, torch.float16)
-
-
-@functools.cache
-def _cuda_half_gemm_f32_out() -> bool:
-    """Whether cuBLAS half-precision GEMMs can write float32 here (``mm(..., out_dtype=)``)."""
-    try:
-        x = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
-        return torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError):
-        return False
-
-
-@functools.cache
-def _cuda_half_addmm_f32_out() -> bool:
-    """Whether cuBLAS accumulates a half-precision product into a float32 tensor in place
-    (``addmm(c, a, b, out_dtype=float32, out=c)``; older torch wants ``c`` in ``a``'s dtype)."""
-    try:
-        # A transposed left operand, as the weight-gradient GEMM passes it (ds^T).
-        x = torch.ones(8, 16, device="cuda", dtype=torch.bfloat16)
-        c = torch.ones(16, 16, device="cuda", dtype=torch.float32)
-        torch.addmm(c, x.T, x, out_dtype=torch.float32, out=c)
-        return bool((c == 9).all())
-    except (RuntimeError, TypeError):
-        return False
-
-
-def half_gemm(b: Tensor) -> bool:
-    """Whether GEMMs with operand ``b`` run in its half dtype with float32 output (a GPU with
-    tensor-core ``mm(out_dtype=float32)``); otherwise :func:`matmul_f32` upcasts ``b``."""
-    return b.is_cuda and b.dtype in _HALF and _cuda_half_gemm_f32_out()
-
-
-def half_addmm(b: Tensor) -> bool:
-    """Whether ``out += a @ b`` with half ``a``, ``b`` and a float32 ``out`` is one GEMM here."""
-    return half_gemm(b) and _cuda_half_addmm_f32_out()
-
-
-def mm_f32_out(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` of two half-precision matrices, written in float32 (where :func:`half_gemm`)."""
-    return torch.mm(a, b, out_dtype=torch.float32)
-
-
-def addmm_f32_out_(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """``out += a @ b`` in one GEMM: half ``a``, ``b``, float32 ``out`` (where
-    :func:`half_addmm`): ``out`` is read and written once."""
-    return torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-
-
-def matmul_f32(a: Tensor, b: Tensor, out: Tensor | None = None, accumulate: bool = False) -> Tensor:
-    """``a @ b`` (or ``out += a @ b``) into float32, for ``a [R, K]``, ``b [K, C]``.
-
-    float32 operands go straight to one GEMM. With a half-precision ``b`` on a GPU
-    (:func:`half_gemm`), ``a`` is cast to ``b``'s dtype (as autograd's bf16 matmuls do; a no-op
-    when it has it already) and tensor-core GEMMs write float32 (``out_dtype``), accumulating in
-    slabs of ``out``'s rows. Otherwise (CPU) half operands are upcast one slab of ``b``'s columns
-    at a time, so a bf16 LM head is never copied to float32 whole.
-    """
-    rows, cols = a.shape[0], b.shape[1]
-    f32 = torch.float64 if a.dtype == torch.float64 else torch.float32
-    if half_gemm(b):
-        a_h = a.to(b.dtype)
-        if out is None:
-            return mm_f32_out(a_h, b)
-        slab = max(1, _SLAB_BYTES // (4 * max(cols, 1)))
-        for r0 in range(0, rows, slab):
-            r1 = min(rows, r0 + slab)
-            part = mm_f32_out(a_h[r0:r1], b)
-            if accumulate:
-                out[r0:r1] += part
-            else:
-                out[r0:r1] = part
-        return out
-    if out is None:
-        out = torch.empty(rows, cols, dtype=f32, device=a.device)
-        accumulate = False
-    if a.dtype == f32 and b.dtype == f32:
-        return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
-    a32 = a.to(f32)
-    slab = max(1, _SLAB_BYTES // (4 * max(b.shape[0], 1)))
-    for c0 in range(0, cols, slab):
-        c1 = min(cols, c0 + slab)
-        dst = out[:, c0:c1]
-        if accumulate:
-            dst.addmm_(a32, b[:, c0:c1].to(f32))
-        else:
-            torch.mm(a32, b[:, c0:c1].to(f32), out=dst)
-    return out
-
-
-def accumulate_f32_(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """``out += a @ b`` into the float32 ``out`` (v2): one fp32-output ``addmm`` where
-    :func:`half_addmm` (``out`` read and written once per call, against v1's float32 part per
-    64 MiB slab written, re-read and added: twice the traffic on ``out``), else
-    :func:`matmul_f32`'s accumulation (on CPU already one ``addmm_`` per upcast slab)."""
-    if half_addmm(b) and a.dtype == b.dtype:
-        addmm_f32_out_(out, a, b)
-    else:
-        matmul_f32(a, b, out=out, accumulate=True)
-
-
 def tail_probs_triton_ok(logits: Tensor) -> bool:
     """Whether the tail probabilities are computed by the Triton pass (a GPU with Triton)."""
     return logits.is_cuda and triton_available()
@@ -255,17 +155,18 @@ def tail_probs(
 ) -> Tensor:
     """``exp(logits / T - lse)`` with each row's top-M entries zeroed, in ``out_dtype`` (v2).
 
-    On a GPU with Triton one pass (:mod:`lopd_kernels.triton.tail_probs`: a float32 read, a
-    write in the GEMM dtype, M zeros per row). Otherwise two PyTorch passes in place
-    (``lse`` subtracted with the ``1/T`` scale in one ``add``, then ``exp``), a scatter and, when
-    ``out_dtype`` is not float32, a cast. ``logits`` (``[C, V]`` float32) is overwritten.
+    On a GPU with Triton one pass (:mod:`lopd_kernels.triton.fused_linear_topk_tail_kl_chunked`:
+    a float32 read, a write in the GEMM dtype, M zeros per row). Otherwise two PyTorch passes in
+    place (``lse`` subtracted with the ``1/T`` scale in one ``add``, then ``exp``), a scatter and,
+    when ``out_dtype`` is not float32, a cast. ``logits`` (``[C, V]`` float32) is overwritten.
 
     Args:
         logits: ``[C, V]`` float32 logit block; lse: ``[C]`` this side's log-sum-exp of
             ``logits / T``; topk_ids: ``[C, M]`` int64.
     """
     if tail_probs_triton_ok(logits):
-        from lopd_kernels.triton.tail_probs import tail_probs_triton
+        # triton is optional (machines without it take the PyTorch passes): imported lazily.
+        from lopd_kernels.triton.fused_linear_topk_tail_kl_chunked import tail_probs_triton
 
         return tail_probs_triton(logits, lse, topk_ids, temperature, out_dtype)
     probs = torch.add(lse.neg()[:, None], logits, alpha=1.0 / temperature, out=logits).exp_()
@@ -275,7 +176,7 @@ def tail_probs(
 
 def _logits_block(h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """``[C, V]`` float32 logits of one token chunk."""
-    out = matmul_f32(h, w.T)
+    out = gemm.matmul_f32(h, w.T)
     if b is not None:
         out += b.to(out.dtype)
     return out
@@ -335,12 +236,12 @@ def chunked_fwd(
             if not proj.numel():
                 continue
             if v2:
-                gemm_dtype = w.dtype if half_gemm(w) else logits.dtype
+                gemm_dtype = w.dtype if gemm.half_gemm(w) else logits.dtype
                 probs = tail_probs(logits, out[4][:, x], out[3], temperature, gemm_dtype)
             else:
                 probs = logits.div_(temperature).sub_(out[4][:, x : x + 1]).exp_()
                 probs.scatter_(1, out[3], 0.0)
-            proj.index_copy_(0, r, matmul_f32(probs, w))
+            proj.index_copy_(0, r, gemm.matmul_f32(probs, w))
             del probs
         del s, t
     return kl, lp_s, lp_t, ids, lse, bucket, *projs
@@ -489,15 +390,15 @@ def chunked_bwd(
                     d_b += grad.sum(0)
                 # v2: the logit gradient cast once to the GEMM dtype, for both GEMMs (v1 cast it
                 # inside each matmul_f32 call: twice with a bf16 head on a GPU).
-                g = grad.to(w.dtype) if v2 and half_gemm(w) else grad
+                g = grad.to(w.dtype) if v2 and gemm.half_gemm(w) else grad
                 if d_h is not None:
-                    d_h.index_copy_(0, r, matmul_f32(g, w))
+                    d_h.index_copy_(0, r, gemm.matmul_f32(g, w))
                 if d_w is not None:
                     # dW[V, d] += ds^T [V, C] @ h [C, d]: one GEMM per chunk, fp32 accumulator.
                     if v2:
-                        accumulate_f32_(d_w, g.T, h)
+                        gemm.accumulate_f32_(d_w, g.T, h)
                     else:
-                        matmul_f32(g.T, h, out=d_w, accumulate=True)
+                        gemm.matmul_f32(g.T, h, out=d_w, accumulate=True)
                 del g
             del g_s, g_t
     return [

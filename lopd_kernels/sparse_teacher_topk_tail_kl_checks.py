@@ -1,9 +1,10 @@
 """Input validation of ``sparse_teacher_topk_tail_kl``, each message naming the bad argument.
 
-:func:`check_sparse_inputs` reads only metadata (shapes, dtypes, devices, Python scalars);
-:func:`check_sparse_teacher_values` reads the teacher's ids and log-probs of the rows that count
-(rows whose target is ``ignore_index`` may hold anything: servers pad them with placeholders).
-The C++ kernel repeats the check it needs for memory safety (ids in ``[0, V)``).
+The scheme of :mod:`lopd_kernels.topk_tail_kl_checks`: :func:`check_inputs` reads only metadata
+(shapes, dtypes, devices, Python scalars); :func:`check_values` reads the targets and the
+teacher's ids and log-probs of the rows that count (rows whose target is ``ignore_index`` may hold
+anything: servers pad them with placeholders). The C++ kernel repeats the check it needs for
+memory safety (ids in ``[0, V)``).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import torch
 from torch import Tensor
 
 from lopd_kernels._constants import REFERENCE_DTYPES
-from lopd_kernels.topk_tail_kl_checks import check_loss_options, check_target_values
+from lopd_kernels.topk_tail_kl_checks import check_loss_options
+from lopd_kernels.topk_tail_kl_checks import check_values as check_target_values
 
-__all__ = ["check_sparse_inputs", "check_sparse_teacher_values"]
+__all__ = ["check_inputs", "check_values"]
 
 
-def check_sparse_inputs(
+def check_inputs(
     student_logits: Tensor,
     teacher_topk_logprobs: Tensor,
     teacher_topk_ids: Tensor,
@@ -95,7 +97,7 @@ def _first_row(bad: Tensor) -> int:
     return int(bad.nonzero()[0, 0])
 
 
-def check_sparse_teacher_values(
+def check_values(
     teacher_topk_logprobs: Tensor,
     teacher_topk_ids: Tensor,
     target_ids: Tensor,

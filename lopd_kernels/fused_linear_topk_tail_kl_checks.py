@@ -1,0 +1,109 @@
+"""Input validation of ``fused_linear_topk_tail_kl``, each message naming the bad argument.
+
+The scheme of :mod:`lopd_kernels.topk_tail_kl_checks`: :func:`check_inputs` reads only metadata
+(shapes, dtypes, devices, Python scalars; the scalar options the top-M + tail family shares are
+:func:`lopd_kernels.topk_tail_kl_checks.check_loss_options`); :func:`check_values` reads the
+targets (one host sync on a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lopd_kernels.topk_tail_kl_checks import check_loss_options
+
+__all__ = ["check_inputs", "check_values"]
+
+
+def check_inputs(
+    hs: Tensor,
+    ws: Tensor,
+    ht: Tensor,
+    wt: Tensor,
+    target: Tensor,
+    bs: Tensor | None,
+    bt: Tensor | None,
+    top_m: int | None,
+    temperature: float,
+    divergence: str,
+    ignore_index: int,
+    chunk_size: int | None,
+) -> int:
+    """Validates everything knowable without reading tensor data; returns ``top_m`` as an int
+    (0: the full vocabulary).
+
+    Args:
+        hs, ws, ht, wt: student / teacher hidden states ``[N, d]`` and LM heads ``[V, d]``.
+        target: ``[N]`` target ids; bs, bt: optional ``[V]`` biases.
+        top_m, temperature, divergence, ignore_index, chunk_size: as
+            :func:`lopd_kernels.fused_linear_topk_tail_kl` takes them.
+    """
+    if top_m is None:
+        top_m = 0
+    elif isinstance(top_m, bool) or not isinstance(top_m, int) or top_m < 1:
+        raise ValueError(f"top_m must be a positive int or None (full vocabulary), got {top_m!r}")
+    check_loss_options(temperature, divergence, ignore_index)
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size must be a positive int or None (auto), got {chunk_size!r}")
+    named = {"student_hidden": hs, "student_weight": ws, "teacher_hidden": ht}
+    named |= {"teacher_weight": wt, "target_ids": target}
+    named |= {k: v for k, v in (("student_bias", bs), ("teacher_bias", bt)) if v is not None}
+    for name, x in named.items():
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.device != hs.device:
+            raise ValueError(f"{name} is on {x.device} but student_hidden is on {hs.device}")
+        if name != "target_ids" and not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    for name, x in (("student_hidden", hs), ("student_weight", ws)):
+        if x.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(x.shape)}")
+    for name, x in (("teacher_hidden", ht), ("teacher_weight", wt)):
+        if x.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(x.shape)}")
+    vocab = ws.shape[0]
+    if hs.shape[1] != ws.shape[1]:
+        raise ValueError(
+            f"student_hidden [N, d] = {tuple(hs.shape)} and student_weight [V, d] = "
+            f"{tuple(ws.shape)} disagree on d"
+        )
+    if ht.shape[1] != wt.shape[1]:
+        raise ValueError(
+            f"teacher_hidden [N, d] = {tuple(ht.shape)} and teacher_weight [V, d] = "
+            f"{tuple(wt.shape)} disagree on d"
+        )
+    if wt.shape[0] != vocab:
+        raise ValueError(f"teacher_weight has {wt.shape[0]} vocabulary rows, student {vocab}")
+    if vocab == 0:
+        raise ValueError("student_weight has an empty vocabulary (V = 0)")
+    if ht.shape[0] != hs.shape[0]:
+        raise ValueError(f"teacher_hidden has {ht.shape[0]} rows, student_hidden {hs.shape[0]}")
+    if hs.dtype != ws.dtype or ht.dtype != wt.dtype:
+        raise TypeError(
+            "each hidden state must share its weight's dtype, got "
+            f"student {hs.dtype}/{ws.dtype}, teacher {ht.dtype}/{wt.dtype}"
+        )
+    if target.dtype not in (torch.int64, torch.int32) or target.shape != (hs.shape[0],):
+        raise ValueError(
+            f"target_ids must be int64/int32 of shape [N] = [{hs.shape[0]}], "
+            f"got {target.dtype} {tuple(target.shape)}"
+        )
+    for name, b, w in (("student_bias", bs, ws), ("teacher_bias", bt, wt)):
+        if b is not None and b.shape != (vocab,):
+            raise ValueError(f"{name} must have shape [V] = [{vocab}], got {tuple(b.shape)}")
+        if b is not None and b.dtype != w.dtype:
+            raise TypeError(f"{name} must have its weight's dtype {w.dtype}, got {b.dtype}")
+    return top_m
+
+
+def check_values(target: Tensor, vocab: int, ignore_index: int) -> None:
+    """Raises ValueError if a target is neither ``ignore_index`` nor in ``[0, V)``."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if bool(bad.any()):
+        raise ValueError(
+            f"target_ids must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
+            f"got {target[bad][:4].tolist()}"
+        )
