@@ -17,7 +17,8 @@ the episode's backends are lost: later calls are errors and later checks fail
 
 Workers are pooled per process (an episode takes one at ``reset`` and gives it back when its env
 is closed or dropped), so the cost per call is one round trip over a pipe (about 0.1 ms) and
-the process start (about 0.2 s) is paid once per concurrent episode.
+the process start (about 0.2 s) is paid once per concurrent episode (a worker holds about
+21 MiB).
 """
 
 from __future__ import annotations
