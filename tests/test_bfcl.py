@@ -233,6 +233,7 @@ def test_unknown_and_private_names_are_errors_and_model_text_is_never_evaluated(
     env.reset(task)
     marker = tmp_path / "pwned"
     evil = f"__import__('os').system('touch {marker}')"
+    seen = []
     for name, args in [
         ("no_such_tool", {"x": 1}),
         ("_load_scenario", {"scenario": {}}),
@@ -243,11 +244,12 @@ def test_unknown_and_private_names_are_errors_and_model_text_is_never_evaluated(
     ]:
         obs, done = env.step(format_tool_call(ToolCall(name, args)))
         assert not done and obs.startswith(("Error during execution", "{")), obs
-    assert "name 'no_such_tool' is not defined" in env._model_results[0]
-    assert "is not allowed" in env._model_results[3]
+        seen.append(obs)
+    assert "name 'no_such_tool' is not defined" in seen[0]
+    assert "is not allowed" in seen[3]
     assert not marker.exists()
-    before = env._model.instances["GorillaFileSystem"]._current_dir.name
-    assert before == "workspace"  # no call moved it
+    obs, _ = env.step(format_tool_call(ToolCall("pwd", {})))
+    assert obs.endswith('/workspace"}')  # no call moved it
     for action in oracle_actions(task):
         env.step(action)
     assert env.success  # extra error results do not fail BFCL's response check
@@ -311,9 +313,13 @@ def test_each_episode_has_its_own_backend_instances(tasks):
     a.reset(task)
     b.reset(task)
     a.step(format_tool_call(ToolCall("cd", {"folder": "document"})))
-    fs_a, fs_b = (e._model.instances["GorillaFileSystem"] for e in (a, b))
-    assert fs_a._current_dir.name == "document" and fs_b._current_dir.name == "workspace"
-    assert fs_a is not a._truth.instances["GorillaFileSystem"]
+    pwd = format_tool_call(ToolCall("pwd", {}))
+    assert a.step(pwd)[0].endswith('/document"}') and b.step(pwd)[0].endswith('/workspace"}')
+    # The model's cd did not move the ground truth: the first turn still checks as BFCL would.
+    env, official = both_verdicts(
+        task, [[[c] for c in calls] for calls in ground_truth_calls(task.spec)]
+    )
+    assert env.success and official["valid"]
 
 
 def test_math_calls_that_would_hang_are_refused_and_precision_is_restored():

@@ -198,8 +198,10 @@ def _denied(stderr: str) -> bool:
 
 @needs_root
 def test_writing_outside_the_work_dir_fails(tmp_path):
-    # The standard library's directory stands for any root-owned place outside /tmp.
-    target = Path(os.__file__).parent / f"pwned-{uuid.uuid4().hex}.txt"
+    # The sandbox's standard library (bound read-only from the host) stands for any root-owned
+    # place outside /tmp that the program can see.
+    stdlib = Path(run_python("import os\nprint(os.path.dirname(os.__file__))").stdout.strip())
+    target = stdlib / f"pwned-{uuid.uuid4().hex}.txt"
     try:
         r = run_python(f"open({str(target)!r}, 'w').write('x')")
         assert r.returncode != 0 and _denied(r.stderr)

@@ -4,7 +4,7 @@ A *caller* process (standing for the trainer) holds a secret in its environment,
 command line, a listening socket, a marker file in ``/tmp`` and a world-writable directory
 outside the work dir; it runs one probe program in the sandbox, which reports what it could
 reach. The caller runs as root (root mode) or as a fresh unprivileged uid (user-namespace mode,
-and plain mode with ``isolate=False``), using a copy of the two sandbox modules (standard library
+and plain mode with ``isolate=False``), using a copy of the sandbox modules (standard library
 only) so that no part of the checkout needs to be readable by that uid.
 """
 
@@ -82,6 +82,21 @@ try:
 except OSError:
     seen["network"] = False
 seen["world_readable"] = bool(reads("/etc/passwd"))
+seen["host_file"] = bool(reads(cfg["readable_file"]))
+try:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(2)
+    s.connect(cfg["unix_socket"])
+    seen["unix_socket"] = s.recv(16) == b"hello"
+except OSError:
+    seen["unix_socket"] = False
+try:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(2)
+    s.connect("\0" + cfg["abstract_socket"])
+    seen["abstract_socket"] = s.recv(16) == b"hello"
+except OSError:
+    seen["abstract_socket"] = False
 print(json.dumps(seen))
 """
 
@@ -100,16 +115,37 @@ PAYLOADS = {
     ),
 }
 
-# Runs as the caller: imports the copied sandbox module, probes, runs the payloads.
+# Runs as the caller: imports the copied sandbox modules, probes, runs the payloads. It serves
+# a 0777 filesystem UNIX socket and an abstract one (each answers "hello").
 CALLER = r"""
-import json, os, socket, sys
+import json, os, socket, sys, threading
 sys.path.insert(0, sys.argv[1])
-import sandbox
+from lopd.envs import sandbox
 cfg = json.loads(sys.argv[2])
 srv = socket.socket()
 srv.bind(("127.0.0.1", 0))
 srv.listen(4)
 cfg["probe"]["port"] = srv.getsockname()[1]
+
+
+def serve(address):
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(address)
+    if not address.startswith("\0"):
+        os.chmod(address, 0o777)
+    s.listen(4)
+
+    def loop():
+        while True:
+            conn, _ = s.accept()
+            conn.sendall(b"hello")
+            conn.close()
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
+serve(cfg["probe"]["unix_socket"])
+serve("\0" + cfg["probe"]["abstract_socket"])
 cfg["probe"]["caller_pid"] = os.getpid()
 kw = cfg["kw"]
 r = sandbox.run_sandboxed(
@@ -152,12 +188,25 @@ def run_caller(mode: str) -> dict:
     outside = Path(tempfile.mkdtemp(prefix=".lopd-outside-", dir=REPO))
     tmp_marker = Path(tempfile.mkdtemp(prefix="lopd-host-tmp-")) / "marker"
     try:
-        for name in ("sandbox.py", "_sandbox_launcher.py"):
-            shutil.copy(Path(sandbox.__file__).with_name(name), mod_dir / name)
-            os.chmod(mod_dir / name, 0o644)
-        os.chmod(mod_dir, 0o755)
+        # The sandbox's modules as a package of their own (empty __init__ files).
+        pkg = mod_dir / "lopd" / "envs"
+        pkg.mkdir(parents=True)
+        (mod_dir / "lopd" / "__init__.py").write_text("")
+        (pkg / "__init__.py").write_text("")
+        for name in (
+            "sandbox.py",
+            "_sandbox_launcher.py",
+            "_sandbox_layout.py",
+            "_tree_removal.py",
+        ):
+            shutil.copy(Path(sandbox.__file__).with_name(name), pkg / name)
+        for p in [mod_dir, *mod_dir.rglob("*")]:
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
         os.chmod(outside, 0o777)  # only the read-only mount (or the mode) can stop a write
         tmp_marker.write_text("x")
+        readable = outside / "readable.txt"
+        readable.write_text("x")
+        os.chmod(readable, 0o644)
         os.chmod(tmp_marker.parent, 0o755)
         os.chmod(tmp_marker, 0o644)
         if uid is not None:
@@ -169,6 +218,9 @@ def run_caller(mode: str) -> dict:
                 "marker": marker,
                 "outside_dir": str(outside),
                 "tmp_marker": str(tmp_marker),
+                "readable_file": str(readable),
+                "unix_socket": str(outside / "service.sock"),
+                "abstract_socket": f"lopd-test-{uuid.uuid4().hex}",
             },
             "probe_code": PROBE,
             "payloads": PAYLOADS,
@@ -232,7 +284,10 @@ CONTAINED = {
     "write_outside": False,
     "host_tmp": False,
     "network": False,
-    "world_readable": True,  # documented as not prevented
+    "world_readable": False,
+    "host_file": False,
+    "unix_socket": False,
+    "abstract_socket": False,
 }
 
 
@@ -249,7 +304,7 @@ def test_root_mode(root_mode):
     iso = root_mode["isolation"]
     assert iso["uid"] is not None and not iso["user_namespace"]
     assert iso["private_proc"] and iso["private_tmp"] and iso["read_only_root"]
-    assert iso["no_network"]
+    assert iso["no_network"] and iso["minimal_root"] and iso["disk_cap"]
     assert root_mode["seen"] == CONTAINED, root_mode["stderr"]
     assert not root_mode["wrote_outside"]
     _check_payloads(root_mode)
@@ -259,7 +314,7 @@ def test_user_namespace_mode(user_mode):
     iso = user_mode["isolation"]
     assert iso["uid"] is None and iso["user_namespace"]
     assert iso["private_proc"] and iso["private_tmp"] and iso["read_only_root"]
-    assert iso["no_network"]
+    assert iso["no_network"] and iso["minimal_root"] and iso["disk_cap"]
     assert user_mode["seen"] == CONTAINED, user_mode["stderr"]
     assert not user_mode["wrote_outside"]
     _check_payloads(user_mode)
@@ -279,4 +334,5 @@ def test_plain_mode_contains_only_what_the_table_says(plain_mode):
         assert seen[key] is True, key
     assert seen["write_outside"] and plain_mode["wrote_outside"]
     assert seen["host_tmp"] and seen["network"] and seen["world_readable"]
+    assert seen["host_file"] and seen["unix_socket"] and seen["abstract_socket"]
     _check_payloads(plain_mode)

@@ -9,10 +9,12 @@ the configured runs one after the other. For each run it
 
 1. forks a child that redirects stdin/stdout/stderr to per-run files outside the work dir and,
    when configured, enters new namespaces: mount, network, pid (and, when not root, a user
-   namespace mapping only the caller's own uid). In them the whole file system is read-only
-   except the work dir; ``/tmp``, ``/var/tmp``, ``/dev/shm`` are empty private tmpfs mounts;
-   there is no network; and a private ``/proc`` (``hidepid=invisible``) shows only the run's own
-   processes;
+   namespace mapping only the caller's own uid). In them the root is a new read-only tmpfs
+   holding only the interpreter's files, bound read-only with site directories masked (the
+   layout computed by ``_sandbox_layout.py``), and one capped scratch tmpfs for ``/tmp``,
+   ``/var/tmp``, ``/dev/shm`` and a fresh copy of the work dir; the host's tree is detached
+   (``pivot_root``); there is no network; and a private ``/proc`` (``hidepid=invisible``) shows
+   only the run's own processes;
 2. with a pid namespace, the child forks a small trusted init (pid 1 of the namespace, which
    reaps orphans and, when it exits, makes the kernel kill everything left in the namespace);
    the init (or, without one, the child itself) forks the program's process, which sets resource
@@ -31,10 +33,12 @@ It must not import anything from ``lopd`` (it runs without site-packages).
 
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import resource
 import signal
+import stat
 import struct
 import sys
 import time
@@ -52,11 +56,30 @@ MS_NODEV = 4
 MS_NOEXEC = 8
 MS_BIND = 4096
 MS_REC = 16384
+MS_RDONLY = 1
+MS_MOVE = 8192
 MS_PRIVATE = 1 << 18
+MNT_DETACH = 2
 SYS_MOUNT_SETATTR = 442  # same number on every architecture (added in Linux 5.12)
 AT_FDCWD = -100
 AT_RECURSIVE = 0x8000
 MOUNT_ATTR_RDONLY = 0x1
+MOUNT_ATTR_NOSUID = 0x2
+MOUNT_ATTR_NODEV = 0x4
+MOUNT_ATTR_NOEXEC = 0x8
+# pivot_root(2) has no libc wrapper and its number differs between architectures.
+SYS_PIVOT_ROOT = {
+    "x86_64": 155,
+    "aarch64": 41,
+    "riscv64": 41,
+    "loongarch64": 41,
+    "ppc64le": 203,
+    "ppc64": 203,
+    "s390x": 217,
+    "i686": 217,
+    "i386": 217,
+    "armv7l": 218,
+}
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -86,11 +109,12 @@ def _write(path: str, text: str) -> None:
 
 
 def _enter_namespaces(cfg: dict) -> dict:
-    """In the run's child: new namespaces, read-only file system but the work dir, private tmp.
+    """In the run's child: new namespaces and a minimal read-only root (see :func:`_build_root`).
 
     Returns:
-        What was achieved (``private_tmp``, ``no_network``, ``read_only_root``, ``pid_namespace``,
-        ``user_namespace``); all False when namespaces are not configured for this mode.
+        What was achieved (``private_tmp``, ``no_network``, ``read_only_root``, ``minimal_root``,
+        ``disk_cap``, ``pid_namespace``, ``user_namespace``); all False when namespaces are not
+        configured for this mode.
 
     Raises:
         OSError: a configured step failed (the run then does not start).
@@ -99,6 +123,8 @@ def _enter_namespaces(cfg: dict) -> dict:
         "private_tmp": False,
         "no_network": False,
         "read_only_root": False,
+        "minimal_root": False,
+        "disk_cap": False,
         "pid_namespace": False,
         "user_namespace": False,
     }
@@ -122,20 +148,139 @@ def _enter_namespaces(cfg: dict) -> dict:
     info["pid_namespace"] = True
     info["no_network"] = bool(cfg["no_network"])
     _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
-    cwd = cfg["cwd"]
-    cwd_fd = os.open(cwd, os.O_RDONLY | os.O_DIRECTORY)
-    _mount_setattr("/", True, MOUNT_ATTR_RDONLY, 0)
-    for d in cfg["masked_dirs"]:
-        if os.path.isdir(d):
-            _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
-    # The work dir (under a masked dir, or on the now read-only rest) is bound back writable.
-    os.makedirs(cwd, mode=0o755, exist_ok=True)
-    _mount(f"/proc/self/fd/{cwd_fd}", cwd, None, MS_BIND, None)
-    _mount_setattr(cwd, False, 0, MOUNT_ATTR_RDONLY)
-    os.close(cwd_fd)
-    info["private_tmp"] = True
-    info["read_only_root"] = True
+    _build_root(cfg, keep_host_proc=mode == "user")
+    for key in ("private_tmp", "read_only_root", "minimal_root", "disk_cap"):
+        info[key] = True
     return info
+
+
+def _inside(path: str, tops) -> bool:
+    return any(path == t or path.startswith(t.rstrip("/") + "/") for t in tops)
+
+
+def _makedirs(path: str, mode: int = 0o755) -> None:
+    """``mkdir -p`` inside the new root (every component is a directory made here)."""
+    if not os.path.isdir(path):
+        _makedirs(os.path.dirname(path), mode)
+        os.mkdir(path, mode)
+
+
+def _mirror(path: str, root: str, binds, depth: int = 0) -> None:
+    """Recreate under ``root`` the directories and symlinks leading to host ``path``.
+
+    A component that is a symlink on the host becomes the same symlink under ``root`` and the
+    walk goes on at its target; it stops at a path that a bind will provide. Only directories
+    made here are ever written into, never through a symlink.
+    """
+    if depth > 40:
+        raise OSError(errno.ELOOP, f"too many symlinks resolving {path}")
+    parts = [p for p in path.split("/") if p]
+    cur = ""
+    for i, comp in enumerate(parts):
+        nxt = f"{cur}/{comp}"
+        if _inside(nxt, binds):
+            return
+        st = os.lstat(nxt)
+        if stat.S_ISLNK(st.st_mode):
+            target = os.readlink(nxt)
+            if not os.path.lexists(root + nxt):
+                os.symlink(target, root + nxt)
+            rest = "/".join(parts[i + 1 :])
+            resolved = os.path.normpath(os.path.join(cur or "/", target))
+            _mirror(f"{resolved}/{rest}" if rest else resolved, root, binds, depth + 1)
+            return
+        if i + 1 < len(parts) and not os.path.isdir(root + nxt):
+            os.mkdir(root + nxt, 0o755)
+        cur = nxt
+
+
+def _bind(src: str, target: str, flags: int, attrs: int) -> None:
+    """Bind ``src`` at ``target`` (a mount point made here) and set mount attributes on it."""
+    if os.path.isdir(src):
+        _makedirs(target)
+    else:
+        _makedirs(os.path.dirname(target))
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o644))
+    _mount(src, target, None, MS_BIND | flags, None)
+    _mount_setattr(target, bool(flags & MS_REC), attrs, 0)
+
+
+def _copy_tree(src: str, dst: str, uid) -> None:
+    """The run's initial files (trusted, written by the caller) into the private work dir."""
+    for top, dirs, files in os.walk(src):
+        rel = os.path.relpath(top, src)
+        here = dst if rel == "." else os.path.join(dst, rel)
+        for d in dirs:
+            os.mkdir(os.path.join(here, d), 0o700)
+        for name in files:
+            with open(os.path.join(top, name), "rb") as fin:
+                data = fin.read()
+            fd = os.open(os.path.join(here, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "wb") as fout:
+                fout.write(data)
+    if uid is not None:
+        for top, dirs, files in os.walk(dst):
+            for name in [top, *(os.path.join(top, n) for n in dirs + files)]:
+                os.chown(name, uid, uid)
+
+
+def _pivot(root: str) -> None:
+    """Make ``root`` the root and detach the host's tree from this mount namespace."""
+    os.chdir(root)
+    number = SYS_PIVOT_ROOT.get(os.uname().machine)
+    if number is not None and _libc.syscall(number, b".", b".") == 0:
+        # pivot_root(".", "."): the old root is stacked on the new one; detach it.
+        _check(_libc.umount2(b".", MNT_DETACH), "umount old root")
+    else:
+        # No pivot_root (unknown architecture, or a root that is not a mount): move the new
+        # root over "/" and chroot; the program has no capability to leave a chroot.
+        _mount(".", "/", None, MS_MOVE, None)
+        os.chroot(".")
+    os.chdir("/")
+
+
+def _build_root(cfg: dict, keep_host_proc: bool) -> None:
+    """A root with only the interpreter's files (read-only) and one capped scratch tmpfs.
+
+    ``cfg["root"]``: ``new_root`` / ``scratch`` (empty host dirs used as mount points),
+    ``scratch_options`` (tmpfs ``size=...,nr_inodes=...``: the run's disk caps), ``layout``
+    (from ``_sandbox_layout.root_layout``). The scratch tmpfs holds ``/tmp``, ``/var/tmp``,
+    ``/dev/shm`` and the work dir (a copy of the caller's files), so those caps bound everything
+    the program can write; the rest is read-only and holds no host file but the layout's.
+    """
+    rc = cfg["root"]
+    root, scratch, layout = rc["new_root"], rc["scratch"], rc["layout"]
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=755")
+    _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, rc["scratch_options"] + ",mode=755")
+    uid = cfg["uid"]
+    for sub, target in (("tmp", "/tmp"), ("var_tmp", "/var/tmp"), ("dev_shm", "/dev/shm")):
+        os.mkdir(f"{scratch}/{sub}")
+        os.chmod(f"{scratch}/{sub}", 0o1777)
+        _makedirs(root + target)
+        _mount(f"{scratch}/{sub}", root + target, None, MS_BIND, None)
+    os.mkdir(f"{scratch}/work", 0o700)
+    _copy_tree(cfg["host_work"], f"{scratch}/work", uid)
+    _makedirs(root + cfg["cwd"])
+    _mount(f"{scratch}/work", root + cfg["cwd"], None, MS_BIND, None)
+    binds = layout["binds"]
+    for path in layout["mirror"] + binds:
+        _mirror(path, root, binds)
+    for path in binds:
+        _bind(path, root + path, MS_REC, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+    for path in layout["masks"]:
+        flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+        _mount("tmpfs", root + path, "tmpfs", flags, "size=4k,nr_inodes=2,mode=755")
+    for dev in layout["devices"]:
+        _bind(dev, root + dev, 0, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC)
+    for name, target in (("fd", ""), ("stdin", "/0"), ("stdout", "/1"), ("stderr", "/2")):
+        os.symlink(f"/proc/self/fd{target}", f"{root}/dev/{name}")
+    _makedirs(root + "/proc")
+    if keep_host_proc:
+        # In a user namespace, procfs may be mounted only where one is already fully visible;
+        # the run's init covers this one with its private /proc before the program starts.
+        _mount("/proc", root + "/proc", None, MS_BIND | MS_REC, None)
+    _mount_setattr(root, False, MOUNT_ATTR_RDONLY, 0)
+    _pivot(root)
 
 
 def _mount_private_proc() -> bool:

@@ -73,7 +73,9 @@ class ToolCallParseError(ValueError):
 
 
 MAX_TOOL_CALLS = 32
-"""Tool-call blocks read from one turn; more is a parse error (parallel calls fail anyway)."""
+"""Tool-call blocks read from one turn by default; more is a parse error. Each env sets its own
+(:attr:`Env.max_tool_calls`): the tool-use worlds take one call per step, BFCL takes as many as
+its benchmark admits (:data:`lopd.envs.bfcl.MAX_PARALLEL_CALLS`)."""
 MAX_TOOL_CALL_CHARS = 65_536
 """Characters of one ``<tool_call>`` body."""
 MAX_TOOL_NAME_CHARS = 128
@@ -213,7 +215,7 @@ def strip_thinking(text: str) -> str:
     return "".join(_split_blocks(text, _THINK_OPEN, _THINK_CLOSE)[1])
 
 
-def parse_tool_calls(text: str) -> list[ToolCall]:
+def parse_tool_calls(text: str, max_calls: int = MAX_TOOL_CALLS) -> list[ToolCall]:
     """Parse every tool call in one assistant turn.
 
     The format is Qwen3's (the one its chat template teaches)::
@@ -227,13 +229,14 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     time linear in the text, whatever it holds.
 
     Limits (each a :class:`ToolCallParseError`, never another exception): at most
-    :data:`MAX_TOOL_CALLS` blocks of at most :data:`MAX_TOOL_CALL_CHARS` characters, JSON nested
+    ``max_calls`` blocks of at most :data:`MAX_TOOL_CALL_CHARS` characters, JSON nested
     at most :data:`MAX_JSON_DEPTH` deep, numbers of at most :data:`MAX_NUMBER_CHARS` characters
     (no NaN/Infinity), names of at most :data:`MAX_TOOL_NAME_CHARS` characters, and no control
     character or lone surrogate (a JSON ``"\\ud800"`` escape) in any string.
 
     Args:
         text: the raw assistant text of one turn.
+        max_calls: tool-call blocks read from it (an env passes its :attr:`Env.max_tool_calls`).
 
     Returns:
         The calls in order of appearance; ``[]`` if the text has no ``<tool_call>`` block.
@@ -250,9 +253,9 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     tail = rest.find(_OPEN, last_close + len(_CLOSE) if last_close >= 0 else 0)
     if tail >= 0:
         bodies.append(rest[tail + len(_OPEN) :])
-    if len(bodies) > MAX_TOOL_CALLS:
+    if len(bodies) > max_calls:
         raise ToolCallParseError(
-            f"{len(bodies)} tool calls in one turn (at most {MAX_TOOL_CALLS} are read)"
+            f"{len(bodies)} tool calls in one turn (at most {max_calls} are read)"
         )
     calls = []
     for body in bodies:
@@ -313,6 +316,8 @@ class Env(abc.ABC):
     """
 
     max_steps: int = 30
+    max_tool_calls: int = MAX_TOOL_CALLS
+    """Tool-call blocks read from one assistant turn (more is a parse error)."""
     observation_role: str = "tool"
     """How the rollout renders the observation of the last step: ``"tool"`` or ``"user"``."""
 

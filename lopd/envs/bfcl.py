@@ -36,31 +36,35 @@ every checked turn passed and every turn was reached, which is BFCL's binary ent
 
 Deliberate differences from ``bfcl-eval``'s runner, none of which changes a verdict on its data:
 the data is read without its loader (which takes file locks and creates directories inside
-``site-packages`` on import); calls of ``MathAPI`` that would run for hours (huge exponents,
-precisions or rounding digits; BFCL's data uses none) are refused with an error result; the
+``site-packages`` on import); the backends run in a worker process per episode
+(:mod:`lopd.envs.bfcl_backends`), every call under a wall-clock limit (5 s) and a memory limit (2
+GiB), and a call past either is stopped, undone, and answered with BFCL's error observation
+(``Error during execution: the call ran past the 5 s limit and was stopped``), the turn then judged
+as bfcl-eval judges a call that failed; the calls of one step stop running once they have taken 30
+s together (the rest are answered ``Error during execution: not run: ...``); calls of ``MathAPI``
+that would run for hours (huge exponents, precisions or rounding digits, numeric strings included;
+BFCL's data uses none) are refused with an error result at once; at most :data:`MAX_PARALLEL_CALLS`
+calls are read from one step (bfcl-eval has no cap; its ground truth needs 34 in a turn); the
 global ``mpmath`` / ``decimal`` precision a call sets is restored after it (BFCL leaks it into
 later calls); each instance owns its state (BFCL's ``_load_scenario`` links module-level
 long-context records into every instance, so a call that changes one changes it for the ground
-truth and for later entries too); the tool schemas are BFCL's docs with JSON-schema types
-(``dict`` -> ``object``, ``float`` -> ``number``), wrapped as OpenAI functions for the chat
-template; the results of a step's parallel calls form one observation, one result per line
-(BFCL's Qwen handler sends one tool message each); a step with any malformed ``<tool_call>``
-block counts as undecodable as a whole (BFCL's Qwen handler drops the bad blocks and runs the
-others).
+truth and for later entries too); the tool schemas are BFCL's docs with JSON-schema types (``dict``
+-> ``object``, ``float`` -> ``number``), wrapped as OpenAI functions for the chat template; the
+results of a step's parallel calls form one observation, one result per line (BFCL's Qwen handler
+sends one tool message each); a step with any malformed ``<tool_call>`` block counts as undecodable
+as a whole (BFCL's Qwen handler drops the bad blocks and runs the others).
 
 Tasks, the train/test split (disjoint by scenario) and the tool schemas: :mod:`lopd.envs.bfcl_data`.
 """
 
 from __future__ import annotations
 
-import copy
-import decimal
-import functools
-import importlib
 import inspect
 import json
+import time
 from typing import Any
 
+from lopd.envs._bfcl_worker import Backends, backend_class, format_result
 from lopd.envs.base import (
     TASK_COMPLETED,
     Env,
@@ -69,6 +73,7 @@ from lopd.envs.base import (
     clean_text,
     parse_tool_calls,
 )
+from lopd.envs.bfcl_backends import BACKEND_LOST, BackendLimits, EpisodeBackends
 from lopd.envs.bfcl_data import (
     BACKEND_CLASSES,
     BFCL_VERSION,
@@ -93,11 +98,14 @@ from lopd.types import Task, TraceStep
 
 __all__ = [
     "BACKEND_CLASSES",
+    "BACKEND_LOST",
     "BFCL_VERSION",
     "CATEGORIES",
+    "MAX_PARALLEL_CALLS",
     "SPLIT_SEED",
     "TEST_FRACTION",
     "WORLD",
+    "BackendLimits",
     "Backends",
     "BfclEnv",
     "bfcl_tasks",
@@ -121,120 +129,11 @@ thousand; the verdict always uses the full results)."""
 TRACE_RESULT_CHARS = 1_000
 """Characters of a result kept in the observation-lite trace (experience bank)."""
 
-# BFCL refuses these names before its eval (multi_turn_utils.execute_multi_turn_func_call).
-_REFUSED_NAMES = frozenset({"kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run"})
-# MathAPI arguments past these bounds would run (effectively) forever in C code no signal can
-# interrupt; the benchmark's data stays far below them.
-_MATH_LIMITS = {"power": ("exponent", 10_000), "round_number": ("decimal_places", 10_000)}
-_MATH_PRECISION_LIMIT = 10_000
-
-
-@functools.cache
-def _backend_class(name: str) -> tuple[type, tuple[str, ...]]:
-    """A backend class and its public method names."""
-    from bfcl_eval.constants.executable_backend_config import CLASS_FILE_PATH_MAPPING
-
-    cls = getattr(importlib.import_module(CLASS_FILE_PATH_MAPPING[name]), name)
-    methods = tuple(
-        m for m, _ in inspect.getmembers(cls, predicate=inspect.isfunction) if not m.startswith("_")
-    )
-    return cls, methods
-
-
-# --------------------------------------------------------------------------- backends
-
-
-def format_result(result: Any) -> str:
-    """A call's result as BFCL's executor renders it."""
-    if type(result) is str:
-        return result
-    if type(result) is dict:
-        try:
-            return json.dumps(result)
-        except (TypeError, ValueError, RecursionError):
-            return str(result)
-    return str(result)
-
-
-class Backends:
-    """The backend instances of one side (model or ground truth) of one episode.
-
-    Args:
-        involved_classes: class names (:data:`BACKEND_CLASSES`).
-        initial_config: ``class name -> scenario`` (deep-copied before loading).
-        long_context: BFCL's long-context flag (the backends add long distractor data).
-    """
-
-    def __init__(
-        self, involved_classes: list[str], initial_config: dict[str, Any], long_context: bool
-    ) -> None:
-        from bfcl_eval.constants.executable_backend_config import STATELESS_CLASSES
-
-        self.instances: dict[str, Any] = {}
-        self._methods: dict[str, tuple[str, Any]] = {}
-        for name in involved_classes:
-            cls, method_names = _backend_class(name)
-            inst = cls()
-            if name not in STATELESS_CLASSES:
-                inst._load_scenario(
-                    copy.deepcopy(initial_config.get(name, {})), long_context=long_context
-                )
-                # _load_scenario links module-level long-context records into the instance; a
-                # private copy keeps one side's calls from changing the other's (or later
-                # episodes') state.
-                inst.__dict__.update(copy.deepcopy(inst.__dict__))
-            self.instances[name] = inst
-            for method_name in method_names:
-                self._methods[method_name] = (name, getattr(inst, method_name))
-
-    def has(self, name: str) -> bool:
-        return name in self._methods
-
-    def call(self, name: str, args: list[Any], kwargs: dict[str, Any]) -> str:
-        """Run one call; never raises (a failure is an ``Error during execution: ...`` result)."""
-        try:
-            if name in _REFUSED_NAMES:
-                raise Exception(f"Function call {name} is not allowed.")
-            if name not in self._methods:
-                raise NameError(f"name '{name}' is not defined")
-            class_name, method = self._methods[name]
-            if class_name == "MathAPI":
-                _check_math_arguments(name, method, args, kwargs)
-            with _isolated_precision():
-                return format_result(method(*args, **kwargs))
-        except Exception as e:
-            return f"Error during execution: {e}"
-
-
-def _check_math_arguments(name: str, method: Any, args: list, kwargs: dict) -> None:
-    try:
-        bound = inspect.signature(method).bind(*args, **kwargs).arguments
-    except TypeError:
-        return  # the call itself reports the bad arguments
-    limits = dict(_MATH_LIMITS)
-    limits.setdefault(name, ("precision", _MATH_PRECISION_LIMIT))
-    param, bound_value = limits[name]
-    value = bound.get(param)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > bound_value:
-        raise ValueError(
-            f"{param}={value!r} is outside this environment's limit (|{param}| <= {bound_value})"
-        )
-
-
-class _isolated_precision:
-    """Restore mpmath's and decimal's global precision after a call (MathAPI sets them)."""
-
-    def __enter__(self) -> None:
-        import mpmath
-
-        self._dps = mpmath.mp.dps
-        self._prec = decimal.getcontext().prec
-
-    def __exit__(self, *exc: Any) -> None:
-        import mpmath
-
-        mpmath.mp.dps = self._dps
-        decimal.getcontext().prec = self._prec
+MAX_PARALLEL_CALLS = 256
+"""Calls read from one assistant step (bfcl-eval reads them all; its ground truth needs up to 34
+in one turn, and a 4,096-token step holds fewer than 256)."""
+STEP_TIME_LIMIT_S = 30.0
+"""Seconds the calls of one step may take together; later calls of the step are not run."""
 
 
 def ground_truth_calls(spec: dict[str, Any]) -> list[list[ToolCall]]:
@@ -242,7 +141,7 @@ def ground_truth_calls(spec: dict[str, Any]) -> list[list[ToolCall]]:
     the data are bound to their parameter names)."""
     methods: dict[str, Any] = {}
     for name in spec["involved_classes"]:
-        cls, method_names = _backend_class(name)
+        cls, method_names = backend_class(name)
         methods.update({m: getattr(cls, m) for m in method_names})
     turns = []
     for calls in spec["ground_truth"]:
@@ -259,6 +158,14 @@ def ground_truth_calls(spec: dict[str, Any]) -> list[list[ToolCall]]:
 # --------------------------------------------------------------------------- the env
 
 
+def _clip(prefix: str, length: int, limit: int) -> str:
+    """``clean_text(result, limit)`` from the result's first ``>= limit`` characters and its
+    length (the full result stays in the backend worker)."""
+    if length <= limit:
+        return clean_text(prefix)
+    return f"{clean_text(prefix[:limit])}... [cut: {length} characters]"
+
+
 class BfclEnv(Env):
     """One BFCL multi-turn entry as an episode (turn rules in the module docstring).
 
@@ -268,18 +175,25 @@ class BfclEnv(Env):
         turn_errors: per turn, BFCL's error type of a failed check (e.g.
             ``multi_turn:instance_state_mismatch``), else ``None``.
         force_quit: the episode was ended by the per-turn step limit.
+        max_tool_calls: calls read from one step (:data:`MAX_PARALLEL_CALLS`).
 
     Args:
         max_steps: assistant steps per episode (default: no cap beyond the per-turn limit).
         max_call_steps_per_turn: BFCL's ``MAXIMUM_STEP_LIMIT`` (20) by default.
         system_prompt: the system message; ``""`` (BFCL's FC mode: tools only).
+        limits: time and memory limit of each backend call (:class:`BackendLimits`).
+        step_time_limit_s: seconds the calls of one step may take together.
     """
+
+    max_tool_calls = MAX_PARALLEL_CALLS
 
     def __init__(
         self,
         max_steps: int | None = None,
         max_call_steps_per_turn: int | None = None,
         system_prompt: str = "",
+        limits: BackendLimits | None = None,
+        step_time_limit_s: float = STEP_TIME_LIMIT_S,
     ) -> None:
         super().__init__()
         require_bfcl()
@@ -287,13 +201,26 @@ class BfclEnv(Env):
 
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        if not step_time_limit_s > 0:
+            raise ValueError(f"step_time_limit_s must be > 0, got {step_time_limit_s}")
         self._max_steps_arg = max_steps
         self.max_call_steps_per_turn = max_call_steps_per_turn or MAXIMUM_STEP_LIMIT
+        self.step_time_limit_s = step_time_limit_s
         self._system = system_prompt
         self._tools: list[dict[str, Any]] = []
+        self._backends = EpisodeBackends(limits)
         self.turn_passed: list[bool | None] = []
         self.turn_errors: list[str | None] = []
         self.force_quit = False
+
+    @property
+    def limits(self) -> BackendLimits:
+        return self._backends.limits
+
+    @property
+    def backend_overruns(self) -> int:
+        """Backend requests of this env stopped at a limit so far."""
+        return self._backends.overruns
 
     # ------------------------------------------------------------------ interface
     def system_prompt(self) -> str:
@@ -313,8 +240,8 @@ class BfclEnv(Env):
         # BFCL keys the flag on the entry id ("long_context" in its category part).
         long_context = "long_context" in str(spec["bfcl_id"])
         self._tools, self._held_out = entry_tools(spec)
-        self._model = Backends(spec["involved_classes"], spec["initial_config"], long_context)
-        self._truth = Backends(spec["involved_classes"], spec["initial_config"], long_context)
+        self._gt_calls = [[parse_call_string(c) for c in calls] for calls in spec["ground_truth"]]
+        self._backends.reset(spec["involved_classes"], spec["initial_config"], long_context)
         n = len(spec["question"])
         self.max_steps = self._max_steps_arg or n * (self.max_call_steps_per_turn + 1)
         self.turn_passed = [None] * n
@@ -325,17 +252,21 @@ class BfclEnv(Env):
         self._turn_call_steps = 0
         self._turn_has_call = False
         self._in_progress_error: str | None = None
-        self._model_results: list[str] = []  # every model result so far (BFCL's response check)
+        self._num_results = 0  # model results so far (the worker holds them)
         self._seen: set[str] = set()
         self._pending: tuple[Any, ...] | None = None
         return self._user_message(0)
+
+    def close(self) -> None:
+        """Give the episode's backend worker back to the pool (``reset`` takes one again)."""
+        self._backends.close()
 
     def step(self, model_text: str) -> tuple[str, bool]:
         self._check_can_step()
         self.num_steps += 1
         self.observation_role = "tool"
         try:
-            calls = parse_tool_calls(model_text)
+            calls = parse_tool_calls(model_text, self.max_tool_calls)
         except ToolCallParseError:
             # BFCL: a response that does not decode ends the turn.
             self.num_tool_calls += 1
@@ -344,23 +275,25 @@ class BfclEnv(Env):
             self.num_tool_calls += len(calls)
             self._turn_call_steps += 1
             self._turn_has_call = True
-            results = [self._execute(c) for c in calls]
+            results = self._execute_step(calls)
             if self._turn_call_steps > self.max_call_steps_per_turn:
                 self.force_quit = True
                 self._end_turn()
                 self.done = True
                 return "", True
-            obs = "\n".join(results)
+            joined = "\n".join(prefix for prefix, _ in results)
+            total = sum(length for _, length in results) + len(results) - 1
+            obs = _clip(joined, total, MAX_OBSERVATION_CHARS)
         else:
             self._end_turn()
             if self._finished == len(self.turn_passed):
                 self.done = True
                 return "", True
-            obs = self._user_message(self._finished)
+            obs = clean_text(self._user_message(self._finished), MAX_OBSERVATION_CHARS)
             self.observation_role = "user"
         if self.num_steps >= self.max_steps:
             self.done = True
-        return clean_text(obs, MAX_OBSERVATION_CHARS), self.done
+        return obs, self.done
 
     def reward(self) -> float:
         """Fraction of the checked turns (non-empty ground truth) that passed.
@@ -396,43 +329,49 @@ class BfclEnv(Env):
             return DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING.format(functions=functions)
         return turn_text(self.task.spec["question"][turn])
 
-    def _execute(self, call: ToolCall) -> str:
+    def _execute_step(self, calls: list[ToolCall]) -> list[tuple[str, int]]:
+        """Run a step's calls in order until they have taken ``step_time_limit_s`` together."""
+        t0 = time.monotonic()
+        results = []
+        for call in calls:
+            if time.monotonic() - t0 < self.step_time_limit_s:
+                results.append(self._execute(call))
+                continue
+            text = (
+                f"Error during execution: not run: this step's calls took more than "
+                f"{self.step_time_limit_s:g} s"
+            )
+            self._backends.note(text)
+            self._record(call, text, len(text))
+            results.append((text, len(text)))
+        return results
+
+    def _execute(self, call: ToolCall) -> tuple[str, int]:
+        prefix, length = self._backends.call(call.name, dict(call.arguments), MAX_OBSERVATION_CHARS)
+        self._record(call, prefix, length)
+        return prefix, length
+
+    def _record(self, call: ToolCall, prefix: str, length: int) -> None:
         key = call.key()
         if key in self._seen:
             self.repeated_tool_calls += 1
         self._seen.add(key)
-        result = self._model.call(call.name, [], dict(call.arguments))
-        self._model_results.append(result)
-        trace_result = clean_text(result, TRACE_RESULT_CHARS)
+        self._num_results += 1
+        trace_result = _clip(prefix, length, TRACE_RESULT_CHARS)
         self.trace.append(TraceStep(action=clean_text(call.render()), result=trace_result))
-        return result
 
-    def _check(self, turn: int, truth: Backends, model_results: list[str], had_call: bool) -> tuple:
-        """BFCL's checks of one finished turn (advances ``truth`` by the turn's ground truth)."""
-        from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import (
-            response_checker,
-            state_checker,
-        )
-
-        gt_calls = self.task.spec["ground_truth"][turn]
-        gt_results = [truth.call(*parse_call_string(c)) for c in gt_calls]
-        if not gt_calls:
+    def _check(self, turn: int, pending: bool) -> tuple[bool | None, str | None]:
+        """BFCL's checks of a turn (``pending``: the turn in progress, state left untouched)."""
+        calls = self._gt_calls[turn]
+        if not pending:
+            self._backends.advance(turn, calls)
+        if not calls:
             return None, None
-        if not had_call:
-            return False, "multi_turn:empty_turn_model_response"
-        for check in (
-            state_checker(self._model.instances, truth.instances),
-            response_checker(model_results, gt_results, turn),
-        ):
-            if not check["valid"]:
-                return False, check["error_type"]
-        return True, None
+        return self._backends.check(turn, self._turn_has_call, calls if pending else None)
 
     def _end_turn(self) -> None:
         k = self._finished
-        self.turn_passed[k], self.turn_errors[k] = self._check(
-            k, self._truth, self._model_results, self._turn_has_call
-        )
+        self.turn_passed[k], self.turn_errors[k] = self._check(k, pending=False)
         self._finished += 1
         self._turn_call_steps = 0
         self._turn_has_call = False
@@ -445,11 +384,9 @@ class BfclEnv(Env):
         n, k = len(passed), self._finished
         in_progress = k < n and not self.force_quit
         if in_progress:
-            key = (k, len(self._model_results))
+            key = (k, self._num_results)
             if self._pending is None or self._pending[0] != key:
-                truth = copy.deepcopy(self._truth)
-                verdict = self._check(k, truth, list(self._model_results), self._turn_has_call)
-                self._pending = (key, verdict)
+                self._pending = (key, self._check(k, pending=True))
             passed[k], self._in_progress_error = self._pending[1]
         for j in range(k + int(in_progress), n):
             passed[j] = False  # never reached

@@ -26,46 +26,58 @@ Three modes, picked automatically (``SandboxResult.isolation`` says which one a 
   namespaces inside a new user namespace that maps only the caller's uid; the program keeps the
   caller's uid and has no capabilities.
 * **plain** (not root and no user namespaces, or ``isolate=False``): limits, clean environment
-  and the process-tree kill only. A warning is issued once when a non-root caller has no user
-  namespaces. (Root that cannot switch uid, or ``drop_privileges=False``, runs the program *as
-  root* without namespaces or a process cap: only the limits, the clean environment and the
-  tree kill hold; a warning is issued once when root cannot switch uid.)
+  and the process-tree kill only. A warning is issued once when the namespaces do not work here.
+  (Root that cannot switch uid, or ``drop_privileges=False``, runs the program *as root* without
+  namespaces or a process cap: only the limits, the clean environment and the tree kill hold; a
+  warning is issued once when root cannot switch uid.)
 
-In both namespace modes the whole file system is read-only except the work dir; ``/tmp``,
-``/var/tmp`` and ``/dev/shm`` are empty private tmpfs mounts (the work dir is bound back at its
-path); there is no network (not even loopback); and ``/proc`` is a private procfs of the run's pid
-namespace (``hidepid=invisible``): it lists the run's own processes only, so the caller, the
-trainer and the supervisor have no pid the program could read, signal, ptrace or ``pidfd_open``.
-The namespace's init is trusted: when the program exits, the kernel kills whatever it left.
-The supervisor is non-dumpable in every mode, so a same-uid program can neither ptrace it nor
-take its descriptors (``pidfd_getfd``) nor read its ``/proc/PID/fd``/``environ``.
+In both namespace modes the program's root is a new read-only file system (``pivot_root``; the
+host's tree is detached) holding only the interpreter's own files, every ``site-packages``
+masked (:mod:`lopd.envs._sandbox_layout`): no installed package or benchmark data, no ``$HOME``,
+``/etc``, ``/run`` or host UNIX socket, wherever the venv lives. The work dir (a private copy of
+``files``; each run of a :func:`run_sequence` starts from it), ``/tmp``, ``/var/tmp`` and
+``/dev/shm`` are one tmpfs per run, capped at ``SandboxLimits.disk_bytes`` and ``max_files`` in
+total: nothing reaches the host's disk. There is no network (loopback and abstract UNIX sockets
+included), and ``/proc`` is a private procfs of the run's pid namespace (``hidepid=invisible``)
+listing the run's own processes only, so the caller, the trainer and the supervisor have no pid
+the program could read, signal, ptrace or ``pidfd_open``; the namespace's trusted init takes
+down whatever the program left. The supervisor is non-dumpable in every mode (a same-uid program
+can neither ptrace it nor take its descriptors), and in every mode the run's host directory is
+removed by :func:`~lopd.envs._tree_removal.remove_tree` (any depth, any modes). Details and
+measured figures: ``docs/sandbox.md``.
 
 What each mode contains ("yes" = prevented; every row is checked in
-``tests/test_sandbox_containment.py``, the root-only ones in ``tests/test_sandbox.py``):
+``tests/test_sandbox_containment.py``, ``tests/test_sandbox.py`` or
+``tests/test_sandbox_host.py``):
 
-==========================================================  ====  ==============  =====
-the program tries to ...                                     root  user namespace  plain
-==========================================================  ====  ==============  =====
-run forever, exhaust memory, fork-bomb, leave orphans        yes   yes             yes
-read environment variables of the caller (inherited)         yes   yes             yes
-read the caller's ``/proc/PID/environ`` or ``cmdline``       yes   yes             no
-signal the caller or take its descriptors (``pidfd_getfd``)  yes   yes             no [1]
-take the supervisor's descriptors                            yes   yes             yes
-write outside the work dir (repo, ``$HOME``, checkpoints)    yes   yes             no
-see the host's ``/tmp`` (other runs' files)                  yes   yes             no
-use the network (loopback included)                          yes   yes             no
-start more than ``max_processes`` processes                  yes   no [2]          no [2]
-read world-readable files (stdlib, ``/etc/passwd``)          no    no              no
-fill the disk with many files under the size cap             no    no [3]          no
-==========================================================  ====  ==============  =====
+==============================================================  ====  ==============  =====
+the program tries to ...                                         root  user namespace  plain
+==============================================================  ====  ==============  =====
+run forever, exhaust memory, fork-bomb, leave orphans            yes   yes             yes
+read environment variables of the caller (inherited)             yes   yes             yes
+read the caller's ``/proc/PID/environ`` or ``cmdline``           yes   yes             no
+signal the caller or take its descriptors (``pidfd_getfd``)      yes   yes             no [1]
+take the supervisor's descriptors                                yes   yes             yes
+write outside the work dir (repo, ``$HOME``, checkpoints)        yes   yes             no
+see the host's ``/tmp`` (other runs' files)                      yes   yes             no
+read host files: installed packages and their data, ``/etc``,    yes   yes             no
+``$HOME``, the repository
+connect to a filesystem UNIX socket of the host (``/run/...``)   yes   yes             no
+use the network (loopback and abstract UNIX sockets included)    yes   yes             no
+start more than ``max_processes`` processes                      yes   no [2]          no [2]
+write more than ``disk_bytes`` / ``max_files`` in total          yes   yes             no [3]
+leave a tree on the host disk (deep, ``chmod 000``)              yes   yes             yes
+read the standard library and the interpreter's libraries        no    no              no
+==============================================================  ====  ==============  =====
 
 [1] in plain mode the program runs as the caller's uid: it can signal and (without
 ``kernel.yama.ptrace_scope`` >= 1) ptrace every process of that uid, the trainer included, and
 so read or alter anything in it, rewards too. Use root or user namespaces for RL.
 [2] ``RLIMIT_NPROC`` counts all processes of the caller's uid; the cap is set to their current
-count plus the budget, so concurrent runs share it. [3] the private ``/tmp`` tmpfs holds at most
-64 MiB; the work dir has no quota (each file is capped by ``RLIMIT_FSIZE``).
+count plus the budget, so concurrent runs share it. [3] plain mode writes to a directory on the
+host's disk: only each file is capped (``RLIMIT_FSIZE``); the directory is removed after the run.
 
+The scratch tmpfs is memory: a run may hold ``disk_bytes`` there besides ``memory_bytes``.
 CPU contention with the host is not prevented (the CPU limit bounds the total). This is
 process-level hygiene for RL on model-written code, not a security boundary against a
 determined attacker with a kernel exploit: use a container or VM for that.
@@ -91,9 +103,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lopd.envs import _sandbox_layout
+from lopd.envs._tree_removal import remove_tree
+
 _LAUNCHER = Path(__file__).with_name("_sandbox_launcher.py")
-_MASKED_DIRS = ["/tmp", "/var/tmp", "/dev/shm"]
 _UID_RANGE = (1_000_000, 2_000_000)
+_PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -107,6 +122,11 @@ class SandboxLimits:
         file_size_bytes: largest file (and captured stdout/stderr) the run may write.
         max_processes: processes/threads the run may have at once (``RLIMIT_NPROC``).
         open_files: file descriptors per process (``RLIMIT_NOFILE``).
+        disk_bytes: bytes the run may write in total, in the work dir, ``/tmp``, ``/var/tmp``
+            and ``/dev/shm`` together (namespace modes; one tmpfs, ``ENOSPC`` past it). The
+            caller's ``files`` come on top.
+        max_files: files and directories the run may create there in total (the tmpfs's
+            inode count; the caller's ``files`` come on top).
     """
 
     wall_time_s: float = 10.0
@@ -115,9 +135,18 @@ class SandboxLimits:
     file_size_bytes: int = 16 << 20
     max_processes: int = 32
     open_files: int = 64
+    disk_bytes: int = 32 << 20
+    max_files: int = 10_000
 
     def __post_init__(self) -> None:
-        for name in ("wall_time_s", "cpu_time_s", "memory_bytes", "file_size_bytes"):
+        for name in (
+            "wall_time_s",
+            "cpu_time_s",
+            "memory_bytes",
+            "file_size_bytes",
+            "disk_bytes",
+            "max_files",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
         if self.max_processes < 1:
@@ -137,8 +166,9 @@ class SandboxResult:
         timed_out: the wall-clock limit was hit.
         wall_time_s: seconds from start to exit/kill of the main process.
         isolation: what confinement was actually in effect: ``uid`` (``None``: the caller's),
-            ``user_namespace``, ``private_tmp``, ``read_only_root``, ``no_network``,
-            ``private_proc``, plus ``stray_processes_killed``.
+            ``user_namespace``, ``private_tmp``, ``read_only_root``, ``minimal_root`` (the
+            interpreter's files only), ``disk_cap`` (``disk_bytes`` / ``max_files`` hold),
+            ``no_network``, ``private_proc``, plus ``stray_processes_killed``.
         stdout_truncated: stdout reached ``SandboxLimits.file_size_bytes`` (the program could
             not write more; ``stdout`` holds the first ``file_size_bytes``).
     """
@@ -178,21 +208,23 @@ def _others_can_execute(path: str) -> bool:
 def sandbox_python(unprivileged: bool | None = None) -> str:
     """The interpreter for sandboxed code.
 
-    Without privilege dropping this is ``sys.executable``. When the run drops to an unprivileged
-    uid, that uid must be able to execute the interpreter: ``sys.executable`` if its path is open
-    to others, else the first of ``python3`` on ``PATH``, ``/usr/bin/python3``,
+    Without privilege dropping this is the real path of the running interpreter, or in a venv of
+    its base interpreter (``sys._base_executable``): sandboxed code needs only the standard
+    library, and a venv's ``site-packages`` must not be on its path. When the run drops to an
+    unprivileged uid, that uid must be able to execute the interpreter: that one if its path is
+    open to others, else the first of ``python3`` on ``PATH``, ``/usr/bin/python3``,
     ``/usr/local/bin/python3`` that is (a pyenv/conda interpreter under ``/root`` is not).
-    Sandboxed code needs only the standard library.
 
     Raises:
         RuntimeError: no interpreter usable by an unprivileged uid was found.
     """
     if unprivileged is None:
         unprivileged = os.geteuid() == 0
+    base = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
     if not unprivileged:
-        return sys.executable
+        return base
     candidates = [
-        sys.executable,
+        base,
         shutil.which("python3"),
         "/usr/bin/python3",
         "/usr/local/bin/python3",
@@ -381,6 +413,12 @@ def run_sequence(
                 "with your uid and can see, signal and write to what you can; see "
                 "lopd.envs.sandbox"
             )
+        else:
+            _warn_once(
+                "lopd sandbox: mount/pid/network namespaces do not work here: sandboxed code "
+                "sees the host's files (installed packages included) and network; see "
+                "lopd.envs.sandbox"
+            )
     python = python or sandbox_python(drop_privileges)
     uid = _pick_uid() if drop_privileges else None
     return _launch(runs, files, limits, keep_going, python, uid, namespaces, no_network)
@@ -401,25 +439,47 @@ def _launch(
     nproc = (
         limits.max_processes if uid is not None else _tasks_of_current_user() + limits.max_processes
     )
-    base = Path(tempfile.mkdtemp(prefix="lopd-sbx-"))
+    layout = _sandbox_layout.root_layout(python) if namespaces else None
+    base = Path(tempfile.mkdtemp(prefix="lopd-sbx-")).resolve()
     try:
-        # base: traversable but not listable; io/: supervisor only; work/: the sandboxed uid's.
+        # base: traversable but not listable; io/: supervisor only; work/: the sandboxed uid's
+        # (in the namespace modes the caller's copy, which the program never sees: it gets a
+        # private copy on its own tmpfs); root/, scratch/: mount points in the run's namespace.
         os.chmod(base, 0o711)
         work, io = base / "work", base / "io"
         work.mkdir(mode=0o700)
         io.mkdir(mode=0o700)
+        initial_bytes, initial_inodes, initial_dirs = 0, 0, set()
         for rel, content in (files or {}).items():
             target = (work / rel).resolve()
             if not target.is_relative_to(work.resolve()):
                 raise ValueError(f"files: path {rel!r} escapes the work dir")
             target.parent.mkdir(parents=True, exist_ok=True)
-            if isinstance(content, bytes):
-                target.write_bytes(content)
-            else:
-                target.write_bytes(content.encode("utf-8", errors="surrogatepass"))
-        if uid is not None:
+            data = (
+                content if isinstance(content, bytes) else content.encode("utf-8", "surrogatepass")
+            )
+            target.write_bytes(data)
+            initial_bytes += -(-len(data) // _PAGE) * _PAGE
+            initial_inodes += 1
+            initial_dirs.update(target.relative_to(work.resolve()).parents)
+        if uid is not None and namespaces is None:
             for p in [work, *work.rglob("*")]:
                 os.chown(p, uid, uid)
+        root_cfg = None
+        if layout is not None:
+            (base / "root").mkdir(mode=0o700)
+            (base / "scratch").mkdir(mode=0o700)
+            # The caller's files, the tmpfs's own directories (its root, /tmp, /var/tmp,
+            # /dev/shm, the work dir and at most its parents) and page rounding come on top.
+            size = limits.disk_bytes + initial_bytes + 64 * _PAGE
+            own_dirs = 5 + len(work.parts)
+            inodes = limits.max_files + initial_inodes + len(initial_dirs - {Path(".")}) + own_dirs
+            root_cfg = {
+                "new_root": str(base / "root"),
+                "scratch": str(base / "scratch"),
+                "scratch_options": f"size={size},nr_inodes={inodes}",
+                "layout": layout,
+            }
         run_cfgs = []
         for i, (argv, stdin) in enumerate(runs):
             data = (
@@ -444,11 +504,12 @@ def _launch(
                 "LANG": "C.UTF-8",
             },
             "cwd": str(work),
+            "host_work": str(work),
+            "root": root_cfg,
             "uid": uid,
             "own_uid": uid is not None and uid != 65534,
             "namespaces": namespaces,
             "no_network": no_network,
-            "masked_dirs": _MASKED_DIRS,
             "limits": {
                 "cpu_s": limits.cpu_time_s,
                 "memory_bytes": limits.memory_bytes,
@@ -479,7 +540,16 @@ def _launch(
                     stream.close()
         return results
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        _remove_run_dir(base)
+
+
+def _remove_run_dir(base: Path) -> None:
+    """Remove a run's directory whatever the program left in it (never raises: a leftover is a
+    warning, not a failed run)."""
+    try:
+        remove_tree(base)
+    except OSError as e:
+        _warn_once(f"lopd sandbox: could not remove the run directory {base}: {e}")
 
 
 def _supervise(
@@ -549,7 +619,9 @@ def _namespaces_work(mode: str, no_network: bool) -> bool:
         r = _launch([(["-c", "pass"], "")], None, probe, None, python, uid, mode, no_network)[0]
     except (RuntimeError, OSError):
         return False
-    return r.returncode == 0 and bool(r.isolation.get("private_proc"))
+    return r.returncode == 0 and bool(
+        r.isolation.get("private_proc") and r.isolation.get("minimal_root")
+    )
 
 
 def run_python(

@@ -453,7 +453,7 @@ class ToolUseEnv(Env):
         self._check_can_step()
         self.num_steps += 1
         try:
-            calls = parse_tool_calls(model_text)
+            calls = parse_tool_calls(model_text, self.max_tool_calls)
         except ToolCallParseError as e:
             self.num_tool_calls += 1
             obs = f"Error: {e}"
