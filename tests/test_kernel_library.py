@@ -22,7 +22,7 @@ PACKAGE = ROOT / "lopd_kernels"
 SOURCES = [*PACKAGE.rglob("*.py"), *(ROOT / "csrc").rglob("*.[ch]*"),
            *(ROOT / "docs").glob("*.md")]  # fmt: skip
 # Paths the sources cite, e.g. ``csrc/cpu/vec_exp.h`` or `docs/math.md`.
-CITED = re.compile(r"\b((?:lopd_kernels|csrc|docs|tests|benchmarks|tools)/[\w./-]*\w)")
+CITED = re.compile(r"\b((?:lopd_kernels|csrc|docs|tests|benchmarks|tools)/[\w./<>*-]*[\w>*])")
 
 
 def test_every_cited_path_exists_in_the_repo():
