@@ -37,6 +37,8 @@ import inspect
 import json
 import os
 import pickle
+import resource
+import signal
 import struct
 import sys
 from typing import Any
@@ -119,13 +121,13 @@ class _isolated_precision:
     """Restore mpmath's and decimal's global precision after a call (MathAPI sets them)."""
 
     def __enter__(self) -> None:
-        import mpmath
+        import mpmath  # optional: the [bfcl] extra (BFCL's MathAPI backend)
 
         self._dps = mpmath.mp.dps
         self._prec = decimal.getcontext().prec
 
     def __exit__(self, *exc: Any) -> None:
-        import mpmath
+        import mpmath  # optional: the [bfcl] extra (BFCL's MathAPI backend)
 
         mpmath.mp.dps = self._dps
         decimal.getcontext().prec = self._prec
@@ -143,6 +145,7 @@ class Backends:
     def __init__(
         self, involved_classes: list[str], initial_config: dict[str, Any], long_context: bool
     ) -> None:
+        # bfcl-eval is optional (the [bfcl] extra).
         from bfcl_eval.constants.executable_backend_config import STATELESS_CLASSES
 
         self.instances: dict[str, Any] = {}
@@ -191,6 +194,7 @@ def check_turn(
     model: Backends, truth: Backends, gt_results: list[str], results: list[str], turn: int
 ) -> tuple[bool, str | None]:
     """BFCL's checks of a turn with a call: the state, then the responses (in its order)."""
+    # bfcl-eval is optional (the [bfcl] extra).
     from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import (
         response_checker,
         state_checker,
@@ -304,9 +308,6 @@ def _handle(state: dict, request: tuple) -> tuple:
 
 
 def main() -> None:
-    import resource
-    import signal
-
     memory = int(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))

@@ -197,6 +197,7 @@ class BfclEnv(Env):
     ) -> None:
         super().__init__()
         require_bfcl()
+        # bfcl-eval is optional (the [bfcl] extra): imported when a BFCL env is made.
         from bfcl_eval.constants.default_prompts import MAXIMUM_STEP_LIMIT
 
         if max_steps is not None and max_steps < 1:
@@ -320,6 +321,7 @@ class BfclEnv(Env):
 
     # ------------------------------------------------------------------ internals
     def _user_message(self, turn: int) -> str:
+        # bfcl-eval is optional (the [bfcl] extra).
         from bfcl_eval.constants.default_prompts import (
             DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING,
         )

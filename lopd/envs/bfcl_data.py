@@ -21,6 +21,7 @@ import functools
 import importlib
 import json
 import random
+from importlib import resources
 from typing import Any
 
 from lopd.types import Task
@@ -59,8 +60,6 @@ def require_bfcl() -> None:
 
 
 def _data_file(*parts: str) -> Any:
-    from importlib import resources
-
     require_bfcl()
     node = resources.files("bfcl_eval") / "data"
     for p in parts:
@@ -251,6 +250,7 @@ def validate_spec(spec: dict[str, Any]) -> None:
 
 
 def _to_json_schema_types(schema: Any) -> Any:
+    # bfcl-eval is optional (the [bfcl] extra).
     from bfcl_eval.constants.type_mappings import GORILLA_TO_OPENAPI
 
     if isinstance(schema, list):
@@ -271,6 +271,7 @@ def _to_json_schema_types(schema: Any) -> Any:
 @functools.cache
 def _class_tools_json(class_name: str) -> str:
     """The class's function docs as tool schemas (JSON text: callers get fresh copies)."""
+    # bfcl-eval is optional (the [bfcl] extra).
     from bfcl_eval.constants.executable_backend_config import MULTI_TURN_FUNC_DOC_FILE_MAPPING
 
     docs = _read_jsonl("multi_turn_func_doc", MULTI_TURN_FUNC_DOC_FILE_MAPPING[class_name])

