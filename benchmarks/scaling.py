@@ -24,8 +24,9 @@ the prediction, shaded column), never dropped. ``--quick`` measures in-process (
 approximate).
 
 **Slopes.** Least squares of log(value) on log(N or V) over the points run (memory floored at
-1 MiB): a linear op has time slope ~1; the fused op's extra memory is flat in N (slope ~0) once N
-exceeds its token chunk (``lk.auto_chunk_rows``: 512 rows at V = 32,768 on CPU).
+1 MiB), and over the last three points run (legend: "last 3 points"): a linear op has time slope
+~1; the fused op's extra memory is flat in N (slope ~0) once N exceeds what its token chunks and
+buffers reach (``lk.auto_chunk_rows``: 512-row chunks at V = 32,768 on CPU).
 
 Records: ``benchmarks/results/scaling.json`` (one per point, with CPU kind, threads, load) and
 ``scaling_fit.json`` (slopes); plots ``scaling_<op>.png``.
@@ -136,22 +137,47 @@ def run_all(args) -> tuple[list[dict], list[dict]]:
                 rows = run_sweep(op_name, variant, axis, fixed, values, args, runner)
                 for shapes, res in rows:
                     points.append(_emit("scaling", variant, shapes, res, meta, args))
-                ran = [(s[axis], r) for s, r in rows if "skipped" not in r]
-                fit = {
-                    "time_slope": fit_slope([x for x, _ in ran], [r["median_s"] for _, r in ran]),
-                    "cpu_time_slope": fit_slope([x for x, _ in ran],
-                                                [r["median_cpu_s"] for _, r in ran]),
-                    "mem_slope": fit_slope([x for x, _ in ran],
-                                           [max(r["extra_peak_bytes"], 2**20) for _, r in ran]),
-                    "points_run": [x for x, _ in ran],
-                    "points_not_run": [s[axis] for s, r in rows if "skipped" in r],
-                }  # fmt: skip
+                fit = sweep_fit(rows, axis)
                 shapes = {"op": op_name, "sweep": axis, **fixed}
-                largest = ran[-1][1]["median_s"] if ran else None
-                fits.append(_emit("scaling_fit", variant, shapes, fit, meta, args, largest))
+                fits.append(_emit("scaling_fit", variant, shapes, fit, meta, args))
                 print(f"  slopes: time {_s(fit['time_slope'])}, extra memory "
                       f"{_s(fit['mem_slope'])}", flush=True)  # fmt: skip
     return points, fits
+
+
+def sweep_fit(rows: list[tuple[dict, dict]], axis: str) -> dict:
+    """The slopes of one sweep from its ``(shapes, fields)`` points (over all points run and
+    over the last three), which points ran and which did not, the largest point's median."""
+    ran = [(sh[axis], r) for sh, r in rows if "skipped" not in r]
+    xs = [x for x, _ in ran]
+    secs = [r["median_s"] for _, r in ran]
+    mem = [max(r.get("extra_peak_bytes", r.get("peak_mem_bytes")) or 0, 2**20) for _, r in ran]
+    return {
+        "median_s": secs[-1] if secs else None,
+        "time_slope": fit_slope(xs, secs),
+        "cpu_time_slope": fit_slope(xs, [r["median_cpu_s"] for _, r in ran]),
+        "mem_slope": fit_slope(xs, mem),
+        "time_slope_last3": fit_slope(xs[-3:], secs[-3:]) if len(xs) > 3 else None,
+        "mem_slope_last3": fit_slope(xs[-3:], mem[-3:]) if len(xs) > 3 else None,
+        "points_run": xs,
+        "points_not_run": [sh[axis] for sh, r in rows if "skipped" in r],
+    }
+
+
+def refit(points: list[dict], args) -> list[dict]:
+    """The fit records again from saved points (``--plot-only``: fits are a function of the
+    points, so a newer fitting rule applies to an older run)."""
+    fits = []
+    keys = dict.fromkeys((p["shapes"]["op"], p["backend"], p["shapes"]["sweep"]) for p in points)
+    for op, variant, axis in keys:
+        sel = [p for p in points if (p["shapes"]["op"], p["backend"], p["shapes"]["sweep"])
+               == (op, variant, axis)]  # fmt: skip
+        fixed = {k: sel[0]["shapes"][k] for k in ("N", "V", "d") if k != axis}
+        meta = {"threads": sel[0].get("threads"), "memory": sel[0].get("memory")}
+        shapes = {"op": op, "sweep": axis, **fixed}
+        fit = sweep_fit([(p["shapes"], p) for p in sel], axis)
+        fits.append(_emit("scaling_fit", variant, shapes, fit, meta, args))
+    return fits
 
 
 def _importable(module: str) -> bool:
@@ -163,8 +189,8 @@ def _s(v) -> str:
     return "n/a" if v is None else f"{v:.2f}"
 
 
-def _emit(op, variant, shapes, res, meta, args, median=None) -> dict:
-    median = res.get("median_s", median)
+def _emit(op, variant, shapes, res, meta, args) -> dict:
+    median = res.get("median_s")
     peak = res.get("extra_peak_bytes")
     fields = {k: v for k, v in res.items() if k not in ("median_s", "extra_peak_bytes")}
     if args.write:
@@ -207,7 +233,9 @@ def plot(points: list[dict], fits: list[dict], folder: Path) -> list[Path]:
                     run = [p for p in sel if "skipped" not in p]
                     xs = [p["shapes"][axis] for p in run]
                     ys = [max(p[key], 2**20 if key == "peak_mem_bytes" else 0) * scale for p in run]
-                    label = f"{variant} (slope {_s(fit.get(slope))})"
+                    last3 = fit.get(f"{slope}_last3")
+                    label = f"{variant} (slope {_s(fit.get(slope))}"
+                    label += f"; last 3 points {_s(last3)})" if last3 is not None else ")"
                     ax.plot(xs, ys, "o-", color=color, label=label)
                     miss = [p for p in sel if "skipped" in p and pred and p.get(pred)]
                     if miss:
@@ -265,7 +293,9 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict], list[Pa
     folder = args.results or RESULTS_DIR
     if args.plot_only:
         points = json.loads((folder / "scaling.json").read_text())
-        fits = json.loads((folder / "scaling_fit.json").read_text())
+        args.write, args.results = True, folder
+        with torch_threads(points[0].get("threads")):  # the records name the points' threads
+            fits = refit(points, args)
     else:
         t0 = time.perf_counter()
         with torch_threads(args.threads):  # the records name the children's thread count
