@@ -1,6 +1,6 @@
 """Loss and gradient accuracy of distillation losses on bf16 inputs, against float64.
 
-    python benchmarks/precision.py            # ~45 min on 1 thread; records + markdown tables
+    python benchmarks/precision.py            # ~60 min on 1 thread; records + markdown tables
     python benchmarks/precision.py --report   # the tables again, from the saved records
     python benchmarks/precision.py --quick    # seconds, tiny shapes (tests/test_bench_scripts.py)
 

@@ -1,6 +1,6 @@
 """Time and extra peak memory of the loss ops against N and V on CPU, log-log, with fitted slopes.
 
-    python benchmarks/scaling.py              # ~30 min on 2 cores: records, two PNGs
+    python benchmarks/scaling.py              # ~35 min, 1 thread: records, two PNGs
     python benchmarks/scaling.py --plot-only  # the PNGs again from benchmarks/results/scaling.json
     python benchmarks/scaling.py --quick      # seconds, tiny grids (tests/test_bench_scripts.py)
 
