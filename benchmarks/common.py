@@ -133,19 +133,23 @@ def record(
     median_s: float,
     peak_mem_bytes: int | None = None,
     device: str = "cpu",
+    results_dir: Path | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """Append one benchmark result to ``RESULTS_DIR/<op>.json`` (a JSON list) and return it.
 
     A record with the same (op, backend, shapes, device name) replaces the older one, so the file
-    holds the latest measurement per configuration. CPU records carry the load average.
+    holds the latest measurement per configuration. CPU records carry the load average (unless
+    ``extra`` gives one). ``results_dir`` replaces ``RESULTS_DIR`` for this call (a script's
+    ``--results``, a test's temporary folder).
     """
+    extra.setdefault("load_avg_1min", load_average())
     rec = make_record(
-        op, backend, shapes, median_s, peak_mem_bytes, device_name(device), git_commit(),
-        load_avg_1min=load_average(), **extra,
-    )  # fmt: skip
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{op}.json"
+        op, backend, shapes, median_s, peak_mem_bytes, device_name(device), git_commit(), **extra
+    )
+    folder = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{op}.json"
     rows = json.loads(path.read_text()) if path.exists() else []
     rows = [r for r in rows if record_key(r) != record_key(rec)]
     rows.append(rec)
