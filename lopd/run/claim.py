@@ -1,7 +1,7 @@
 """Claiming a run directory: one run at a time, never another run's files, its identity on record.
 
-Before a run loads anything, :func:`claim_run_dir` (rank 0; the trainer's :meth:`~lopd.trainer.
-Trainer.run`) makes sure the directory is this run's and nobody else's:
+Before a run loads anything, :func:`claim_run_dir` (on rank 0, from ``Trainer.run``) makes sure
+the directory is this run's and nobody else's:
 
 * **a lock**: ``flock`` on ``run_dir/.lock`` (exclusive, non-blocking), held until the run ends.
   A second run on the directory stops with one line naming the holder's pid. The kernel drops
