@@ -49,7 +49,8 @@ from lopd.atomic import atomic_write_text
 from lopd.config import ConfigError, load_config
 from lopd.eval.stats import fmt, mean_se, verdict
 from lopd.eval.summary import BEHAVIOUR_METRICS
-from lopd.run.run_dir import RunDir
+from lopd.run.claim import refuse_used_runs
+from lopd.run.run_dir import RunDir, RunDirError
 from lopd.trainer import Trainer
 
 __all__ = ["CONDITIONS", "chain_report", "main", "run_seed"]
@@ -63,8 +64,11 @@ CONDITIONS = {
 """Held-out evaluations of one run (keys of ``summary.json``) and their names in the report."""
 
 
-def run_seed(preset: str, overrides: Sequence[str], seed: int, out: Path) -> dict[str, Any]:
+def run_seed(
+    preset: str, overrides: Sequence[str], seed: int, out: Path, overwrite: bool = False
+) -> dict[str, Any]:
     """Train and evaluate one seed (in a worker process); never raises (errors are recorded).
+    ``overwrite``: an earlier run in the seed's run directory is deleted first.
 
     Returns:
         ``{"seed", "run_dir", "summary", "step0", "error", "wall_seconds"}``; ``step0`` is the
@@ -80,7 +84,7 @@ def run_seed(preset: str, overrides: Sequence[str], seed: int, out: Path) -> dic
     try:
         cfg = load_config(preset, None, [*overrides, f"seed={seed}", f"run_dir={str(run_dir)!r}"])
         cfg.validate()
-        trainer = Trainer(cfg, progress=False)
+        trainer = Trainer(cfg, progress=False, overwrite=overwrite)
         try:
             result["summary"] = trainer.run()
         finally:
@@ -221,6 +225,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "top-p and top-k from gen; 0 = greedy)",
     )
     p.add_argument("--reference-json", default=None, help="probe-reference's reference.json")
+    p.add_argument(
+        "--overwrite", action="store_true", help="delete the runs an earlier chain left in --out"
+    )
     p.add_argument("overrides", nargs="*", help="section.field=value applied to every seed")
     return p.parse_intermixed_args(argv)
 
@@ -243,16 +250,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_config(preset, None, overrides).validate()
         if args.reference_json is not None:
             reference = json.loads(Path(args.reference_json).read_text())
-    except (ConfigError, OSError, ValueError) as err:
+        if not args.overwrite:
+            refuse_used_runs(out / "runs")
+    except (ConfigError, RunDirError, OSError, ValueError) as err:
         print(f"lopd.chain: {err}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     if jobs > 1 and len(seeds) > 1:
         with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(run_seed, preset, overrides, s, out) for s in seeds]
+            futures = [
+                pool.submit(run_seed, preset, overrides, s, out, args.overwrite) for s in seeds
+            ]
             results = [f.result() for f in futures]
     else:
-        results = [run_seed(preset, overrides, s, out) for s in seeds]
+        results = [run_seed(preset, overrides, s, out, args.overwrite) for s in seeds]
     numbers, report = chain_report(results, reference)
     meta = {
         "preset": preset,

@@ -53,10 +53,12 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from lopd.atomic import atomic_write_text
 from lopd.config import COMPARE_BUDGETS, BankTooSmallError, ConfigError, load_config
 from lopd.eval.stats import fmt, mean_se, verdict
 from lopd.methods import METHODS
-from lopd.run.run_dir import RunDir
+from lopd.run.claim import clear_run_dir, refuse_used_runs
+from lopd.run.run_dir import RunDir, RunDirError
 from lopd.trainer import Trainer
 
 __all__ = ["ALL_METHODS", "CompareSettings", "main", "run_method", "settings_for", "write_report"]
@@ -147,8 +149,11 @@ def run_method(
     seed: int,
     out: Path,
     share_from: Sequence[Path] = (),
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Train and evaluate one method for one seed; never raises (errors are recorded).
+
+    ``overwrite``: an earlier run in the run directory is deleted first (else it stops the run).
 
     Returns:
         ``{"method", "seed", "run_dir", "steps", "rollouts", "vanilla", "final", "curve",
@@ -164,8 +169,11 @@ def run_method(
     try:
         steps, _ = _steps_for(settings, method)
         result["steps"] = steps
+        if overwrite:
+            clear_run_dir(files)
         _share(share_from, run_dir, method)
-        trainer = Trainer(_config(settings, method, seed, run_dir, steps), progress=False)
+        cfg = _config(settings, method, seed, run_dir, steps)
+        trainer = Trainer(cfg, progress=False, shared_phases=True)
         try:
             summary = trainer.run()
         finally:
@@ -207,14 +215,18 @@ def run_method(
 
 
 def run_seed(
-    settings: CompareSettings, methods: Sequence[str], seed: int, out: Path
+    settings: CompareSettings,
+    methods: Sequence[str],
+    seed: int,
+    out: Path,
+    overwrite: bool = False,
 ) -> list[dict[str, Any]]:
     """All methods of one seed, sharing the seed's phases: composer methods first (they produce
     the bank, phi_0 and c_phi0 the others reuse), then OPSD and SDFT, then the bank-free
     methods."""
     results, sources = [], []
     for method in sorted(methods, key=_RUN_ORDER.index):
-        res = run_method(settings, method, seed, out, sources)
+        res = run_method(settings, method, seed, out, sources, overwrite)
         print(_progress_line(res), flush=True)
         results.append(res)
         if res["error"] is None:
@@ -404,11 +416,11 @@ def write_report(
         lines += [f"- {r['method']} seed {r['seed']}: `{r['error']}`" for r in failed]
         lines.append("")
     report = out / "report.md"
-    report.write_text("\n".join(lines))
+    atomic_write_text(report, "\n".join(lines))
     plot = out / "learning_curve.png"
     _plot(by, plot)
     res_file = out / "results.json"
-    res_file.write_text(json.dumps({"meta": meta, "runs": list(results)}, indent=1))
+    atomic_write_text(res_file, json.dumps({"meta": meta, "runs": list(results)}, indent=1))
     return {"report": report, "plot": plot, "results": res_file}
 
 
@@ -444,6 +456,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=None, help="rollouts per run (bank included)")
     p.add_argument("--eval-every", type=int, default=None, help="evaluation interval in steps")
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the runs an earlier comparison left in --out",
+    )
+    p.add_argument(
         "--jobs",
         type=int,
         default=None,
@@ -477,17 +494,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         for m in args.methods:
             steps, bank = _steps_for(settings, m)
             print(f"[compare] {m}: {steps} steps (+ {bank} bank rollouts)", flush=True)
-    except (ConfigError, ValueError) as err:
+        if not args.overwrite:
+            refuse_used_runs(out / "runs")
+    except (ConfigError, RunDirError, ValueError) as err:
         print(f"lopd.compare: {err}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     if jobs > 1 and len(seeds) > 1:
         # Spawned workers: one trainer per process, each with one CPU thread.
         with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(run_seed, settings, args.methods, s, out) for s in seeds]
+            futures = [
+                pool.submit(run_seed, settings, args.methods, s, out, args.overwrite) for s in seeds
+            ]
             results = [r for f in futures for r in f.result()]
     else:
-        results = [r for s in seeds for r in run_seed(settings, args.methods, s, out)]
+        results = [
+            r for s in seeds for r in run_seed(settings, args.methods, s, out, args.overwrite)
+        ]
     meta = {
         **asdict(settings),
         "seeds": seeds,

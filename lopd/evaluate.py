@@ -20,7 +20,12 @@ Generation follows the paper's Table 5 unless overridden: temperature 0.7, top-p
 thinking on (Qwen3's switch; the tiny model's template ignores it), a token budget of 40,960
 (tool use) / 16,384 (coding) per episode and 30 steps. The budget is cut to the model's
 ``max_position_embeddings``; a task whose prompt alone does not fit scores 0 and is counted in
-``skipped_prompt_too_long``.
+``skipped_prompt_too_long``. Without ``--model`` (the shipped tiny model, a plumbing check) the
+budgets are the ones that model is trained and evaluated with by ``python -m lopd.train``
+(:data:`TINY_TURN_TOKENS` per turn, :data:`TINY_EPISODE_TOKENS` per episode, :data:`TINY_STEPS`
+steps): its turns are short tool calls, and given a paper budget it writes degenerate text to the
+end of its 4,096-token context at every step (8 BFCL episodes took 10 minutes on 2 cores).
+``--max-new-tokens``, ``--max-total-tokens`` and ``--max-steps`` override either set.
 
 ``--export-tasks FILE`` writes the benchmark's tasks as a lopd tasks JSONL (no model needed):
 BFCL entries carry their train/test label (disjoint by scenario, :mod:`lopd.envs.bfcl_data`),
@@ -32,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +48,8 @@ from typing import Any
 import torch
 
 from lopd.atomic import atomic_write_text
+from lopd.config import PRESETS
+from lopd.config.checks import checkpoint_dir_problem
 from lopd.envs import save_tasks_jsonl
 from lopd.eval.benchmark import (
     BENCHES,
@@ -54,7 +63,15 @@ from lopd.eval.benchmark import (
 from lopd.models.loading import load_model
 from lopd.rollout.multi_turn import GenerationConfig
 
-__all__ = ["main", "parse_args"]
+__all__ = ["TINY_EPISODE_TOKENS", "TINY_STEPS", "TINY_TURN_TOKENS", "main", "parse_args"]
+
+_TINY_GEN = PRESETS["default"]().gen
+TINY_TURN_TOKENS: int = _TINY_GEN.max_new_tokens
+"""Tokens per assistant turn for the shipped tiny model (the default preset's ``gen``)."""
+TINY_EPISODE_TOKENS: int = _TINY_GEN.max_total_tokens
+"""Tokens per episode (prompt, turns, observations) for the shipped tiny model."""
+TINY_STEPS: int = _TINY_GEN.max_steps
+"""Assistant turns per episode for the shipped tiny model."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -73,7 +90,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: 1 with --device cpu, as the trainer: intra-op threads "
+        "gain small models little and spin-wait on a busy CPU)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.95)
@@ -98,10 +121,79 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _first_non_directory(path: Path) -> Path | None:
+    """The nearest existing ancestor of ``path`` (or ``path`` itself) when it is not a
+    directory: nothing can be created under it."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
+def _check_export_path(path: Path) -> None:
+    if path.is_dir():
+        raise ValueError(f"--export-tasks {path} is a directory; give a file path (tasks.jsonl)")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"--export-tasks {path} exists and is not a regular file")
+    blocker = _first_non_directory(path.parent)
+    if blocker is not None:
+        raise ValueError(f"--export-tasks {path}: {blocker} is a file, not a directory")
+
+
+def _check_out_dir(out: Path) -> None:
+    """``--out`` before the run, so an evaluation is never lost at its final write."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(
+            f"--out {out} is a file; give a directory (the results go to results.json and "
+            "results.md inside it)"
+        )
+    blocker = _first_non_directory(out)
+    if blocker is not None:
+        raise ValueError(f"--out {out}: {blocker} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out {out} cannot be created ({err.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out} is not writable")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Every argument problem as one ``ValueError`` line, before anything is loaded."""
+    if args.export_tasks is not None:
+        _check_export_path(Path(args.export_tasks))
+        return
+    for flag, value in (("--temperature", args.temperature), ("--top-p", args.top_p)):
+        if not math.isfinite(value):
+            raise ValueError(f"{flag} must be a finite number, got {value}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    for flag, value, low in (
+        ("--top-k", args.top_k, 0),
+        ("--max-total-tokens", args.max_total_tokens, 2),
+        ("--max-new-tokens", args.max_new_tokens, 1),
+        ("--max-steps", args.max_steps, 1),
+    ):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.model is not None:
+        problem = checkpoint_dir_problem(args.model)
+        if problem is not None:
+            raise ValueError(f"--model {args.model} {problem}")
+    _check_out_dir(_out_dir(args))
+
+
+def _out_dir(args: argparse.Namespace) -> Path:
+    return Path(args.out or Path("runs") / "eval" / args.bench)
+
+
 def main(argv: Sequence[str] | None = None, *, log: Callable[[str], None] | None = None) -> int:
     args = parse_args(argv)
     say = log or (lambda msg: print(f"[lopd.evaluate] {msg}", flush=True))
     try:
+        _check_args(args)
         cats = load_bench(args.bench, args.n, args.split, args.categories)
     except (ValueError, ImportError, RuntimeError) as err:
         print(f"lopd.evaluate: {err}", file=sys.stderr)
@@ -116,8 +208,11 @@ def main(argv: Sequence[str] | None = None, *, log: Callable[[str], None] | None
         return 0
 
     threads = torch.get_num_threads()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    # One thread on CPU unless asked: measured on a loaded 2-core machine, the quick start's
+    # BFCL "base" category took 10 s of evaluation with 1 thread and 88 s with 2.
+    want = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
+    if want is not None:
+        torch.set_num_threads(want)
     try:
         return _evaluate(args, cats, say)
     finally:
@@ -129,22 +224,31 @@ def _evaluate(
 ) -> int:
     try:
         model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"lopd.evaluate: --model: {err}", file=sys.stderr)
+    except (OSError, ValueError) as err:  # a checkpoint that passed the checks but still fails
+        print(f"lopd.evaluate: --model: {str(err).strip().splitlines()[0]}", file=sys.stderr)
         return 2
     coding = args.bench == "humaneval"
-    budget = args.max_total_tokens or (CODE_BUDGET if coding else TOOL_BUDGET)
+    if args.model is None:  # the tiny model: the budgets it is built for (module docstring)
+        turn, total, most_steps = TINY_TURN_TOKENS, TINY_EPISODE_TOKENS, TINY_STEPS
+        say(
+            f"the shipped tiny model: {turn} tokens per turn, {total} per episode, "
+            f"{most_steps} steps (its own budgets; --max-new-tokens, --max-total-tokens, "
+            "--max-steps override)"
+        )
+    else:
+        turn, total, most_steps = None, CODE_BUDGET if coding else TOOL_BUDGET, MAX_STEPS
+    budget = args.max_total_tokens or total
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and budget > limit:
         say(f"budget {budget} tokens cut to the model's max_position_embeddings ({limit})")
         budget = limit
-    steps = args.max_steps or (1 if coding else MAX_STEPS)
+    steps = args.max_steps or (1 if coding else most_steps)
     try:
         gen = GenerationConfig(
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
-            max_new_tokens_per_turn=min(args.max_new_tokens or budget, budget),
+            max_new_tokens_per_turn=min(args.max_new_tokens or turn or budget, budget),
             max_total_tokens=budget,
             max_steps=steps,
             enable_thinking=args.thinking,
@@ -152,7 +256,7 @@ def _evaluate(
     except ValueError as err:
         print(f"lopd.evaluate: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out or Path("runs") / "eval" / args.bench)
+    out = _out_dir(args)
     t0 = time.perf_counter()
     results: dict[str, Any] = {
         "settings": {

@@ -8,6 +8,7 @@ Usage::
     python -m lopd.train --config my.yaml lopd.margin=0.1 lopd.steps=50
     python -m lopd.train --preset smoke --profile-memory   # memory account per phase
     python -m lopd.train --run-dir runs/x --resume         # continue a killed run
+    python -m lopd.train --run-dir runs/x --overwrite      # delete the run there, start anew
     torchrun --nproc-per-node 2 -m lopd.train --preset smoke   # data parallel (gloo on CPU)
     torchrun --nproc-per-node 8 -m lopd.train --preset paper --model M model.parallel=fsdp2
 
@@ -23,9 +24,10 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from lopd.config import PRESETS, ConfigError, load_config
+from lopd.run.claim import read_saved_run
+from lopd.run.run_dir import RunDir, RunDirError
 from lopd.trainer import Trainer
 
 
@@ -45,7 +47,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="training objective (lopd.method), a name in lopd.methods.METHODS: lopd, its "
         "ablations or a baseline",
     )
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument(
+        "--resume", action="store_true", help="continue the run in --run-dir (newest checkpoint)"
+    )
+    start.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run found in --run-dir and start a new one (a fresh run refuses a "
+        "directory that holds a run)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
         "--profile-memory",
@@ -74,11 +85,10 @@ def build_config(args: argparse.Namespace):
     cfg = load_config(args.preset, args.config, overrides)
     if args.resume:
         # A resumed run continues with the configuration it was started with (saved in its run
-        # directory); command-line overrides still apply on top.
-        saved = Path(cfg.run_dir) / "config.yaml"
-        if not saved.exists():
-            raise ConfigError(f"--resume: {cfg.run_dir!r} holds no run to resume (no config.yaml)")
-        cfg = load_config(args.preset, saved, overrides)
+        # directory, checked whole and unedited); command-line overrides still apply on top.
+        run_dir = RunDir(cfg.run_dir)
+        read_saved_run(run_dir)
+        cfg = load_config(args.preset, run_dir.config, overrides)
     cfg.validate()
     return cfg
 
@@ -88,13 +98,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = build_config(args)
 
-        trainer = Trainer(cfg, resume=args.resume, progress=not args.no_progress)
+        trainer = Trainer(
+            cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite
+        )
         try:
             summary = trainer.run()
         finally:
             trainer.close()
     except ConfigError as err:
         print(f"lopd.train: config error: {err}", file=sys.stderr)
+        return 2
+    except RunDirError as err:
+        print(f"lopd.train: {err}", file=sys.stderr)
         return 2
     if trainer.is_main:
         v, lo = summary["vanilla"], summary["lopd"]

@@ -49,16 +49,14 @@ from lopd.latent.conditioned import LatentFraming
 from lopd.latent.experience import Experience, build_experience
 from lopd.latent.teacher import TaskLatents
 from lopd.methods import METHODS, MethodContext
-from lopd.models.loading import (
-    load_run_models,
-    resolve_model_dir,
-)
+from lopd.models.loading import load_run_models, resolve_model_dir
 from lopd.parallel.distributed import Dist
 from lopd.parallel.precision import Precision
 from lopd.rollout.budget import BudgetReport, check_token_budgets
 from lopd.rollout.engine import RolloutEngine
 from lopd.rollout.vllm import VLLMRollout
 from lopd.run.checkpoint import Checkpoints, TrainState, save_run_outputs
+from lopd.run.claim import RunLock, claim_on_rank0
 from lopd.run.context import RunContext
 from lopd.run.memory_account import MemoryAccount
 from lopd.run.metrics import MetricsLog
@@ -82,6 +80,9 @@ class Trainer:
             killed); phases already finished (bank, cold start, vanilla evaluation) are loaded
             from the run directory, not redone.
         progress: show tqdm bars (rank 0 only).
+        overwrite: :meth:`run` deletes another run found in ``run_dir`` (else it refuses).
+        shared_phases: :meth:`run` may find the phases a seed's methods share in ``run_dir``
+            (``lopd.compare`` copies them there). See :mod:`lopd.run.claim`.
 
     Example:
         >>> trainer = Trainer(load_config("smoke"))
@@ -92,7 +93,14 @@ class Trainer:
     ``method``, ``optimizers``, ``engine`` and ``evaluate``.
     """
 
-    def __init__(self, cfg: Config, resume: bool = False, progress: bool = True) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        resume: bool = False,
+        progress: bool = True,
+        overwrite: bool = False,
+        shared_phases: bool = False,
+    ) -> None:
         cfg.validate()
         if cfg.lopd.method not in METHODS:
             raise ConfigError(
@@ -100,16 +108,13 @@ class Trainer:
             )
         self.cfg = cfg
         self.spec = METHODS[cfg.lopd.method]
-        self.resume = resume
+        self.resume, self.overwrite, self.shared_phases = resume, overwrite, shared_phases
+        self.lock: RunLock | None = None
         self.dist = Dist(cfg.model.device, cfg.threads)
         self.spec.check_parallel(cfg, self.dist.world)
         self.is_main = self.dist.is_main
         self.progress = progress and self.is_main
         self.run_dir = RunDir(cfg.run_dir)
-        if self.is_main:
-            self.run_dir.checkpoints.mkdir(parents=True, exist_ok=True)
-            cfg.save(self.run_dir.config)
-        self.dist.barrier()
         self.checkpoints = Checkpoints(
             self.run_dir.checkpoints,
             self.dist,
@@ -141,6 +146,8 @@ class Trainer:
         """Models, tasks, bank, composer and cold start (as the method needs), the method and
         the optimizers: everything :meth:`train_step` uses."""
         cfg, dist, precision, spec = self.cfg, self.dist, self.precision, self.spec
+        if dist.is_main:  # claimed by run(); a caller driving the phases itself gets it created
+            self.run_dir.checkpoints.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -317,8 +324,14 @@ class Trainer:
 
     # -------------------------------------------------------------- the whole run
     def run(self) -> dict[str, Any]:
-        """Setup -> vanilla eval -> training steps -> final eval; returns ``summary.json``."""
+        """Claim the run directory -> setup -> vanilla eval -> training steps -> final eval;
+        returns ``summary.json``."""
         self.session_start = time.perf_counter()
+        shared = self.run_dir.shared_phases(self.spec.builds_bank, self.spec.uses_composer)
+        self.lock = claim_on_rank0(
+            self.dist, self.run_dir, self.cfg, resume=self.resume, overwrite=self.overwrite,
+            shared_phases=tuple(shared) if self.shared_phases else (),
+        )  # fmt: skip
         self.setup()
         cfg, run_dir = self.cfg, self.run_dir
         start = self.load_checkpoint() if self.resume else 0
@@ -378,6 +391,8 @@ class Trainer:
         return self.evaluate.cached("base_composer", path)
 
     def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
         engine = getattr(self, "engine", None)
         if engine is not None and engine.vllm is not None:
             engine.vllm.close()

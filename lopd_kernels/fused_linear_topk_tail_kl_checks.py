@@ -86,10 +86,11 @@ def check_inputs(
             "each hidden state must share its weight's dtype, got "
             f"student {hs.dtype}/{ws.dtype}, teacher {ht.dtype}/{wt.dtype}"
         )
-    if target.dtype not in (torch.int64, torch.int32) or target.shape != (hs.shape[0],):
+    if target.dtype not in (torch.int64, torch.int32):  # a dtype: TypeError, as every op
+        raise TypeError(f"target_ids must be int64 (or int32), got {target.dtype}")
+    if target.shape != (hs.shape[0],):
         raise ValueError(
-            f"target_ids must be int64/int32 of shape [N] = [{hs.shape[0]}], "
-            f"got {target.dtype} {tuple(target.shape)}"
+            f"target_ids must have shape [N] = [{hs.shape[0]}], got {tuple(target.shape)}"
         )
     for name, b, w in (("student_bias", bs, ws), ("teacher_bias", bt, wt)):
         if b is not None and b.shape != (vocab,):

@@ -59,7 +59,11 @@ from lopd_kernels._constants import TRITON_SPARSE_TEACHER_MAX_TOP_M
 from lopd_kernels._custom_ops import CustomOps
 from lopd_kernels._reduction import check_module_options, reduce_kl
 from lopd_kernels.bucket_math import bucket_divergence, masked_logsumexp
-from lopd_kernels.sparse_teacher_topk_tail_kl_checks import check_inputs, check_values
+from lopd_kernels.sparse_teacher_topk_tail_kl_checks import (
+    check_inputs,
+    check_rows_have_mass,
+    check_values,
+)
 
 __all__ = [
     "SparseTeacherTopKTailKL",
@@ -161,6 +165,9 @@ def sparse_teacher_topk_tail_kl_reference(
     # scatter_add, not scatter: a padding slot's placeholder id must not clear a real one.
     in_top = torch.zeros_like(s, dtype=torch.int32).scatter_add(1, safe_ids, (~pad).int()) > 0
     lse_s = torch.logsumexp(s, dim=-1, keepdim=True)
+    full_lse = torch.zeros(tgt.numel(), dtype=dtype, device=s.device)
+    full_lse[rows] = lse_s.squeeze(1).detach()
+    check_rows_have_mass(full_lse, tgt, ignore_index, ("student_logits",))
     slp = (s.gather(1, a) - lse_s).squeeze(1)
     logp_top = (s.gather(1, safe_ids) - lse_s).masked_fill(pad, -math.inf)
     logp_tail = masked_logsumexp(s, ~in_top).unsqueeze(1) - lse_s
@@ -413,7 +420,7 @@ def sparse_teacher_topk_tail_kl(
     ids = teacher_topk_ids.reshape(-1, m).to(torch.int64).contiguous()
     tgt = target_ids.reshape(-1).to(torch.int64).contiguous()
     check_values(lp, ids, tgt, vocab, ignore_index, mass_tolerance)
-    kl, slp, _lse, bucket = CUSTOM_OPS.fwd_op(name)(
+    kl, slp, lse, bucket = CUSTOM_OPS.fwd_op(name)(
         s,
         lp,
         ids,
@@ -423,6 +430,7 @@ def sparse_teacher_topk_tail_kl(
         int(ignore_index),
         float(tail_floor),
     )
+    check_rows_have_mass(lse, tgt, ignore_index, ("student_logits",))
     with torch.no_grad():
         keep = tgt != ignore_index
         s_mass = torch.where(keep, bucket[:, 0, :m].exp().sum(-1), 0.0)

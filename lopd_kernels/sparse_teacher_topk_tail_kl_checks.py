@@ -15,10 +15,10 @@ import torch
 from torch import Tensor
 
 from lopd_kernels._constants import REFERENCE_DTYPES
-from lopd_kernels.topk_tail_kl_checks import check_loss_options
+from lopd_kernels.topk_tail_kl_checks import check_loss_options, check_rows_have_mass
 from lopd_kernels.topk_tail_kl_checks import check_values as check_target_values
 
-__all__ = ["check_inputs", "check_values"]
+__all__ = ["check_inputs", "check_rows_have_mass", "check_values"]
 
 
 def check_inputs(

@@ -39,9 +39,16 @@ from lopd_kernels._custom_ops import CustomOps
 from lopd_kernels._reduction import check_module_options, reduce_kl
 from lopd_kernels.bucket_math import bucket_divergence, masked_logsumexp
 from lopd_kernels.row_layout import rows_in_place
-from lopd_kernels.topk_tail_kl_checks import check_inputs, check_values
+from lopd_kernels.topk_tail_kl_checks import (
+    check_inputs,
+    check_rows_have_mass,
+    check_targets_in_range,
+    check_values,
+)
 
 __all__ = ["TopKTailKL", "TopKTailKLOutput", "topk_tail_kl", "topk_tail_kl_reference"]
+
+_SIDES = ("student_logits", "teacher_logits")
 
 OP = "topk_tail_kl"
 # Resolved once at import (the extension is loaded here if it exists), so that backend choice
@@ -145,6 +152,9 @@ def topk_tail_kl_reference(
 
     lse_s = torch.logsumexp(s, dim=-1, keepdim=True)
     lse_t = torch.logsumexp(t, dim=-1, keepdim=True)
+    full_lse = torch.zeros(tgt.numel(), 2, dtype=dtype, device=s.device)
+    full_lse[rows] = torch.cat([lse_s, lse_t], 1).detach()
+    check_rows_have_mass(full_lse, tgt, ignore_index, _SIDES)
     slp = (s.gather(1, a) - lse_s).squeeze(1)
     tlp = (t.gather(1, a) - lse_t).squeeze(1)
     if m == 0:
@@ -411,7 +421,9 @@ def topk_tail_kl(
     Raises:
         TypeError / ValueError: bad dtypes, shapes, devices, ``top_m``, ``temperature``,
             ``divergence`` or ``backend``; the message names the argument.
-        ValueError / RuntimeError: a target outside ``[0, V)`` that is not ``ignore_index``.
+        ValueError: a target outside ``[0, V)`` that is not ``ignore_index``, or a row (not
+            ignored) whose student or teacher logits are all ``-inf``; on CUDA tensors and under
+            ``torch.compile`` a device-side assert (``RuntimeError``) instead (docs/kernels.md).
     """
     m = check_inputs(
         student_logits, teacher_logits, target_ids, top_m, temperature, divergence, ignore_index
@@ -455,7 +467,8 @@ def call_fwd_op(
     :func:`topk_tail_kl`."""
     lead = student_logits.shape[:-1]
     flat_target = target_ids.reshape(-1).to(torch.int64).contiguous()
-    kl, slp, tlp, ids, _lse, bucket = op(
+    check_targets_in_range(flat_target, student_logits.shape[-1], ignore_index)
+    kl, slp, tlp, ids, lse, bucket = op(
         rows_in_place(student_logits),
         rows_in_place(teacher_logits),
         flat_target,
@@ -464,6 +477,7 @@ def call_fwd_op(
         divergence == "reverse",
         int(ignore_index),
     )
+    check_rows_have_mass(lse, flat_target, ignore_index, _SIDES)
     return TopKTailKLOutput(
         kl=kl.reshape(lead),
         privilege=(tlp - slp.detach()).reshape(lead),

@@ -17,7 +17,13 @@ from torch import Tensor
 
 from lopd_kernels._constants import DIVERGENCES, REFERENCE_DTYPES
 
-__all__ = ["check_inputs", "check_loss_options", "check_values"]
+__all__ = [
+    "check_inputs",
+    "check_loss_options",
+    "check_rows_have_mass",
+    "check_targets_in_range",
+    "check_values",
+]
 
 
 def check_inputs(
@@ -105,3 +111,50 @@ def check_loss_options(temperature: float, divergence: str, ignore_index: int) -
         raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+
+
+def check_rows_have_mass(
+    lse: Tensor, target_ids: Tensor, ignore_index: int, sides: tuple[str, ...]
+) -> None:
+    """Raises ``ValueError`` naming the first row (not ``ignore_index``) whose logits are all
+    ``-inf`` on one side: a distribution with no mass, whose KL and log-probs are undefined (the
+    kernels would give ``inf``, ``0`` or NaN depending on the backend).
+
+    Read from the forward's per-row log-sum-exp (``-inf`` exactly for such a row), not from the
+    logits: ``[N]`` values, no second pass over ``[N, V]``. On CUDA tensors, and under
+    ``torch.compile``, the check is a device-side assert instead (no host synchronization per
+    step, no graph break), like the targets' check there: a ``RuntimeError`` without the row.
+
+    Args:
+        lse: ``[N, len(sides)]`` (or ``[N]`` for one side) log-sum-exp of ``logits / T``.
+        target_ids: ``[N]`` flattened targets.
+        ignore_index: rows with this target are not checked (their outputs are 0).
+        sides: the argument each column of ``lse`` belongs to, e.g. ``("student_logits",
+            "teacher_logits")``.
+    """
+    lse = lse.reshape(lse.shape[0], -1)
+    bad = (lse == -math.inf) & (target_ids != ignore_index).unsqueeze(1)
+    if lse.is_cuda or torch.compiler.is_compiling():
+        torch._assert_async(
+            ~bad.any(), "a row whose logits are all -inf (no probability mass) is not ignored"
+        )
+        return
+    if bad.any():
+        row, side = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"row {row} (flattened) of {sides[side]} is all -inf (no probability mass): its KL "
+            "and log-probs are undefined; give the row target ignore_index, or finite logits"
+        )
+
+
+def check_targets_in_range(target_ids: Tensor, vocab: int, ignore_index: int) -> None:
+    """:func:`check_values` where a host read is free (CPU tensors, eager: ``ValueError``), else a
+    device-side assert (CUDA tensors: no host synchronization per step). Called before every
+    compiled kernel: the CUDA kernels index the logits with the targets unchecked. Under
+    ``torch.compile`` on CPU tensors nothing is added to the graph: the C++ and Triton ops check
+    their targets inside (``ValueError``)."""
+    if target_ids.is_cuda:
+        bad = (target_ids != ignore_index) & ((target_ids < 0) | (target_ids >= vocab))
+        torch._assert_async(~bad.any(), "target_ids outside [0, V) that are not ignore_index")
+    elif not torch.compiler.is_compiling():
+        check_values(target_ids, vocab, ignore_index)

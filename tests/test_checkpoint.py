@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -13,6 +14,7 @@ from lopd.config import LOPDConfig
 from lopd.parallel.distributed import Dist
 from lopd.run.checkpoint import Checkpoints, TrainState, save_deployable
 from lopd.run.optim import build_optimizers
+from lopd.run.run_dir import RunDirError
 
 
 class _Beta:
@@ -96,3 +98,53 @@ def test_deployable_student_is_safetensors_in_the_compute_dtype(tmp_path):
     save_deployable(model, tmp_path / "fp32", torch.float32)
     tensors = load_file(tmp_path / "fp32" / "model.safetensors")
     assert {t.dtype for t in tensors.values()} == {torch.float32}
+
+
+def _other_shapes(path) -> None:
+    """A checkpoint of another model (hidden size 48): loads as a file, fits nothing here."""
+    torch.manual_seed(5)
+    cfg = Qwen3Config(
+        vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    other = TrainState(Qwen3ForCausalLM(cfg), None, None, _Beta())
+    step = int(path.stem.removeprefix("step_"))
+    Checkpoints(path.parent, Dist("cpu", 1), keep=3).save(step, other, 0, 0.0, optimizer=False)
+
+
+DAMAGE = {
+    "truncated": lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
+    "random bytes": lambda p: p.write_bytes(
+        torch.randint(0, 256, (4096,)).byte().numpy().tobytes()
+    ),
+    "zero bytes": lambda p: p.write_bytes(b""),
+    "other weight shapes": _other_shapes,
+    "not a checkpoint": lambda p: torch.save({"hello": 1}, p),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_loadable_one(tmp_path, damage):
+    dist = Dist("cpu", 1)
+    ckpts = Checkpoints(tmp_path, dist, keep=3)
+    state = _state()
+    for step in (1, 2):
+        _step(state)
+        state.method.beta = float(step)
+        if step == 1:
+            good = {k: v.clone() for k, v in state.student.state_dict().items()}
+        ckpts.save(step, state, rollouts=step * 4, wall_seconds=1.0)
+    DAMAGE[damage](tmp_path / "step_000002.pt")
+    fresh = _state(seed=1)
+    with pytest.warns(RuntimeWarning, match=r"checkpoint step_000002.pt cannot be loaded \(.+\); "):
+        resumed = ckpts.load_latest(fresh)
+    assert (resumed.step, resumed.rollouts, resumed.name) == (1, 4, "step_000001.pt")
+    assert fresh.method.beta == 1.0 and fresh.optimizers.student.state
+    for key, value in fresh.student.state_dict().items():
+        assert torch.equal(value, good[key]), key
+    # Nothing loadable at all: one line, not a traceback from torch.load.
+    DAMAGE[damage](tmp_path / "step_000001.pt")
+    with pytest.warns(RuntimeWarning), pytest.raises(RunDirError) as err:
+        ckpts.load_latest(_state(seed=2))
+    assert str(err.value).startswith(f"--resume: no checkpoint in {tmp_path} can be loaded (")
+    assert "\n" not in str(err.value)

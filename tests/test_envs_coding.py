@@ -25,7 +25,7 @@ from lopd.envs import (
     save_tasks_jsonl,
     task_from_record,
 )
-from lopd.envs.coding import values_match
+from lopd.envs.coding_match import values_match
 from lopd.types import Task
 
 STDIO = {

@@ -28,15 +28,14 @@ from lopd.envs import (
 from lopd.envs.loaders import TaskFormatError
 from lopd.envs.tool_use import (
     NO_TOOL_CALL_MESSAGE,
-    SPLITS,
     Param,
     TemplateNotApplicable,
     ToolError,
     ToolSpec,
     initial_db,
-    make_task,
     score_checks,
 )
+from lopd.envs.tool_use_tasks import SPLITS, make_task
 from lopd.types import Task
 
 WORLDS = ["insurance", "logistics", "shop"]

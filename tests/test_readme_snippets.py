@@ -35,7 +35,9 @@ def run(name: str, tmp_path, monkeypatch) -> dict:
 
 
 def test_every_snippet_is_checked():
-    assert set(snippets()) == {"pytorch", "trl", "sparse-teacher", "teacher-topk", "verl"}
+    assert set(snippets()) == {
+        "pytorch", "trl", "trl-gkd", "sparse-teacher", "teacher-topk", "verl",
+    }  # fmt: skip
 
 
 def test_pytorch_snippet(tmp_path, monkeypatch):
@@ -61,15 +63,39 @@ def test_teacher_topk_snippet(tmp_path, monkeypatch):
     assert ((ns["out"].teacher_mass > 0) & (ns["out"].teacher_mass < 1)).all()
 
 
-def test_trl_snippet(tmp_path, monkeypatch):
+def _needs_trl() -> None:
     trl = pytest.importorskip("trl", reason="TRL not installed (pip install 'lopd[trl]')")
     if tuple(int(x) for x in trl.__version__.split(".")[:2]) < (1, 16):
         pytest.skip(f"the TRL integration needs trl>=1.16, found {trl.__version__}")
+
+
+def _trained(trainer) -> list[dict]:
+    """The trainer's per-step logs, after checking that it trained: a positive finite loss
+    every step (student and teacher differ) and a student that moved away from the shipped
+    weights."""
+    from transformers import AutoModelForCausalLM
+
+    from lopd.models import TINY_ASSET_DIR
+
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 3 and all(math.isfinite(h["loss"]) and h["loss"] > 0 for h in logs), logs
+    before = AutoModelForCausalLM.from_pretrained(TINY_ASSET_DIR).lm_head.weight.detach()
+    after = trainer.model.lm_head.weight.detach().cpu()
+    assert torch.isfinite(after).all() and (after - before).abs().max() > 1e-4
+    return logs
+
+
+def test_trl_snippet_trains_a_student_from_a_different_teacher(tmp_path, monkeypatch):
+    _needs_trl()
     ns = run("trl", tmp_path, monkeypatch)
-    logs = [h for h in ns["trainer"].state.log_history if "loss" in h]
-    assert len(logs) == 1 and math.isfinite(logs[0]["loss"])
-    assert 0 < logs[0]["teacher_topk_mass"] <= 1
-    assert torch.isfinite(ns["trainer"].model.lm_head.weight).all()
+    logs = _trained(ns["trainer"])
+    assert all(0 < h["teacher_topk_mass"] <= 1 for h in logs)
+
+
+def test_trl_gkd_snippet_trains_on_messages(tmp_path, monkeypatch):
+    _needs_trl()
+    ns = run("trl-gkd", tmp_path, monkeypatch)
+    _trained(ns["trainer"])
 
 
 def test_verl_snippet(tmp_path, monkeypatch):

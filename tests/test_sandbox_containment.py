@@ -181,7 +181,7 @@ def _marker_processes(marker: str) -> list[str]:
 
 def run_caller(mode: str) -> dict:
     """Run the probe and the payloads from a caller in ``mode`` (root / user / plain)."""
-    uid = None if mode == "root" else sandbox._pick_uid()
+    uid = None if mode == "root" else sandbox.pick_uid()
     python = sandbox.sandbox_python(True)
     secret, marker = f"secret-{uuid.uuid4().hex}", f"marker-{uuid.uuid4().hex}"
     mod_dir = Path(tempfile.mkdtemp(prefix="lopd-sbx-copy-"))
@@ -195,6 +195,7 @@ def run_caller(mode: str) -> dict:
         (pkg / "__init__.py").write_text("")
         for name in (
             "sandbox.py",
+            "_sandbox_identity.py",
             "_sandbox_launcher.py",
             "_sandbox_layout.py",
             "_tree_removal.py",

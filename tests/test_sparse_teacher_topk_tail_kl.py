@@ -342,7 +342,7 @@ def test_cpp_rejects_out_of_range_ids():
     s, lp, ids, target = _op_samples("cpu")[:4]
     bad = ids.clone()
     bad[0, 1] = 23
-    with pytest.raises(RuntimeError, match="teacher_topk_ids"):
+    with pytest.raises(ValueError, match="teacher_topk_ids"):
         torch.ops.lopd.sparse_teacher_topk_tail_kl_cpu_fwd(
             s.detach(), lp, bad, target, 1.0, True, -100, 1e-6
         )

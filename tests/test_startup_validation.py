@@ -174,3 +174,83 @@ def test_resume_after_a_torn_metrics_line_gives_the_uninterrupted_metrics(tmp_pa
         return [{k: v for k, v in r.items() if not k.startswith("seconds_")} for r in out]
 
     assert metrics(run) == metrics(ref)
+
+
+# --------------------------------------------------------------------------- task files: CLI
+
+
+def _task_line(**changes) -> bytes:
+    record = json.loads(_good()[1])
+    for key, value in changes.items():
+        if key == "spec":
+            record["spec"] = value
+        else:
+            record[key] = value
+    return json.dumps(record).encode()
+
+
+def _coding_line(test: dict) -> bytes:
+    spec = {"fn_name": None, "tests": [test], "solution": "print(input())"}
+    record = {"task_id": "c1", "domain": "coding", "world": "coding", "instruction": "Echo.",
+              "spec": spec, "split": "train"}  # fmt: skip
+    return json.dumps(record).encode()
+
+
+BAD_TASK_FILES = {
+    "task_id a list": (
+        lambda: [_good()[0], _task_line(task_id=["a", "b"])],
+        "line 2: task_id must be a string, got a list",
+    ),
+    "instruction null": (
+        lambda: [_good()[0], _task_line(instruction=None)],
+        "line 2: instruction must be a string, got null",
+    ),
+    "a 2 MB instruction": (
+        lambda: [_good()[0], _good()[2], _task_line(instruction="x" * 2_000_000)],
+        "line 3: instruction is 2,000,000 characters, over the 1,000,000 limit",
+    ),
+    "a 100 MB instruction": (
+        lambda: [_good()[0], _task_line(instruction="x" * 100_000_000)],
+        "line 2: line longer than 64 MiB",
+    ),
+    "a stdin test whose input is an int": (
+        lambda: [_coding_line({"input": 5, "output": "5"})],
+        "line 1: test 1: a stdin/stdout test's input must be a string (the program's text), "
+        "got a number",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TASK_FILES))
+def test_bad_task_file_is_one_line_naming_the_line_before_any_model_loads(case, tmp_path, capsys):
+    from lopd.train import main
+
+    records, message = BAD_TASK_FILES[case]
+    path = _lines(tmp_path, records())
+    run = tmp_path / "run"
+    argv = ["--preset", "smoke", "--tasks", str(path), "--run-dir", str(run), "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"lopd.train: config error: data.tasks_path {str(path)!r} {message}", err
+    assert not run.exists()  # stopped before anything was created, let alone loaded
+    with pytest.raises(TaskFormatError, match=re.escape(f"tasks.jsonl:{message[5:]}")):
+        load_tasks_jsonl(path)
+
+
+def test_a_fifo_as_tasks_file_is_named_and_never_opened(tmp_path, capsys):
+    from lopd.train import main
+
+    fifo = tmp_path / "tasks.jsonl"
+    os.mkfifo(fifo)  # opening it would block until a writer comes
+    for path, what in (
+        (fifo, "is a FIFO, not a regular file"),
+        (tmp_path, "is a directory, not a regular file"),
+    ):
+        argv = ["--preset", "smoke", "--tasks", str(path), "--run-dir", str(tmp_path / "r")]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"lopd.train: config error: data.tasks_path {str(path)!r} {what}", err
+    with pytest.raises(TaskFormatError, match="is a FIFO, not a regular file"):
+        load_tasks_jsonl(fifo)
+    assert main(["--preset", "smoke", "--tasks", str(tmp_path / "none.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err

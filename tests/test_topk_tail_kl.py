@@ -595,7 +595,7 @@ def test_backend_errors():
     s, t, target = make_inputs(2, 10)
     with pytest.raises(TypeError, match="float64"):
         lk.topk_tail_kl(s.double(), t, target, backend="cpu")
-    with pytest.raises(RuntimeError, match="target_ids"):
+    with pytest.raises(ValueError, match="target_ids"):  # TORCH_CHECK_VALUE, as every backend
         torch.ops.lopd.topk_tail_kl_cpu_fwd(s, t, torch.tensor([0, 99]), 3, 1.0, True, -100)
     with pytest.raises(RuntimeError, match="top_m"):
         torch.ops.lopd.topk_tail_kl_cpu_fwd(s, t, target, 10, 1.0, True, -100)

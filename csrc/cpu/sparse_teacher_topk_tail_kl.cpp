@@ -50,13 +50,14 @@ void check_indices(const at::Tensor& target, const at::Tensor& ids, const at::Te
   const int64_t lq_off = logprobs ? 0 : m + 1;  // bucket_logp[:, 1, :M] = log Q of the slots
   for (int64_t r = 0; r < n; ++r) {
     if (tp[r] == ignore_index) continue;
-    TORCH_CHECK(tp[r] >= 0 && tp[r] < vocab, kOp, ": target_ids[", r, "] = ", tp[r],
-                " is outside [0, V = ", vocab, ") and is not ignore_index (", ignore_index, ")");
+    TORCH_CHECK_VALUE(tp[r] >= 0 && tp[r] < vocab, kOp, ": target_ids[", r, "] = ", tp[r],
+                      " is outside [0, V = ", vocab, ") and is not ignore_index (", ignore_index,
+                      ")");
     for (int64_t i = 0; i < m; ++i) {
       const bool real = lq[r * lq_row + lq_off + i] != kNegInf;
       const int64_t id = ip[r * m + i];
-      TORCH_CHECK(!real || (id >= 0 && id < vocab), kOp, ": teacher_topk_ids[", r, ", ", i,
-                  "] = ", id, " is outside [0, V = ", vocab, ")");
+      TORCH_CHECK_VALUE(!real || (id >= 0 && id < vocab), kOp, ": teacher_topk_ids[", r, ", ",
+                        i, "] = ", id, " is outside [0, V = ", vocab, ")");
     }
   }
 }

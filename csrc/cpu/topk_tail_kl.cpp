@@ -27,9 +27,10 @@ namespace checks = ::lopd::topk_tail_kl;
 void check_targets(const at::Tensor& target, int64_t vocab, int64_t ignore_index) {
   const int64_t* p = target.data_ptr<int64_t>();
   for (int64_t n = 0; n < target.numel(); ++n) {
-    TORCH_CHECK(p[n] == ignore_index || (p[n] >= 0 && p[n] < vocab), "topk_tail_kl: target_ids[",
-                n, "] = ", p[n], " is outside [0, V = ", vocab, ") and is not ignore_index (",
-                ignore_index, ")");
+    // A ValueError in Python, as every other backend's check of the targets.
+    TORCH_CHECK_VALUE(p[n] == ignore_index || (p[n] >= 0 && p[n] < vocab),
+                      "topk_tail_kl: target_ids[", n, "] = ", p[n], " is outside [0, V = ", vocab,
+                      ") and is not ignore_index (", ignore_index, ")");
   }
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from lopd.atomic import atomic_write_text
 from lopd.config.presets import PRESET_DIR, PRESETS, preset_yaml
 
 
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         path = PRESET_DIR / f"{name}.yaml"
         text = preset_yaml(name)
         if args.write_presets:
-            path.write_text(text)
+            atomic_write_text(path, text)
             print(f"wrote {path}")
         elif not path.exists() or path.read_text() != text:
             stale.append(str(path))

@@ -6,7 +6,9 @@ run with one line before any model is loaded.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -14,6 +16,7 @@ __all__ = [
     "ConfigError",
     "MissingDependencyError",
     "at_least",
+    "checkpoint_dir_problem",
     "greater_than",
     "in_unit_interval",
     "one_of",
@@ -87,6 +90,29 @@ def one_of(allowed: Collection[Any], **fields: Any) -> None:
     for name, value in fields.items():
         if value not in allowed:
             raise ConfigError(f"{_dotted(name)} must be one of {allowed}, got {value!r}")
+
+
+def checkpoint_dir_problem(path: str | Path) -> str | None:
+    """What keeps ``path`` from being a Hugging Face checkpoint directory, or ``None``.
+
+    Checked before a model loads, so a wrong path or a damaged ``config.json`` is one line
+    (transformers would raise an ``OSError`` with a traceback, or load for minutes first):
+    the directory exists, and its ``config.json`` is a JSON object naming a ``model_type``.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return "is not a directory" if path.exists() else "does not exist"
+    config = path / "config.json"
+    if not config.is_file():
+        return "holds no config.json (not a Hugging Face checkpoint directory)"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        why = err.strerror if isinstance(err, OSError) else f"not valid JSON: {err}"
+        return f"has a config.json that cannot be read ({str(why).splitlines()[0][:120]})"
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        return "has a config.json without a model_type (not a transformers model config)"
+    return None
 
 
 def _dotted(name: str) -> str:

@@ -27,6 +27,7 @@ from lopd.config.checks import (
     ConfigError,
     MissingDependencyError,
     at_least,
+    checkpoint_dir_problem,
     greater_than,
 )
 from lopd.config.fields import apply_mapping, has_field, set_field
@@ -49,8 +50,13 @@ from lopd.config.sections import (
     ModelConfig,
 )
 from lopd.envs import load_tasks_jsonl
+from lopd.envs.loaders import read_lines, regular_file_problem
 
-__all__ = ["Config", "check_tasks_file"]
+__all__ = ["IDENTITY_KEY", "Config", "check_tasks_file"]
+
+IDENTITY_KEY = "identity"
+"""The top-level key of a run's ``config.yaml`` that records which run it is (config hash, seed,
+model; :mod:`lopd.run.claim`); not a field: loading a saved config skips it."""
 
 
 @dataclass
@@ -103,9 +109,18 @@ class Config:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
-    def save(self, path: str | Path) -> None:
-        """Write ``config.yaml`` atomically (a killed run never leaves half a config)."""
-        atomic_write_text(path, self.to_yaml())
+    def save(self, path: str | Path, identity: dict[str, Any] | None = None) -> None:
+        """Write ``config.yaml`` atomically (a killed run never leaves half a config).
+
+        Args:
+            path: the file.
+            identity: written first, under :data:`IDENTITY_KEY` (a run directory's record of
+                its run); ``None``: the fields only.
+        """
+        text = self.to_yaml()
+        if identity is not None:
+            text = yaml.safe_dump({IDENTITY_KEY: identity}, sort_keys=False) + text
+        atomic_write_text(path, text)
 
     def update(self, mapping: dict[str, Any], source: str = "config") -> None:
         """Apply a nested mapping (as in a YAML file) with type checks.
@@ -178,12 +193,9 @@ class Config:
         if not check_paths:
             return
         if self.model.path is not None:
-            path = Path(self.model.path)
-            if not path.is_dir() or not (path / "config.json").is_file():
-                raise ConfigError(
-                    f"model.path {self.model.path!r} is not a Hugging Face checkpoint directory "
-                    "(missing directory or config.json)"
-                )
+            problem = checkpoint_dir_problem(self.model.path)
+            if problem is not None:
+                raise ConfigError(f"model.path {self.model.path!r} {problem}")
         if self.data.tasks_path is not None:
             check_tasks_file(self.data.tasks_path)
 
@@ -213,25 +225,18 @@ def check_tasks_file(path: str | Path) -> None:
         ConfigError: ``data.tasks_path <file> line N: <what is wrong>``.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"data.tasks_path {str(path)!r} does not exist")
-    n = 0
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise ConfigError(
-                    f"data.tasks_path {str(path)!r} line {lineno}: not valid UTF-8 ({err.reason} "
-                    f"at byte {err.start})"
-                ) from None
-            if not line.strip():
-                continue
+    problem = regular_file_problem(path)
+    if problem is not None:
+        raise ConfigError(f"data.tasks_path {str(path)!r} {problem}")
+    try:
+        n = 0
+        for lineno, line in read_lines(path):
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError as err:
+            except (json.JSONDecodeError, RecursionError) as err:
+                why = getattr(err, "msg", "nested too deeply")
                 raise ConfigError(
-                    f"data.tasks_path {str(path)!r} line {lineno}: not valid JSON ({err.msg})"
+                    f"data.tasks_path {str(path)!r} line {lineno}: not valid JSON ({why})"
                 ) from None
             if not isinstance(obj, dict):
                 raise ConfigError(
@@ -239,16 +244,16 @@ def check_tasks_file(path: str | Path) -> None:
                     f"{type(obj).__name__}"
                 )
             n += 1
-    if n == 0:
-        raise ConfigError(f"data.tasks_path {str(path)!r} holds no tasks")
-
-    try:
+        if n == 0:
+            raise ConfigError(f"data.tasks_path {str(path)!r} holds no tasks")
         load_tasks_jsonl(path)
-    except ValueError as err:
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as err:
         # The loader's message starts with "<path>:<line>:"; say "line N" like the checks above.
         msg = str(err)
         prefix = f"{path}:"
         if msg.startswith(prefix):
             lineno, _, rest = msg[len(prefix) :].partition(":")
-            msg = f"line {lineno}:{rest}"
+            msg = f"line {lineno}:{rest}" if lineno.isdigit() else rest.strip()
         raise ConfigError(f"data.tasks_path {str(path)!r} {msg}") from None

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from lopd.config.checks import ConfigError
-from lopd.config.config import Config
+from lopd.config.config import IDENTITY_KEY, Config
 from lopd.config.presets import PRESETS
 
 __all__ = ["load_config"]
@@ -59,6 +59,8 @@ def load_config(
             raise ConfigError(f"--config {str(yaml_path)!r} cannot be read: {err}") from None
         if not isinstance(mapping, dict):
             raise ConfigError(f"--config {str(yaml_path)!r} must hold a mapping at the top level")
+        # A run's saved config.yaml also records the run's identity: not a field.
+        mapping.pop(IDENTITY_KEY, None)
         cfg.update(mapping, source=f"--config {yaml_path}")
     for item in overrides:
         if "=" not in item:

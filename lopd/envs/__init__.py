@@ -53,9 +53,9 @@ from lopd.envs.tool_use import (
     oracle_calls,
     register_world,
     run_actions,
-    tool_use_tasks,
     world_names,
 )
+from lopd.envs.tool_use_tasks import tool_use_tasks
 from lopd.types import Task
 
 

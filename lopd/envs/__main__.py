@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Sequence
 
 from lopd.envs import builtin_tasks, save_tasks_jsonl
-from lopd.envs.tool_use import SPLITS
+from lopd.envs.tool_use_tasks import SPLITS
 
 
 def main(argv: Sequence[str] | None = None) -> int:

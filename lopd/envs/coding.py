@@ -20,14 +20,15 @@ A coding :class:`~lopd.types.Task` has the problem statement as ``instruction`` 
   Python literal tuple of them, for arguments JSON cannot carry, e.g. dicts with int keys),
   ``output`` the expected return value (JSON). The function is a top-level ``def fn_name`` or a
   LeetCode-style ``Solution().fn_name``. All tests run in one sandboxed process under a per-call
-  timer. By default values match with :func:`values_match` (float tolerance 1e-6, TACO's
-  one-element-list unwrap); ``"compare": "exact"`` in the spec gives Python ``==`` on the JSON
-  values instead (HumanEval). A test may also ask for ``"abs_tol": t`` (``abs(value - output) <
-  t``), ``"truthy": true|false`` (``bool(value)``), ``"identical": true`` (``value is output``
-  for ``true``/``false``/``null``), or a ``"judge"``: a Python expression over the returned value
-  ``__out__`` and the names in the test's ``"judge_env"``, evaluated after ``spec["judge_code"]``
-  (trusted task code) in a second sandboxed process that never runs the solution and receives the
-  returned values as JSON data (a property check, e.g. "the returned root is a root").
+  timer. By default values match with :func:`lopd.envs.coding_match.values_match` (float
+  tolerance 1e-6, TACO's one-element-list unwrap); ``"compare": "exact"`` in the spec gives
+  Python ``==`` on the JSON values instead (HumanEval). A test may also ask for ``"abs_tol": t``
+  (``abs(value - output) < t``), ``"truthy": true|false`` (``bool(value)``), ``"identical":
+  true`` (``value is output`` for ``true``/``false``/``null``), or a ``"judge"``: a Python
+  expression over the returned value ``__out__`` and the names in the test's ``"judge_env"``,
+  evaluated after ``spec["judge_code"]`` (trusted task code) in a second sandboxed process that
+  never runs the solution and receives the returned values as JSON data (a property check, e.g.
+  "the returned root is a root").
 
 Why a program cannot forge a pass: nothing inside the sandbox is trusted or holds a secret. The
 expected outputs never enter it, and the verdict is computed here, outside it, from what the
@@ -47,7 +48,6 @@ Reward: 1.0 if every test passes, else 0.0.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import re
@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lopd.envs.base import CODING_SYSTEM_PROMPT, Env, clean_text, strip_thinking
+from lopd.envs.coding_match import tokens_match, value_passes
 from lopd.envs.sandbox import SandboxLimits, SandboxResult, run_sequence
 from lopd.types import Task, TraceStep
 
@@ -224,101 +225,6 @@ def extract_code(text: str) -> str:
     return text.strip() + "\n"
 
 
-def _float_or_none(token: str) -> float | None:
-    try:
-        return float(token)
-    except ValueError:
-        return None
-
-
-def _tokens_match(got: str, expected: str) -> bool:
-    """Whitespace-insensitive token comparison, numbers within 1e-6 (streamed: no token lists)."""
-    if got.strip() == expected.strip():
-        return True
-    a, b = re.finditer(r"\S+", got), re.finditer(r"\S+", expected)
-    for x, y in itertools.zip_longest(a, b):
-        if x is None or y is None:
-            return False
-        tx, ty = x.group(), y.group()
-        if tx == ty:
-            continue
-        fx, fy = _float_or_none(tx), _float_or_none(ty)
-        if fx is None or fy is None or not math.isclose(fx, fy, rel_tol=1e-6, abs_tol=1e-6):
-            return False
-    return True
-
-
-def values_match(got: Any, expected: Any) -> bool:
-    """Equality of JSON values with float tolerance 1e-6; tuples are lists after JSON.
-
-    A one-element list ``expected`` also matches its element (TACO wraps call outputs in a list).
-    Values nested too deeply to compare do not match.
-    """
-
-    def eq(a: Any, b: Any) -> bool:
-        if isinstance(a, bool) or isinstance(b, bool):
-            return a is b
-        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-            return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
-        if isinstance(a, list) and isinstance(b, list):
-            return len(a) == len(b) and all(eq(x, y) for x, y in zip(a, b))
-        if isinstance(a, dict) and isinstance(b, dict):
-            return a.keys() == b.keys() and all(eq(a[k], b[k]) for k in a)
-        return a == b
-
-    try:
-        if eq(got, expected):
-            return True
-        return isinstance(expected, list) and len(expected) == 1 and eq(got, expected[0])
-    except (RecursionError, OverflowError):
-        return False
-
-
-def python_equal(got: Any, expected: Any) -> bool:
-    """Python's ``==`` on JSON values (``True == 1``, ``2 == 2.0``, no tolerance).
-
-    Values nested too deeply to compare do not match.
-    """
-
-    def eq(a: Any, b: Any) -> bool:
-        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-            return a == b
-        if isinstance(a, list) and isinstance(b, list):
-            return len(a) == len(b) and all(eq(x, y) for x, y in zip(a, b))
-        if isinstance(a, dict) and isinstance(b, dict):
-            return a.keys() == b.keys() and all(eq(a[k], b[k]) for k in a)
-        return type(a) is type(b) and a == b
-
-    try:
-        return eq(got, expected)
-    except (RecursionError, OverflowError):
-        return False
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def value_passes(got: Any, test: dict[str, Any], spec: dict[str, Any]) -> bool:
-    """Whether a returned value passes one function-call test (see the module docstring);
-    judge tests are decided by :func:`_judge`, not here."""
-    expected = test.get("output")
-    try:
-        if "abs_tol" in test:
-            return (
-                _is_number(got) and _is_number(expected) and abs(got - expected) < test["abs_tol"]
-            )
-        if "truthy" in test:
-            return bool(got) is bool(test["truthy"])
-    except (OverflowError, RecursionError):
-        return False
-    if test.get("identical"):
-        return type(got) is type(expected) and got == expected and expected in (True, False, None)
-    if spec.get("compare") == "exact":
-        return python_equal(got, expected)
-    return values_match(got, expected)
-
-
 @dataclass
 class TestReport:
     """Result of running a program against a task's tests.
@@ -421,7 +327,7 @@ def _stdio_verdict(i: int, r: SandboxResult, expected: str) -> str | None:
         return f"Test {i + 1}: output over the {MAX_OUTPUT_BYTES >> 20} MiB cap"
     if r.returncode != 0:
         return f"Test {i + 1}: runtime error: {_last_line(r.stderr, r.returncode)}"
-    if not _tokens_match(r.stdout, expected):
+    if not tokens_match(r.stdout, expected):
         return (
             f"Test {i + 1}: wrong answer: expected {_preview(expected)}, got {_preview(r.stdout)}"
         )

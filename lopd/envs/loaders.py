@@ -19,6 +19,13 @@ is a BFCL multi-turn entry (:func:`lopd.envs.bfcl_data.task_from_entry`). For co
   ``metadata`` with ``func_name`` for functional tests; private tests may be LiveCodeBench's
   base64+zlib+pickle encoding, which is decoded with an unpickler that refuses every object
   other than plain strings, lists and dicts).
+
+Every line is checked before a model sees it, and a bad one is named by ``path:line``: types
+(``task_id``, ``domain``, ``world``, ``instruction``, ``split`` are strings; a stdin/stdout test's
+``input`` and ``output`` are strings, a function-call test's ``input`` a list of arguments or a
+string), sizes (a line of at most :data:`MAX_LINE_BYTES`, an instruction of at most
+:data:`MAX_INSTRUCTION_CHARS`), and the file itself must be a regular file (a FIFO or a device
+would block or never end).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import io
 import json
 import os
 import pickle
+import stat
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -40,6 +48,13 @@ from lopd.types import Task
 
 _TASK_KEYS = {"task_id", "domain", "world", "instruction", "spec"}
 
+MAX_LINE_BYTES = 64 << 20
+"""Longest line of a task file (64 MiB; the longest BFCL or HumanEval line is under 20 KB)."""
+
+MAX_INSTRUCTION_CHARS = 1_000_000
+"""Longest instruction: longer ones could never fit a model's context, and a tokenizer given
+hundreds of MB may abort the process rather than raise."""
+
 
 class TaskFormatError(ValueError):
     """A JSONL line that is not a valid task in any supported format (message names the line)."""
@@ -49,7 +64,66 @@ SPLITS = ("train", "val", "test")
 """The split labels a task file may use (``val``: for tuning, never for reporting)."""
 
 
+def _json_type(value: Any) -> str:
+    """How a JSON value's type reads in a message (``null``, ``a list``, ``a number``, ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {list: "a list", dict: "an object", str: "a string"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _check_types(task: Task, where: str) -> None:
+    for name in ("task_id", "domain", "world", "instruction", "split"):
+        value = getattr(task, name)
+        if not isinstance(value, str):
+            raise TaskFormatError(f"{where}: {name} must be a string, got {_json_type(value)}")
+    if not task.task_id:
+        raise TaskFormatError(f"{where}: task_id must not be empty")
+    if len(task.instruction) > MAX_INSTRUCTION_CHARS:
+        raise TaskFormatError(
+            f"{where}: instruction is {len(task.instruction):,} characters, over the "
+            f"{MAX_INSTRUCTION_CHARS:,} limit"
+        )
+
+
+def _check_coding_tests(spec: dict[str, Any], where: str) -> None:
+    tests = spec.get("tests")
+    if not isinstance(tests, list) or not tests:
+        raise TaskFormatError(f"{where}: coding spec needs a non-empty 'tests' list")
+    fn_name = spec.get("fn_name")
+    if fn_name is not None and not isinstance(fn_name, str):
+        raise TaskFormatError(
+            f"{where}: fn_name must be a string or null, got {_json_type(fn_name)}"
+        )
+    for i, t in enumerate(tests, 1):
+        if not isinstance(t, dict) or "input" not in t or "output" not in t:
+            raise TaskFormatError(f"{where}: each test needs 'input' and 'output'")
+        if not fn_name:
+            for key in ("input", "output"):
+                if not isinstance(t[key], str):
+                    raise TaskFormatError(
+                        f"{where}: test {i}: a stdin/stdout test's {key} must be a string (the "
+                        f"program's text), got {_json_type(t[key])}"
+                    )
+        elif not isinstance(t["input"], (list, str)):
+            raise TaskFormatError(
+                f"{where}: test {i}: a function-call test's input must be a list of arguments "
+                f"(or a string holding a Python tuple), got {_json_type(t['input'])}"
+            )
+    limit = spec.get("time_limit_s")
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < 1e6
+    ):
+        raise TaskFormatError(f"{where}: time_limit_s must be a positive number, got {limit!r}")
+
+
 def _validate(task: Task, where: str) -> Task:
+    _check_types(task, where)
     if task.split not in SPLITS:
         raise TaskFormatError(f"{where}: split must be one of {list(SPLITS)}, got {task.split!r}")
     if task.domain not in ("tool_use", "coding"):
@@ -59,12 +133,7 @@ def _validate(task: Task, where: str) -> Task:
     if not isinstance(task.spec, dict):
         raise TaskFormatError(f"{where}: spec must be an object")
     if task.domain == "coding":
-        tests = task.spec.get("tests")
-        if not isinstance(tests, list) or not tests:
-            raise TaskFormatError(f"{where}: coding spec needs a non-empty 'tests' list")
-        for t in tests:
-            if not isinstance(t, dict) or "input" not in t or "output" not in t:
-                raise TaskFormatError(f"{where}: each test needs 'input' and 'output'")
+        _check_coding_tests(task.spec, where)
     elif task.world == "bfcl":
         try:
             validate_spec(task.spec)
@@ -229,38 +298,79 @@ def task_from_record(record: dict[str, Any], where: str = "record") -> Task:
     return _validate(task, where)
 
 
-def load_tasks_jsonl(path: str | os.PathLike[str]) -> list[Task]:
-    """Load tasks from a JSONL file (blank lines ignored; formats in the module docstring).
+def regular_file_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be read as a task file (``"does not exist"``, ``"is a FIFO, not a
+    regular file"``, ...), or ``None``: a regular file (symlinks followed)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    kind = next((name for test, name in kinds if test(mode)), "a device")
+    return f"is {kind}, not a regular file"
 
-    Tool-use tasks must name a registered world (register custom worlds before loading) and
-    use known check ops.
+
+def read_lines(path: str | os.PathLike[str]) -> Iterable[tuple[int, str]]:
+    """``(line number, text)`` of every non-blank line of a task file, size and encoding checked.
 
     Raises:
         FileNotFoundError: no such file.
-        TaskFormatError: a bad line (the message gives ``path:line``), or duplicate task ids.
+        TaskFormatError: not a regular file, a line over :data:`MAX_LINE_BYTES` or not UTF-8
+            (the message gives ``path:line``).
     """
-    tasks: list[Task] = []
-    seen: set[str] = set()
+    problem = regular_file_problem(path)
+    if problem == "does not exist":
+        raise FileNotFoundError(f"{path} does not exist")
+    if problem is not None:
+        raise TaskFormatError(f"{path}: {problem}")
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        lineno = 0
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            lineno += 1
             where = f"{path}:{lineno}"
+            if len(raw) > MAX_LINE_BYTES:
+                raise TaskFormatError(f"{where}: line longer than {MAX_LINE_BYTES >> 20} MiB")
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise TaskFormatError(
                     f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})"
                 ) from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TaskFormatError(f"{where}: invalid JSON ({e.msg})") from None
-            task = task_from_record(record, where)
-            if task.task_id in seen:
-                raise TaskFormatError(f"{where}: duplicate task_id {task.task_id!r}")
-            seen.add(task.task_id)
-            tasks.append(task)
+            if line.strip():
+                yield lineno, line
+
+
+def load_tasks_jsonl(path: str | os.PathLike[str]) -> list[Task]:
+    """Load tasks from a JSONL file (blank lines ignored; formats and checks in the module
+    docstring).
+
+    Tool-use tasks must name a registered world (register custom worlds before loading) and
+    use known check ops.
+
+    Raises:
+        FileNotFoundError: no such file.
+        TaskFormatError: a bad line (the message gives ``path:line``), duplicate task ids, or a
+            path that is not a regular file.
+    """
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    for lineno, line in read_lines(path):
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TaskFormatError(f"{where}: invalid JSON ({e.msg})") from None
+        except RecursionError:
+            raise TaskFormatError(f"{where}: invalid JSON (nested too deeply)") from None
+        task = task_from_record(record, where)
+        if task.task_id in seen:
+            raise TaskFormatError(f"{where}: duplicate task_id {task.task_id!r}")
+        seen.add(task.task_id)
+        tasks.append(task)
     return tasks
 
 

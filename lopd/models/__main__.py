@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from lopd.atomic import atomic_write_text
 from lopd.envs import builtin_tasks, load_tasks_jsonl
 from lopd.models.loading import load_model
 from lopd.tiny.build import TINY_ASSET_DIR, TinyBuildConfig, build_tiny
@@ -53,7 +54,7 @@ def run_probe(args: argparse.Namespace) -> int:
     print(format_report(report))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
     return 0
 
 

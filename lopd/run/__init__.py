@@ -2,6 +2,7 @@
 
 * :mod:`lopd.run.context`: the run's models and the context every phase takes.
 * :mod:`lopd.run.run_dir`: the run directory, every file named once.
+* :mod:`lopd.run.claim`: one run per directory (lock, fresh / resume / overwrite, identity).
 * :mod:`lopd.run.checkpoint`: checkpoints a killed run resumes from.
 * :mod:`lopd.run.metrics`: ``metrics.jsonl``, TensorBoard, the reward plot.
 * :mod:`lopd.run.optim`: the optimizers of theta and phi.

@@ -20,6 +20,12 @@ Two formats, chosen by ``model.parallel``:
 * ``fsdp2``: ``checkpoints/step_NNNNNN/``, a ``torch.distributed.checkpoint`` directory in which
   every rank writes its shards of the weights and optimizer states, plus ``meta.pt`` (the rest)
   from rank 0. The directory is written under a temporary name and renamed once complete.
+
+Resuming takes the newest checkpoint that loads. One that does not (truncated, random bytes,
+empty, weights of other shapes, missing entries; under FSDP2 an unreadable ``meta.pt``) is
+skipped with a warning naming it and why, before anything of it reaches the live objects, and
+the one before it is tried; when none loads the resume stops with one line
+(:class:`~lopd.run.run_dir.RunDirError`).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,6 +48,7 @@ from lopd.parallel.distributed import Dist
 from lopd.run.context import RunContext
 from lopd.run.metrics import plot_rewards
 from lopd.run.optim import Optimizers
+from lopd.run.run_dir import RunDirError
 
 __all__ = ["Checkpoints", "Resumed", "TrainState", "save_deployable", "save_run_outputs"]
 
@@ -132,7 +140,7 @@ def save_deployable(
         config = directory / "config.json"
         data = json.loads(config.read_text())
         data["dtype"] = str(dtype).removeprefix("torch.")
-        config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(config, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def save_run_outputs(ctx: RunContext, summary: dict[str, Any]) -> None:
@@ -238,22 +246,44 @@ class Checkpoints:
         self.dist.barrier()
 
     def load_latest(self, state: TrainState) -> Resumed | None:
-        """Restore the newest checkpoint into ``state``; ``None`` when there is none."""
+        """Restore the newest loadable checkpoint into ``state``; ``None`` when there is none.
+
+        A checkpoint that does not load is skipped with a ``RuntimeWarning`` (module docstring).
+
+        Raises:
+            RunDirError: checkpoints exist but none of them loads.
+        """
         existing = self._existing()
         if not existing:
             return None
-        path = existing[-1]
-        if self.sharded:
-            return self._load_dcp(path, state)
         device = next(state.student.parameters()).device
-        ckpt = torch.load(path, map_location=device, weights_only=False)
-        state.student.load_state_dict(ckpt["student"])
-        if ckpt["composer"] is not None:
-            state.composer.load_phi_state_dict(ckpt["composer"])
-        has_optimizer = "opt_student" in ckpt
-        if has_optimizer:
-            state.optimizers.load_state_dict(ckpt)
-        return self._restore(state, ckpt, path.name, has_optimizer)
+        reasons = []
+        for path in reversed(existing):
+            try:
+                if self.sharded:
+                    meta = _read(path / "meta.pt", "cpu")
+                    return self._load_dcp(path, state, meta)
+                ckpt = _read(path, device)
+                _check_fits(ckpt, state)
+            except _Unloadable as why:
+                reasons.append(f"{path.name}: {why}")
+                warnings.warn(
+                    f"checkpoint {path.name} cannot be loaded ({why}); trying the one before it",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                continue
+            state.student.load_state_dict(ckpt["student"])
+            if ckpt["composer"] is not None:
+                state.composer.load_phi_state_dict(ckpt["composer"])
+            has_optimizer = "opt_student" in ckpt
+            if has_optimizer:
+                state.optimizers.load_state_dict(ckpt)
+            return self._restore(state, ckpt, path.name, has_optimizer)
+        raise RunDirError(
+            f"--resume: no checkpoint in {self.directory} can be loaded ({reasons[0]}"
+            f"{'; and the older ones' if len(reasons) > 1 else ''})"
+        )
 
     def _path(self, step: int) -> Path:
         return self.directory / (f"step_{step:06d}" if self.sharded else f"step_{step:06d}.pt")
@@ -302,7 +332,7 @@ class Checkpoints:
                 shutil.rmtree(final)
             os.replace(tmp, final)
 
-    def _load_dcp(self, path: Path, state: TrainState) -> Resumed:
+    def _load_dcp(self, path: Path, state: TrainState, meta: dict[str, Any]) -> Resumed:
         # Optional: FSDP2/DCP exist only in torch builds with distributed support.
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
@@ -311,7 +341,6 @@ class Checkpoints:
             set_state_dict,
         )
 
-        meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
         has_optimizer = bool(meta.get("has_optimizer", True))
         sd = self._dcp_state(state, has_optimizer)
         dcp.load(sd, checkpoint_id=str(path))
@@ -333,3 +362,51 @@ class Checkpoints:
             else:
                 set_model_state_dict(state.composer, sd["composer"], options=phi_options)
         return self._restore(state, meta, path.name, has_optimizer)
+
+
+class _Unloadable(Exception):
+    """A checkpoint that cannot be restored (the message says why, in one line)."""
+
+
+_KEYS = ("step", "student", "composer", "rng", "rollouts", "wall_seconds")
+
+
+def _read(path: Path, device: torch.device | str) -> dict[str, Any]:
+    """``torch.load`` of a checkpoint file, any failure (truncated, not a checkpoint, empty) as
+    :class:`_Unloadable`."""
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=False)
+    except Exception as err:  # a damaged file fails in many ways (zip, pickle, EOF, ...)
+        text = str(err).strip().splitlines()
+        raise _Unloadable(
+            f"{type(err).__name__}: {text[0][:160] if text else 'unreadable'}"
+        ) from None
+    if not isinstance(ckpt, dict) or not {"step", "rng", "rollouts", "wall_seconds"} <= set(ckpt):
+        raise _Unloadable("not a lopd checkpoint")
+    return ckpt
+
+
+def _check_fits(ckpt: dict[str, Any], state: TrainState) -> None:
+    """Raise :class:`_Unloadable` unless every tensor of ``ckpt`` fits ``state`` (checked before
+    anything is copied: ``load_state_dict`` would copy the tensors that fit, then raise)."""
+    missing = [k for k in _KEYS if k not in ckpt]
+    if missing:
+        raise _Unloadable(f"missing {', '.join(missing)}")
+    live = {"student": state.student.state_dict()}
+    if state.composer is not None:
+        live["composer"] = state.composer.phi_state_dict()
+    for name, want in live.items():
+        got = ckpt[name]
+        if not isinstance(got, dict):
+            raise _Unloadable(f"holds no {name} weights")
+        if set(got) != set(want):
+            raise _Unloadable(f"the {name}'s parameter names differ from this model's")
+        for key, tensor in want.items():
+            if not isinstance(got[key], torch.Tensor) or got[key].shape != tensor.shape:
+                shape = getattr(got[key], "shape", None)
+                raise _Unloadable(
+                    f"{name} {key} has shape {tuple(shape) if shape is not None else None}, this "
+                    f"model's is {tuple(tensor.shape)}"
+                )
+    if state.composer is None and ckpt["composer"] is not None:
+        raise _Unloadable("holds a composer, this run has none")

@@ -16,6 +16,7 @@ Layout::
     student/             the trained student (Hugging Face checkpoint, safetensors, model.dtype)
     composer.pt          the trained composer phi
     memory.jsonl         memory account per phase (--profile-memory)
+    .lock                held (flock) by the run using the directory (lopd.run.claim)
 
 Writes that a killed run could leave half-done go through :func:`atomic_write_text` and
 :func:`atomic_torch_save` (write a temporary file, then rename).
@@ -25,7 +26,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["RunDir"]
+__all__ = ["RunDir", "RunDirError"]
+
+
+class RunDirError(Exception):
+    """A run directory that cannot be used as asked (in use, holding another run, not a
+    directory, read-only, nothing loadable to resume); the message is one line saying why."""
 
 
 class RunDir:
@@ -106,6 +112,11 @@ class RunDir:
     def memory(self) -> Path:
         """The per-phase memory account (``--profile-memory``)."""
         return self.root / "memory.jsonl"
+
+    def entry_names(self) -> set[str]:
+        """The names a run writes at the top of its directory (every property above)."""
+        props = [n for n, v in vars(RunDir).items() if isinstance(v, property)]
+        return {getattr(self, n).relative_to(self.root).parts[0] for n in props}
 
     def shared_phases(self, builds_bank: bool, uses_composer: bool) -> list[Path]:
         """What runs of one seed compute identically (``lopd.compare`` copies them between run

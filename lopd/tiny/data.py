@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lopd.envs
-from lopd.envs.tool_use import make_task
+from lopd.envs.tool_use_tasks import make_task
 from lopd.envs.worlds import lexicon
 from lopd.latent.composer import ENCODER_TEMPLATE
 from lopd.latent.injection import FRAMING, frame_with_references
