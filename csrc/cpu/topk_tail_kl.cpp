@@ -36,9 +36,15 @@ void check_targets(const at::Tensor& target, int64_t vocab, int64_t ignore_index
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 topk_tail_kl_fwd_cpu(const at::Tensor& student_logits, const at::Tensor& teacher_logits,
                      const at::Tensor& target_ids, int64_t top_m, double temperature,
-                     bool reverse, int64_t ignore_index) {
+                     c10::string_view divergence, double beta, c10::string_view support,
+                     int64_t ignore_index) {
   checks::check_fwd_args(student_logits, teacher_logits, target_ids, top_m, c10::DeviceType::CPU,
                          "CPU");
+  const checks::DivergenceSpec div = checks::parse_divergence(divergence, beta);
+  const checks::Support sup = top_m == 0 ? checks::kSupportTeacher : checks::parse_support(support);
+  checks::check_kernel_has(sup == checks::kSupportTeacher, "CPU", "support='student' / 'union'");
+  checks::check_kernel_has(div.kind != checks::kJsd, "CPU", "divergence='jsd'");
+  const bool reverse = div.kind == checks::kReverse;
   const int64_t n = checks::rows_of(student_logits);
   const int64_t v = student_logits.size(-1);
   TopKTailKLFwdArgs a;
@@ -65,11 +71,14 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cpu(
     const at::Tensor& grad_teacher_logprob, const at::Tensor& student_logits,
     const at::Tensor& teacher_logits, const at::Tensor& target_ids, const at::Tensor& topk_ids,
     const at::Tensor& kl, const at::Tensor& lse, const at::Tensor& bucket_logp,
-    double temperature, bool reverse, int64_t ignore_index, bool student_requires_grad,
-    bool teacher_requires_grad) {
+    double temperature, c10::string_view divergence, double beta, int64_t ignore_index,
+    bool student_requires_grad, bool teacher_requires_grad) {
   checks::check_bwd_args(grad_kl, grad_student_logprob, grad_teacher_logprob, student_logits,
                          teacher_logits, target_ids, topk_ids, kl, lse, bucket_logp,
                          c10::DeviceType::CPU, "CPU");
+  const checks::DivergenceSpec div = checks::parse_divergence(divergence, beta);
+  checks::check_kernel_has(div.kind != checks::kJsd, "CPU", "divergence='jsd'");
+  const bool reverse = div.kind == checks::kReverse;
   const int64_t v = student_logits.size(-1);
   TopKTailKLBwdArgs a;
   a.grad_kl = grad_kl.contiguous();
