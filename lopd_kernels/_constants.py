@@ -33,12 +33,12 @@ SUPPORTS = ("teacher", "student", "union")
 #: that lacks it raises ``BackendUnavailableError``. An implementation that gains an option
 #: adds it here.
 TOPK_KERNEL_SUPPORTS = {
-    "cpu": ("teacher",),
+    "cpu": SUPPORTS,
     "cuda": ("teacher",),
     "triton": ("teacher",),
     "fused_triton": ("teacher",),
 }
-TOPK_KERNEL_JSD = {"cpu": False, "cuda": False, "triton": False, "fused_triton": False}
+TOPK_KERNEL_JSD = {"cpu": True, "cuda": False, "triton": False, "fused_triton": False}
 
 #: ``reduction=`` values of the loss modules.
 REDUCTIONS = ("none", "mean", "sum")

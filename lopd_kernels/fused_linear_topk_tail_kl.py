@@ -124,7 +124,7 @@ def _forward(impl: str, args: tuple, chunk_size: int, tail_proj: list[bool]) -> 
         from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_fwd_triton
 
         *head, divergence, _beta, support, ignore_index = args
-        refuse_options("fused_triton", divergence, support)
+        refuse_options("fused_triton", divergence, support if head[7] else "teacher")
         empty = args[0].new_empty(0, dtype=torch.float32)
         out = fused_linear_fwd_triton(*head, divergence == "reverse", ignore_index)
         return (*out, empty, empty.clone())
@@ -139,7 +139,7 @@ def _backward_grads(
         from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_bwd_triton
 
         temperature, divergence, _beta, support, ignore_index = scalars
-        refuse_options("fused_triton", divergence, support)
+        refuse_options("fused_triton", divergence, support if args[10].shape[1] else "teacher")
         scalars = (temperature, divergence == "reverse", ignore_index)
         return fused_linear_bwd_triton(*args, *scalars, tuple(needs), shared)
     return chunked_bwd(*args, *projs, *scalars, chunk_size, tuple(needs), shared)

@@ -362,7 +362,7 @@ def _triton_fwd(
     ignore_index: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Triton forward as an opaque op (same contract as ``lopd::topk_tail_kl_cpu_fwd``)."""
-    refuse_options("triton", divergence, support)
+    refuse_options("triton", divergence, support if top_m else "teacher")
     fwd, _ = _triton_launchers()
     vocab = student_logits.shape[-1]
     if target_ids.is_cuda:

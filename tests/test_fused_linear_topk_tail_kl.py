@@ -695,3 +695,54 @@ def test_triton_kernels_compile_for_sm90():
     loop iterations): this is the check that the GPU path builds.
     """
     assert_script_compiles(_COMPILE_SCRIPT)
+
+
+# ---------------------------------------------------------------------------------------------
+# support x divergence on the chunked path (and the HF helpers)
+# ---------------------------------------------------------------------------------------------
+
+OPTIONS = [
+    ("teacher", "jsd", 0.5),
+    ("student", "reverse", None),
+    ("student", "jsd", 0.25),
+    ("union", "forward", None),
+    ("union", "jsd", 0.9),
+]
+
+
+@pytest.mark.parametrize(("support", "divergence", "beta"), OPTIONS)
+@pytest.mark.parametrize(
+    "requires", [None, {"student_hidden", "teacher_hidden"}], ids=["all", "frozen-heads"]
+)
+def test_chunked_every_support_and_divergence(support, divergence, beta, requires):
+    """Every option through the chunked path (C++ per-row kernels, chunks of 4 rows), all
+    gradients, or with frozen heads (the tail projections, padding slots of the union included)."""
+    inputs, target = make_inputs(13, 16, 301, bias=True, seed=21)
+    kw = {"top_m": 6, "temperature": 0.9, "divergence": divergence, "beta": beta}
+    out, _ = check(inputs, target, "cpu", torch.float32, requires=requires, chunk_size=4,
+                   support=support, **kw)  # fmt: skip
+    biases = {k: inputs[k] for k in ("student_bias", "teacher_bias")}
+    ref = fused_linear_topk_tail_kl_reference(*(inputs[n] for n in NAMES), target,
+                                              support=support, **biases, **kw)  # fmt: skip
+    assert torch.equal(out.support_size, ref.support_size)
+
+
+@pytest.mark.parametrize("support", ["student", "union"])
+def test_hf_helpers_take_support_and_jsd(support):
+    """lm_head_topk_tail_kl (batched layout, fused and materialized; causal_lm_topk_tail_kl
+    calls it) passes support / beta through; support_size comes back in the batch layout."""
+    g = torch.Generator().manual_seed(5)
+    h_s, h_t = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
+    head_s, head_t = torch.nn.Linear(8, 41), torch.nn.Linear(8, 41)
+    target = torch.randint(0, 41, (2, 5), generator=g)
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 1, 1]], dtype=torch.bool)
+    kw = {"top_m": 4, "divergence": "jsd", "beta": 0.4, "support": support}
+    fused = lm_head_topk_tail_kl(h_s, head_s, h_t, head_t, target, mask, **kw)
+    plain = lm_head_topk_tail_kl(h_s, head_s, h_t, head_t, target, mask, fused=False, **kw)
+    ref = lk.topk_tail_kl_reference(head_s(h_s), head_t(h_t), target.masked_fill(~mask, -100),
+                                    **kw)  # fmt: skip
+    for out in (fused, plain):
+        torch.testing.assert_close(out.kl, ref.kl.float(), rtol=2e-5, atol=2e-6)
+        assert torch.equal(out.topk_ids, ref.topk_ids)
+        assert torch.equal(out.support_size, ref.support_size)
+    assert out.support_size.shape == (2, 5) and not out.support_size[~mask].any()

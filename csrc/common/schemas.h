@@ -30,7 +30,7 @@ namespace lopd::schemas {
 // Rows whose target == ignore_index are all zeros (topk_ids too); other targets lie in [0, V).
 #define LOPD_TOPK_TAIL_KL_FWD_SCHEMA(IMPL)                                                         \
   LOPD_OP_NAME("topk_tail_kl", IMPL, "fwd") "(Tensor student_logits, Tensor teacher_logits, "      \
-  "Tensor target_ids, int top_m, float temperature, str divergence, float beta, str support, "    \
+  "Tensor target_ids, int top_m, float temperature, str divergence, float beta, str support, "     \
   "int ignore_index) -> (Tensor kl, Tensor student_logprob, Tensor teacher_logprob, "              \
   "Tensor topk_ids, Tensor lse, Tensor bucket_logp)"
 
@@ -44,7 +44,7 @@ namespace lopd::schemas {
   LOPD_OP_NAME("topk_tail_kl", IMPL, "bwd") "(Tensor grad_kl, Tensor grad_student_logprob, "       \
   "Tensor grad_teacher_logprob, Tensor student_logits, Tensor teacher_logits, Tensor target_ids, " \
   "Tensor topk_ids, Tensor kl, Tensor lse, Tensor bucket_logp, float temperature, "                \
-  "str divergence, float beta, int ignore_index, bool student_requires_grad, "                      \
+  "str divergence, float beta, int ignore_index, bool student_requires_grad, "                     \
   "bool teacher_requires_grad) -> (Tensor grad_student, Tensor grad_teacher)"
 
 inline constexpr const char* kTopkTailKlCpuFwd = LOPD_TOPK_TAIL_KL_FWD_SCHEMA("cpu");

@@ -40,11 +40,7 @@ topk_tail_kl_fwd_cpu(const at::Tensor& student_logits, const at::Tensor& teacher
                      int64_t ignore_index) {
   checks::check_fwd_args(student_logits, teacher_logits, target_ids, top_m, c10::DeviceType::CPU,
                          "CPU");
-  const checks::DivergenceSpec div = checks::parse_divergence(divergence, beta);
   const checks::Support sup = top_m == 0 ? checks::kSupportTeacher : checks::parse_support(support);
-  checks::check_kernel_has(sup == checks::kSupportTeacher, "CPU", "support='student' / 'union'");
-  checks::check_kernel_has(div.kind != checks::kJsd, "CPU", "divergence='jsd'");
-  const bool reverse = div.kind == checks::kReverse;
   const int64_t n = checks::rows_of(student_logits);
   const int64_t v = student_logits.size(-1);
   TopKTailKLFwdArgs a;
@@ -57,11 +53,13 @@ topk_tail_kl_fwd_cpu(const at::Tensor& student_logits, const at::Tensor& teacher
   a.target = target_ids.contiguous();
   check_targets(a.target, v, ignore_index);
   a.top_m = top_m;
+  a.width = checks::support_width(top_m, sup);
   a.inv_temperature = checks::checked_inv_temperature(temperature);
-  a.reverse = reverse;
+  a.div = checks::parse_divergence(divergence, beta);
+  a.support = sup;
   a.ignore_index = ignore_index;
   std::tie(a.kl, a.student_logprob, a.teacher_logprob, a.topk_ids, a.lse, a.bucket_logp) =
-      checks::empty_fwd_outputs(n, top_m, student_logits.options());
+      checks::empty_fwd_outputs(n, a.width, student_logits.options());
   LOPD_CPU_ISA_CALL(topk_tail_kl_fwd_kernel, a);
   return {a.kl, a.student_logprob, a.teacher_logprob, a.topk_ids, a.lse, a.bucket_logp};
 }
@@ -76,9 +74,6 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cpu(
   checks::check_bwd_args(grad_kl, grad_student_logprob, grad_teacher_logprob, student_logits,
                          teacher_logits, target_ids, topk_ids, kl, lse, bucket_logp,
                          c10::DeviceType::CPU, "CPU");
-  const checks::DivergenceSpec div = checks::parse_divergence(divergence, beta);
-  checks::check_kernel_has(div.kind != checks::kJsd, "CPU", "divergence='jsd'");
-  const bool reverse = div.kind == checks::kReverse;
   const int64_t v = student_logits.size(-1);
   TopKTailKLBwdArgs a;
   a.grad_kl = grad_kl.contiguous();
@@ -97,7 +92,7 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cpu(
   a.lse = lse.contiguous();
   a.bucket_logp = bucket_logp.contiguous();
   a.inv_temperature = checks::checked_inv_temperature(temperature);
-  a.reverse = reverse;
+  a.div = checks::parse_divergence(divergence, beta);
   a.ignore_index = ignore_index;
   // The two [N, V] gradients are the op's only large allocations: recycled buffers (see
   // cpu/buffer_cache.h: fresh pages would be zeroed by the OS before the kernel writes them),
