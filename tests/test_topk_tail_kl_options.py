@@ -277,3 +277,17 @@ def test_modules_take_the_options():
     fused = lk.FusedLinearTopKTailKL(**kw, reduction="none")(h_s, w, h_t, w, tgt)
     ref = lk.fused_linear_topk_tail_kl_reference(h_s, w, h_t, w, tgt, **kw).kl
     torch.testing.assert_close(fused, ref)
+
+
+@requires_cpp
+@pytest.mark.parametrize("isa", golden.ISAS)
+def test_every_isa_copy_with_the_options(isa, monkeypatch):
+    """Each per-ISA build of the C++ kernels (V off every vector width, so the scalar remainders
+    run): the union's two heaps, the student's selection, and the full-vocabulary JSD."""
+    monkeypatch.setenv("LOPD_CPU_ISA", isa)
+    s, t, target = make_inputs(5, 4099, s_dtype=torch.bfloat16, ignore_rows=(3,), pad=5, seed=3)
+    call = _backend_call("cpu")
+    for support, top_m, div, beta in (("union", 20, "jsd", 0.3), ("student", 7, "reverse", None),
+                                      ("union", None, "jsd", 0.6)):  # fmt: skip
+        kw = {"top_m": top_m, "temperature": 0.9, "divergence": div, "beta": beta}
+        check_against(call, s, t, target, support, kw)

@@ -435,22 +435,30 @@ RowResult fwd_full_row(const TW* w, const TO* o, int64_t V, float inv) {
 // ---------------------------------------------------------------------------------------------
 // Full-vocabulary generalized JSD (docs/math.md, 1b): every entry is its own bucket, and the
 // mixture's log needs both normalizers, so the terms take a pass of their own after the
-// log-sum-exps. Accurate exp / log1p (ATen's Sleef): this mode is for matching full-vocabulary
-// references, not the hot path.
+// log-sum-exps. Three fast_exp and one log1p (ATen's SLEEF) per entry.
 // ---------------------------------------------------------------------------------------------
 
-// Per lane: kp = S (log S - log M), kq = T (log T - log M) for normalized log-probabilities
-// ls, lt (0 for a side without mass); lm = log M = log((1 - beta) S + beta T).
-inline void jsd_lane_parts(const Vec& ls, const Vec& lt, const Vec& vl1mb, const Vec& vlb,
-                           Vec& lm, Vec& kp, Vec& kq) {
-  const Vec vneg(kNegInf), zero(0.0f);
+// Per lane, for normalized log-probabilities ls, lt: p = S, q = T and lm = log M =
+// log((1 - beta) S + beta T) = hi + log1p(exp(lo - hi)) of the two weighted log-masses (NaN
+// where both are -inf: every use is masked there).
+inline void jsd_lanes(const Vec& ls, const Vec& lt, const Vec& vl1mb, const Vec& vlb, Vec& p,
+                      Vec& q, Vec& lm) {
   const Vec a = ls + vl1mb;
   const Vec b = lt + vlb;
   const Vec hi = at::vec::maximum(a, b);
-  // hi + log1p(exp(lo - hi)); NaN where both sides are -inf, masked below (both terms are 0).
-  lm = hi + (at::vec::minimum(a, b) - hi).exp().log1p();
-  kp = Vec::blendv(ls.exp() * (ls - lm), zero, ls == vneg);
-  kq = Vec::blendv(lt.exp() * (lt - lm), zero, lt == vneg);
+  lm = hi + fast_exp(at::vec::minimum(a, b) - hi).log1p();
+  p = fast_exp(ls);
+  q = fast_exp(lt);
+}
+
+// kp = S (log S - log M), kq = T (log T - log M), 0 for a side without mass.
+inline void jsd_lane_parts(const Vec& ls, const Vec& lt, const Vec& vl1mb, const Vec& vlb,
+                           Vec& kp, Vec& kq) {
+  const Vec vneg(kNegInf), zero(0.0f);
+  Vec p, q, lm;
+  jsd_lanes(ls, lt, vl1mb, vlb, p, q, lm);
+  kp = Vec::blendv(p * (ls - lm), zero, ls == vneg);
+  kq = Vec::blendv(q * (lt - lm), zero, lt == vneg);
 }
 
 // A log-sum-exp as the shift of the log-probabilities: a row without mass (-inf) gives -inf
@@ -471,13 +479,13 @@ void full_jsd_kls(const TS* s, const TT* t, int64_t V, float inv, float lse_s, f
     const int64_t blk_end = j + std::min<int64_t>(kBlock, (V - j) / kStep * kStep);
     Vec acc_p(0.0f), acc_q(0.0f);
     for (int64_t k = j; k < blk_end; k += kStep) {
-      Vec s0, s1, t0, t1, lm, kp, kq;
+      Vec s0, s1, t0, t1, kp, kq;
       load2(s + k, s0, s1);
       load2(t + k, t0, t1);
-      jsd_lane_parts(s0 * vinv - vls, t0 * vinv - vlt, vl1mb, vlb, lm, kp, kq);
+      jsd_lane_parts(s0 * vinv - vls, t0 * vinv - vlt, vl1mb, vlb, kp, kq);
       acc_p = acc_p + kp;
       acc_q = acc_q + kq;
-      jsd_lane_parts(s1 * vinv - vls, t1 * vinv - vlt, vl1mb, vlb, lm, kp, kq);
+      jsd_lane_parts(s1 * vinv - vls, t1 * vinv - vlt, vl1mb, vlb, kp, kq);
       acc_p = acc_p + kp;
       acc_q = acc_q + kq;
     }
@@ -672,10 +680,10 @@ void bwd_full_jsd_row(const TS* s, const TT* t, TS* gs, TT* gt, int64_t V, float
   const Vec vas(u_kl * (1.0f - beta)), vat(u_kl * beta), vkp(k_p), vkq(k_q);
   const Vec vuls(u_ls), vult(u_lt);
   auto grads = [&](const Vec& ls, const Vec& lt, Vec& out_s, Vec& out_t) {
-    Vec lm, unused_p, unused_q;
-    jsd_lane_parts(ls, lt, vl1mb, vlb, lm, unused_p, unused_q);
-    const Vec ks = Vec::blendv(ls.exp() * (vas * ((ls - lm) - vkp) - vuls), vzero, ls == vneg);
-    const Vec kt = Vec::blendv(lt.exp() * (vat * ((lt - lm) - vkq) - vult), vzero, lt == vneg);
+    Vec p, q, lm;
+    jsd_lanes(ls, lt, vl1mb, vlb, p, q, lm);
+    const Vec ks = Vec::blendv(p * (vas * ((ls - lm) - vkp) - vuls), vzero, ls == vneg);
+    const Vec kt = Vec::blendv(q * (vat * ((lt - lm) - vkq) - vult), vzero, lt == vneg);
     out_s = ks * vinv;
     out_t = kt * vinv;
   };
