@@ -12,7 +12,7 @@ built with and what ``"auto"`` picks.
 """
 
 from lopd_kernels._backend import BACKENDS, BackendUnavailableError, extension_loaded
-from lopd_kernels._constants import DIVERGENCES
+from lopd_kernels._constants import DIVERGENCES, KL_DIVERGENCES, SUPPORTS
 from lopd_kernels.fused_linear_topk_tail_kl import (
     FusedLinearTopKTailKL,
     fused_linear_topk_tail_kl,
@@ -39,6 +39,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "DIVERGENCES",
+    "KL_DIVERGENCES",
+    "SUPPORTS",
     "BackendUnavailableError",
     "FusedLinearTopKTailKL",
     "QFormerCompressor",

@@ -12,9 +12,33 @@ import torch
 #: reference, the C++ CPU kernels, the hand-written CUDA kernels, the Triton kernels.
 IMPLS = ("torch", "cpu", "cuda", "triton")
 
-#: ``divergence=`` values of the distillation ops: KL(student || teacher) (the paper's) and
-#: KL(teacher || student).
-DIVERGENCES = ("reverse", "forward")
+#: ``divergence=`` values of ``topk_tail_kl`` and ``fused_linear_topk_tail_kl``: KL(student ||
+#: teacher) (the paper's), KL(teacher || student), and TRL's generalized Jensen-Shannon divergence
+#: with ``beta`` (docs/math.md, section 1b).
+DIVERGENCES = ("reverse", "forward", "jsd")
+
+#: The two KL divergences: what ``sparse_teacher_topk_tail_kl`` and the trainer's methods take.
+KL_DIVERGENCES = ("reverse", "forward")
+
+#: ``support=`` values: whose top-M ids get their own buckets (the rest is one exact tail): the
+#: teacher's (the paper's), the student's, or the union of both (up to 2M ids).
+SUPPORTS = ("teacher", "student", "union")
+
+#: The options each kernel implementation of ``topk_tail_kl`` has (``"cpu"``, ``"cuda"``,
+#: ``"triton"``: its per-row kernels, which the chunked ``fused_linear_topk_tail_kl`` also runs)
+#: and the fused Triton kernel of ``fused_linear_topk_tail_kl`` (``"fused_triton"``). The
+#: references have all of them. ``backend="auto"`` routes a call whose ``support`` or
+#: ``divergence="jsd"`` (0 < beta < 1) an implementation lacks to the next one that has it (at
+#: worst the reference; the chunked path's epilogue to the PyTorch twins); an explicit backend
+#: that lacks it raises ``BackendUnavailableError``. An implementation that gains an option
+#: adds it here.
+TOPK_KERNEL_SUPPORTS = {
+    "cpu": SUPPORTS,
+    "cuda": ("teacher",),
+    "triton": ("teacher",),
+    "fused_triton": ("teacher",),
+}
+TOPK_KERNEL_JSD = {"cpu": True, "cuda": False, "triton": False, "fused_triton": False}
 
 #: ``reduction=`` values of the loss modules.
 REDUCTIONS = ("none", "mean", "sum")

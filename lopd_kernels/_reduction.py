@@ -6,18 +6,27 @@ from __future__ import annotations
 from torch import Tensor
 
 from lopd_kernels._backend import check_backend
-from lopd_kernels._constants import DIVERGENCES, REDUCTIONS
+from lopd_kernels._constants import DIVERGENCES, REDUCTIONS, SUPPORTS
 
 __all__ = ["check_module_options", "reduce_kl"]
 
 
-def check_module_options(reduction: str, divergence: str, backend: str) -> None:
-    """Raises ValueError for an unknown ``reduction``, ``divergence`` or ``backend`` (at
-    construction, before any input is seen)."""
+def check_module_options(
+    reduction: str,
+    divergence: str,
+    backend: str,
+    *,
+    divergences: tuple[str, ...] = DIVERGENCES,
+    support: str = "teacher",
+) -> None:
+    """Raises ValueError for an unknown ``reduction``, ``divergence`` (of the op's
+    ``divergences``), ``support`` or ``backend`` (at construction, before any input is seen)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if divergence not in divergences:
+        raise ValueError(f"divergence must be one of {divergences}, got {divergence!r}")
+    if support not in SUPPORTS:
+        raise ValueError(f"support must be one of {SUPPORTS}, got {support!r}")
     check_backend(backend)
 
 

@@ -32,10 +32,17 @@ from lopd_kernels._backend import OpBackends
 from lopd_kernels._constants import KERNEL_DTYPES
 from lopd_kernels._custom_ops import CustomOps
 from lopd_kernels._reduction import check_module_options, reduce_kl
-from lopd_kernels.bucket_math import effective_top_m
+from lopd_kernels.bucket_math import effective_top_m, op_divergence, support_width
 from lopd_kernels.fused_linear_topk_tail_kl_checks import check_inputs, check_values
 from lopd_kernels.fused_linear_topk_tail_kl_chunked import auto_chunk_rows, chunked_bwd, chunked_fwd
-from lopd_kernels.topk_tail_kl import TopKTailKLOutput, teacher_topk_mass, topk_tail_kl_reference
+from lopd_kernels.topk_tail_kl import (
+    TopKTailKLOutput,
+    kernel_option_refusal,
+    refuse_options,
+    support_size,
+    teacher_topk_mass,
+    topk_tail_kl_reference,
+)
 
 __all__ = [
     "FusedLinearTopKTailKL",
@@ -76,6 +83,8 @@ def fused_linear_topk_tail_kl_reference(
     top_m: int | None = 20,
     temperature: float = 1.0,
     divergence: str = "reverse",
+    beta: float | None = None,
+    support: str = "teacher",
     ignore_index: int = -100,
 ) -> TopKTailKLOutput:
     """Materialized reference: the LM-head matmuls, then ``topk_tail_kl_reference`` (autograd).
@@ -87,6 +96,7 @@ def fused_linear_topk_tail_kl_reference(
     check_inputs(
         student_hidden, student_weight, teacher_hidden, teacher_weight, target_ids,
         student_bias, teacher_bias, top_m, temperature, divergence, ignore_index, None,
+        beta, support,
     )  # fmt: skip
     check_values(target_ids, student_weight.shape[0], ignore_index)
     return topk_tail_kl_reference(
@@ -96,6 +106,8 @@ def fused_linear_topk_tail_kl_reference(
         top_m=top_m,
         temperature=temperature,
         divergence=divergence,
+        beta=beta,
+        support=support,
         ignore_index=ignore_index,
     )
 
@@ -111,8 +123,11 @@ def _forward(impl: str, args: tuple, chunk_size: int, tail_proj: list[bool]) -> 
         # triton is optional (machines without it run the chunked path): imported lazily.
         from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_fwd_triton
 
+        *head, divergence, _beta, support, ignore_index = args
+        refuse_options("fused_triton", divergence, support if head[7] else "teacher")
         empty = args[0].new_empty(0, dtype=torch.float32)
-        return (*fused_linear_fwd_triton(*args), empty, empty.clone())
+        out = fused_linear_fwd_triton(*head, divergence == "reverse", ignore_index)
+        return (*out, empty, empty.clone())
     return chunked_fwd(*args, chunk_size, (tail_proj[0], tail_proj[1]))
 
 
@@ -123,6 +138,9 @@ def _backward_grads(
         # triton is optional (machines without it run the chunked path): imported lazily.
         from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_bwd_triton
 
+        temperature, divergence, _beta, support, ignore_index = scalars
+        refuse_options("fused_triton", divergence, support if args[10].shape[1] else "teacher")
+        scalars = (temperature, divergence == "reverse", ignore_index)
         return fused_linear_bwd_triton(*args, *scalars, tuple(needs), shared)
     return chunked_bwd(*args, *projs, *scalars, chunk_size, tuple(needs), shared)
 
@@ -141,22 +159,27 @@ def _kernels(impl: str):
         target_ids: Tensor,
         top_m: int,
         temperature: float,
-        reverse: bool,
+        divergence: str,
+        beta: float,
+        support: str,
         ignore_index: int,
         chunk_size: int,
         tail_proj: list[bool],
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Forward on hidden states.
 
-        Returns ``kl, student_logprob, teacher_logprob [N]``, ``topk_ids [N, M]``, ``lse [N, 2]``,
-        ``bucket_logp [N, 2, M+1]`` (as ``topk_tail_kl``'s ops) and the student's / teacher's
-        tail projections ``[N, d]`` float32 where ``tail_proj`` asks for them (chunked, M > 0),
-        else ``[0]``: ``sum_{j not in top-M} softmax(x / T)_j W[j]``, which gives that side's
-        hidden-state gradient in the backward without recomputing its logits. ``chunk_size``
-        (0: automatic) and ``tail_proj`` are ignored by the Triton implementation.
+        Returns ``kl, student_logprob, teacher_logprob [N]``, ``topk_ids [N, K]``, ``lse [N, 2]``,
+        ``bucket_logp [N, 2, K+1]`` (as ``topk_tail_kl``'s ops, whose schema the options
+        ``top_m, temperature, divergence, beta, support, ignore_index`` follow) and the
+        student's / teacher's tail projections ``[N, d]`` float32 where ``tail_proj`` asks for
+        them (chunked, M > 0), else ``[0]``: ``sum_{j not in support} softmax(x / T)_j W[j]``,
+        which gives that side's hidden-state gradient in the backward without recomputing its
+        logits. ``chunk_size`` (0: automatic) and ``tail_proj`` are ignored by the Triton
+        implementation.
         """
         args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight)
-        args += (teacher_bias, target_ids, top_m, temperature, reverse, ignore_index)
+        args += (teacher_bias, target_ids, top_m, temperature, divergence, beta, support)
+        args += (ignore_index,)
         return _forward(impl, args, chunk_size, tail_proj)
 
     def bwd(
@@ -177,7 +200,9 @@ def _kernels(impl: str):
         student_tail_proj: Tensor,
         teacher_tail_proj: Tensor,
         temperature: float,
-        reverse: bool,
+        divergence: str,
+        beta: float,
+        support: str,
         ignore_index: int,
         chunk_size: int,
         needs: list[bool],
@@ -191,7 +216,7 @@ def _kernels(impl: str):
         args += (student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias)
         args += (target_ids, topk_ids, kl, lse, bucket_logp)
         projs = (student_tail_proj, teacher_tail_proj)
-        scalars = (temperature, reverse, ignore_index)
+        scalars = (temperature, divergence, beta, support, ignore_index)
         grads = _backward_grads(impl, args, projs, scalars, chunk_size, needs, shared_weight)
         # One fresh empty per unused slot: a custom op's outputs must not alias each other.
         return [student_hidden.new_empty(0) if g is None else g for g in grads]
@@ -204,17 +229,18 @@ def _make_fwd_fake(tail_projections: bool):
     projections it is asked for (the chunked ones; the Triton one returns ``[0]`` tensors)."""
 
     def fwd_fake(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                 teacher_bias, target_ids, top_m, temperature, reverse, ignore_index, chunk_size,
-                 tail_proj):  # fmt: skip
+                 teacher_bias, target_ids, top_m, temperature, divergence, beta, support,
+                 ignore_index, chunk_size, tail_proj):  # fmt: skip
         n = student_hidden.shape[0]
         m = effective_top_m(top_m, student_weight.shape[0])
+        k = support_width(m, support)
         kl = student_hidden.new_empty(n, dtype=torch.float32)
-        ids = student_hidden.new_empty(n, m, dtype=torch.long)
+        ids = student_hidden.new_empty(n, k, dtype=torch.long)
         projs = [
             kl.new_empty(n, h.shape[1]) if flag and m > 0 and tail_projections else kl.new_empty(0)
             for flag, h in zip(tail_proj, (student_hidden, teacher_hidden))
         ]
-        bucket = kl.new_empty(n, 2, m + 1)
+        bucket = kl.new_empty(n, 2, k + 1)
         return (
             kl,
             torch.empty_like(kl),
@@ -230,8 +256,8 @@ def _make_fwd_fake(tail_projections: bool):
 
 def _bwd_fake(grad_kl, grad_student_logprob, grad_teacher_logprob, student_hidden, student_weight,
               student_bias, teacher_hidden, teacher_weight, teacher_bias, target_ids, topk_ids,
-              kl, lse, bucket_logp, student_tail_proj, teacher_tail_proj, temperature, reverse,
-              ignore_index, chunk_size, needs, shared_weight):  # fmt: skip
+              kl, lse, bucket_logp, student_tail_proj, teacher_tail_proj, temperature, divergence,
+              beta, support, ignore_index, chunk_size, needs, shared_weight):  # fmt: skip
     likes = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight)
     likes += (teacher_bias,)
     out = []
@@ -242,10 +268,11 @@ def _bwd_fake(grad_kl, grad_student_logprob, grad_teacher_logprob, student_hidde
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    hs, ws, bs, ht, wt, bt, target, _top_m, temperature, reverse, ignore, chunk, _ = inputs
+    hs, ws, bs, ht, wt, bt, target = inputs[:7]
+    temperature, divergence, beta, support, ignore, chunk = inputs[8:14]
     kl, _, _, ids, lse, bucket, proj_s, proj_t = output
     ctx.save_for_backward(hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket, proj_s, proj_t)
-    ctx.args = (temperature, reverse, ignore, chunk)
+    ctx.args = (temperature, divergence, beta, support, ignore, chunk)
     ctx.mark_non_differentiable(ids, lse, bucket, proj_s, proj_t)
 
 
@@ -254,7 +281,7 @@ def _make_backward(bwd_op):
 
     def backward(ctx, g_kl, g_slp, g_tlp, *_unused):
         hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket, proj_s, proj_t = ctx.saved_tensors
-        temperature, reverse, ignore, chunk = ctx.args
+        temperature, divergence, beta, support, ignore, chunk = ctx.args
         needs = list(ctx.needs_input_grad[:6])
         zeros = kl.new_zeros(kl.shape)
         g_kl, g_slp, g_tlp = (zeros if g is None else g for g in (g_kl, g_slp, g_tlp))
@@ -262,12 +289,12 @@ def _make_backward(bwd_op):
         shared = shared and needs[1] and needs[4] and ws.stride() == wt.stride()
         grads = bwd_op(
             g_kl, g_slp, g_tlp, hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket, proj_s,
-            proj_t, temperature, reverse, ignore, chunk, needs, shared,
+            proj_t, temperature, divergence, beta, support, ignore, chunk, needs, shared,
         )  # fmt: skip
         out = [g if need and g.numel() else None for g, need in zip(grads, needs)]
         if shared and out[1] is None and needs[1]:
             out[1] = torch.zeros_like(ws)
-        return (*out, None, None, None, None, None, None, None)
+        return (*out, *([None] * 9))
 
     return backward
 
@@ -296,11 +323,14 @@ def fused_linear_topk_tail_kl(
     top_m: int | None = 20,
     temperature: float = 1.0,
     divergence: str = "reverse",
+    beta: float | None = None,
+    support: str = "teacher",
     ignore_index: int = -100,
     backend: str = "auto",
     chunk_size: int | None = None,
 ) -> TopKTailKLOutput:
-    """Top-M + tail KL between a student and a teacher, straight from their LM-head inputs.
+    """Top-M + tail divergence between a student and a teacher, straight from their LM-head
+    inputs.
 
     Equivalent to ``topk_tail_kl(student_hidden @ student_weight.T + student_bias,
     teacher_hidden @ teacher_weight.T + teacher_bias, target_ids, ...)`` without ever holding the
@@ -316,39 +346,50 @@ def fused_linear_topk_tail_kl(
         target_ids: ``[N]`` int64 sampled token ids; rows equal to ``ignore_index`` output zeros
             and get no gradient (and cost no compute).
         student_bias, teacher_bias: optional ``[V]`` LM-head biases.
-        top_m: M, the teacher's top entries kept as buckets (the rest is one tail bucket);
-            ``None`` for the full-vocabulary KL.
+        top_m: M, the top entries kept as buckets (the rest is one tail bucket); ``None`` for
+            the full-vocabulary divergence.
         temperature: logits are divided by it before every softmax.
-        divergence: ``"reverse"`` (KL(student || teacher), the paper's) or ``"forward"``.
+        divergence, beta: ``"reverse"`` (KL(student || teacher), the paper's), ``"forward"``, or
+            ``"jsd"`` with ``beta`` in [0, 1] (TRL's generalized JSD), as in ``topk_tail_kl``.
+        support: ``"teacher"``, ``"student"`` or ``"union"``: whose top-M ids are buckets, as in
+            ``topk_tail_kl`` (the union's ``topk_ids`` are ``[N, 2M]`` with -1 padding).
         ignore_index: target value marking rows without a target.
         backend: ``"auto"`` (the chunked path; float64 inputs: the reference), ``"torch"``
             (the materialized reference), ``"cpu"``/``"cuda"`` (chunked: vendor GEMMs + the
-            ``topk_tail_kl`` kernels per token chunk) or ``"triton"`` (the fully fused kernel).
+            ``topk_tail_kl`` kernels per token chunk, or their PyTorch twins for options a
+            kernel lacks) or ``"triton"`` (the fully fused kernel; ``support="teacher"`` and the
+            KLs only so far).
         chunk_size: token rows per chunk of the chunked path; ``None`` picks it from the free
             memory (:func:`auto_chunk_rows`).
 
     Returns:
         :class:`TopKTailKLOutput` ``(kl, privilege, student_logprob, teacher_logprob,
-        topk_ids, teacher_topk_mass)``. Gradients reach the hidden states, weights and biases
-        wherever they require grad; weight gradients are accumulated in float32 and returned in
-        the weight's dtype.
+        topk_ids, teacher_topk_mass, support_size)``. Gradients reach the hidden states, weights
+        and biases wherever they require grad; weight gradients are accumulated in float32 and
+        returned in the weight's dtype.
     """
     hs, ws, ht, wt = student_hidden, student_weight, teacher_hidden, teacher_weight
     m = check_inputs(hs, ws, ht, wt, target_ids, student_bias, teacher_bias, top_m, temperature,
-                     divergence, ignore_index, chunk_size)  # fmt: skip
+                     divergence, ignore_index, chunk_size, beta, support)  # fmt: skip
     check_values(target_ids, ws.shape[0], ignore_index)
     target = target_ids.long()
     fp64 = torch.float64 in (hs.dtype, ht.dtype)
-    impl = BACKENDS.resolve(backend, hs.device, fp64=fp64)
+    div, div_beta = op_divergence(divergence, beta)
+    m = effective_top_m(m, ws.shape[0])
+    # The chunked "cpu" / "cuda" paths have every option (their epilogue falls back to the
+    # PyTorch twins where a per-row kernel lacks one); the fused Triton kernel has its own.
+    refusal = kernel_option_refusal("fused_triton", div, support if m else "teacher")
+    unsupported = {} if refusal is None else {"triton": refusal}
+    impl = BACKENDS.resolve(backend, hs.device, fp64=fp64, unsupported=unsupported)
     if impl == "triton" and any(dt not in KERNEL_DTYPES for dt in (hs.dtype, ht.dtype)):
         raise TypeError(f"backend='triton' supports {KERNEL_DTYPES}, got {hs.dtype}, {ht.dtype}")
     if impl == "torch":
         return fused_linear_topk_tail_kl_reference(
             hs, ws, ht, wt, target,
             student_bias=student_bias, teacher_bias=teacher_bias, top_m=top_m,
-            temperature=temperature, divergence=divergence, ignore_index=ignore_index,
+            temperature=temperature, divergence=divergence, beta=beta, support=support,
+            ignore_index=ignore_index,
         )  # fmt: skip
-    m = effective_top_m(m, ws.shape[0])
 
     def tail_proj(h: Tensor, w: Tensor, b: Tensor | None) -> bool:
         # Worth one extra GEMM in the forward when it saves the logit recompute and the dh GEMM
@@ -361,17 +402,18 @@ def fused_linear_topk_tail_kl(
         flags = [tail_proj(hs, ws, student_bias), tail_proj(ht, wt, teacher_bias)]
     kl, lp_s, lp_t, ids, _lse, bucket, *_ = CUSTOM_OPS.fwd_op(impl)(
         hs, ws, student_bias, ht, wt, teacher_bias, target, m, float(temperature),
-        divergence == "reverse", ignore_index, chunk_size or 0, flags,
+        div, div_beta, support, ignore_index, chunk_size or 0, flags,
     )  # fmt: skip
     mass = teacher_topk_mass(bucket, target, ignore_index)
-    return TopKTailKLOutput(kl, lp_t - lp_s.detach(), lp_s, lp_t, ids, mass)
+    size = support_size(ids, target, ignore_index, ws.shape[0])
+    return TopKTailKLOutput(kl, lp_t - lp_s.detach(), lp_s, lp_t, ids, mass, size)
 
 
 class FusedLinearTopKTailKL(nn.Module):
-    """Module form of :func:`fused_linear_topk_tail_kl` returning the (reduced) KL loss.
+    """Module form of :func:`fused_linear_topk_tail_kl` returning the (reduced) divergence.
 
     Args:
-        top_m, temperature, divergence, ignore_index, backend, chunk_size: as in
+        top_m, temperature, divergence, beta, support, ignore_index, backend, chunk_size: as in
             :func:`fused_linear_topk_tail_kl`.
         reduction: ``"none"`` (``[N]`` per-token KL, 0 at ignored tokens), ``"mean"`` (over
             non-ignored tokens; 0, never NaN, when every token is ignored) or ``"sum"``.
@@ -391,12 +433,17 @@ class FusedLinearTopKTailKL(nn.Module):
         reduction: str = "mean",
         backend: str = "auto",
         chunk_size: int | None = None,
+        *,
+        beta: float | None = None,
+        support: str = "teacher",
     ) -> None:
         super().__init__()
-        check_module_options(reduction, divergence, backend)
+        check_module_options(reduction, divergence, backend, support=support)
         self.top_m = top_m
         self.temperature = temperature
         self.divergence = divergence
+        self.beta = beta
+        self.support = support
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.backend = backend
@@ -423,6 +470,8 @@ class FusedLinearTopKTailKL(nn.Module):
             top_m=self.top_m,
             temperature=self.temperature,
             divergence=self.divergence,
+            beta=self.beta,
+            support=self.support,
             ignore_index=self.ignore_index,
             backend=self.backend,
             chunk_size=self.chunk_size,
@@ -432,6 +481,6 @@ class FusedLinearTopKTailKL(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"top_m={self.top_m}, temperature={self.temperature}, divergence={self.divergence!r}, "
-            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-            f"backend={self.backend!r}, chunk_size={self.chunk_size}"
+            f"beta={self.beta}, support={self.support!r}, ignore_index={self.ignore_index}, "
+            f"reduction={self.reduction!r}, backend={self.backend!r}, chunk_size={self.chunk_size}"
         )

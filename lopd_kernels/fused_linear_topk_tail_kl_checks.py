@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lopd_kernels.topk_tail_kl_checks import check_loss_options
+from lopd_kernels.topk_tail_kl_checks import check_loss_options, check_support
 
 __all__ = ["check_inputs", "check_values"]
 
@@ -29,6 +29,8 @@ def check_inputs(
     divergence: str,
     ignore_index: int,
     chunk_size: int | None,
+    beta: float | None = None,
+    support: str = "teacher",
 ) -> int:
     """Validates everything knowable without reading tensor data; returns ``top_m`` as an int
     (0: the full vocabulary).
@@ -36,14 +38,15 @@ def check_inputs(
     Args:
         hs, ws, ht, wt: student / teacher hidden states ``[N, d]`` and LM heads ``[V, d]``.
         target: ``[N]`` target ids; bs, bt: optional ``[V]`` biases.
-        top_m, temperature, divergence, ignore_index, chunk_size: as
+        top_m, temperature, divergence, ignore_index, chunk_size, beta, support: as
             :func:`lopd_kernels.fused_linear_topk_tail_kl` takes them.
     """
     if top_m is None:
         top_m = 0
     elif isinstance(top_m, bool) or not isinstance(top_m, int) or top_m < 1:
         raise ValueError(f"top_m must be a positive int or None (full vocabulary), got {top_m!r}")
-    check_loss_options(temperature, divergence, ignore_index)
+    check_loss_options(temperature, divergence, ignore_index, beta=beta)
+    check_support(support)
     if chunk_size is not None and (
         isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
     ):

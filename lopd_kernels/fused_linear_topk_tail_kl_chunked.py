@@ -35,9 +35,16 @@ from lopd_kernels import gemm_f32 as gemm
 from lopd_kernels._backend import has_kernel, triton_available
 from lopd_kernels._constants import CUDA_TOPK_MAX_TOP_M, TRITON_TOPK_MAX_TOP_M
 from lopd_kernels._custom_ops import PHASES
-from lopd_kernels.bucket_math import bucket_coefs, effective_top_m, rows_bwd_torch, rows_fwd_torch
+from lopd_kernels.bucket_math import (
+    bucket_coefs,
+    effective_top_m,
+    rows_bwd_torch,
+    rows_fwd_torch,
+    support_width,
+)
 from lopd_kernels.kernel_variants import variant as selected_variant
 from lopd_kernels.topk_tail_kl import CUSTOM_OPS as TOPK_TAIL_KL_OPS
+from lopd_kernels.topk_tail_kl import kernel_option_refusal
 
 __all__ = ["auto_chunk_rows", "chunked_bwd", "chunked_fwd", "epilogue_kernels", "tail_probs"]
 
@@ -59,12 +66,19 @@ _GPU_EPILOGUE_ORDER = {"v1": ("cuda", "triton"), "v2": ("triton", "cuda")}
 _EPILOGUE_MAX_TOP_M = {"cuda": CUDA_TOPK_MAX_TOP_M, "triton": TRITON_TOPK_MAX_TOP_M}
 
 
-def epilogue_impl(device: torch.device, top_m: int = 0, variant: str | None = None) -> str:
+def epilogue_impl(
+    device: torch.device,
+    top_m: int = 0,
+    variant: str | None = None,
+    divergence: str = "reverse",
+    support: str = "teacher",
+) -> str:
     """The implementation word of the per-row epilogue :func:`epilogue_kernels` returns.
 
     CPU: ``"cpu"`` (the C++ kernels) when built, else ``"torch"``. GPU: the first of
     ``_GPU_EPILOGUE_ORDER[variant]`` that this install has and whose ``top_m`` limit admits
-    ``top_m``, else ``"torch"``.
+    ``top_m``, else ``"torch"``. An implementation without a kernel for ``support`` /
+    ``divergence`` (as the ops take it) is passed over.
     """
     variant = variant or selected_variant(CHUNKED_SWITCH)
     if device.type == "cpu":
@@ -76,6 +90,8 @@ def epilogue_impl(device: torch.device, top_m: int = 0, variant: str | None = No
     for impl in order:
         if top_m > _EPILOGUE_MAX_TOP_M.get(impl, top_m):
             continue
+        if kernel_option_refusal(impl, divergence, support if top_m else "teacher") is not None:
+            continue
         if impl == "triton":
             if triton_available():
                 return impl
@@ -84,12 +100,14 @@ def epilogue_impl(device: torch.device, top_m: int = 0, variant: str | None = No
     return "torch"
 
 
-def epilogue_kernels(device: torch.device, top_m: int = 0) -> tuple[Callable, Callable]:
+def epilogue_kernels(
+    device: torch.device, top_m: int = 0, divergence: str = "reverse", support: str = "teacher"
+) -> tuple[Callable, Callable]:
     """Per-row fwd/bwd on a logit block: ``topk_tail_kl``'s kernels of :func:`epilogue_impl`
     (``topk_tail_kl_cpu_*`` on CPU; on a GPU its Triton or CUDA kernels, in the order the
     switch :data:`CHUNKED_SWITCH` selects), else the PyTorch twins (a pure-Python install: still
     memory-bounded, only slower)."""
-    impl = epilogue_impl(device, top_m)
+    impl = epilogue_impl(device, top_m, divergence=divergence, support=support)
     if impl == "torch":
         return rows_fwd_torch, rows_bwd_torch
     return TOPK_TAIL_KL_OPS.ops(impl)
@@ -174,6 +192,12 @@ def tail_probs(
     return probs.to(out_dtype)
 
 
+def without_padding(ids: Tensor) -> Tensor:
+    """``ids [C, K]`` with a union's -1 padding slots replaced by the row's first id (every row
+    has one): zeroing or gathering it again changes nothing, and no index is negative."""
+    return ids if ids.shape[1] == 0 else torch.where(ids >= 0, ids, ids[:, :1])
+
+
 def _logits_block(h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """``[C, V]`` float32 logits of one token chunk."""
     out = gemm.matmul_f32(h, w.T)
@@ -197,7 +221,9 @@ def chunked_fwd(
     target: Tensor,
     top_m: int,
     temperature: float,
-    reverse: bool,
+    divergence: str,
+    beta: float,
+    support: str,
     ignore_index: int,
     chunk_size: int,
     tail_proj: tuple[bool, bool],
@@ -205,12 +231,13 @@ def chunked_fwd(
     """Token-chunked forward; ``tail_proj[x]`` also returns side x's tail projection (below)."""
     n, vocab = hs.shape[0], ws.shape[0]
     m = effective_top_m(top_m, vocab)
+    k = support_width(m, support)
     dev = hs.device
     kl = torch.zeros(n, dtype=torch.float32, device=dev)
     lp_s, lp_t = torch.zeros_like(kl), torch.zeros_like(kl)
-    ids = torch.zeros(n, m, dtype=torch.long, device=dev)
+    ids = torch.zeros(n, k, dtype=torch.long, device=dev)
     lse = kl.new_zeros(n, 2)
-    bucket = kl.new_zeros(n, 2, m + 1)
+    bucket = kl.new_zeros(n, 2, k + 1)
     projs = [
         kl.new_zeros(n, h.shape[1]) if flag and m > 0 else kl.new_empty(0)
         for flag, h in zip(tail_proj, (hs, ht))
@@ -220,13 +247,14 @@ def chunked_fwd(
     if n_valid == 0:
         return kl, lp_s, lp_t, ids, lse, bucket, *projs
     v2 = selected_variant(CHUNKED_SWITCH) == "v2"
-    fwd, _ = epilogue_kernels(dev, m)
+    fwd, _ = epilogue_kernels(dev, m, divergence, support)
     chunk = chunk_size or auto_chunk_rows(vocab, n_valid, dev, live_blocks=2)
     for c0, c1 in _chunks(n_valid, chunk):
         r = rows[c0:c1]
         s = _logits_block(hs.index_select(0, r), ws, bs)
         t = _logits_block(ht.index_select(0, r), wt, bt)
-        out = fwd(s, t, target.index_select(0, r), m, temperature, reverse, ignore_index)
+        out = fwd(s, t, target.index_select(0, r), m, temperature, divergence, beta, support,
+                  ignore_index)  # fmt: skip
         for dst, src in zip((kl, lp_s, lp_t, ids, lse, bucket), out):
             dst.index_copy_(0, r, src.to(dst.dtype))
         # Tail projection sum_{j not in top-M} softmax_j W[j] ([C, d]): with it the backward
@@ -235,12 +263,13 @@ def chunked_fwd(
         for x, logits, w, proj in ((0, s, ws, projs[0]), (1, t, wt, projs[1])):
             if not proj.numel():
                 continue
+            support_ids = without_padding(out[3])
             if v2:
                 gemm_dtype = w.dtype if gemm.half_gemm(w) else logits.dtype
-                probs = tail_probs(logits, out[4][:, x], out[3], temperature, gemm_dtype)
+                probs = tail_probs(logits, out[4][:, x], support_ids, temperature, gemm_dtype)
             else:
                 probs = logits.div_(temperature).sub_(out[4][:, x : x + 1]).exp_()
-                probs.scatter_(1, out[3], 0.0)
+                probs.scatter_(1, support_ids, 0.0)
             proj.index_copy_(0, r, gemm.matmul_f32(probs, w))
             del probs
         del s, t
@@ -272,6 +301,7 @@ def _hidden_grad_from_tail(
         log_mass: ``[R, M+1]`` this side's bucket log-masses; coef: ``[R, M+1]``; u: ``[R]``.
         out: ``[N, d]`` float32 hidden-state gradient, written at ``rows``.
     """
+    ids = without_padding(ids)  # a padding bucket has mass 0: its row of W adds 0
     m, d = ids.shape[1], w.shape[1]
     # Bound the [C, M, d] gather of head rows to ~64 MiB.
     chunk = max(1, (64 << 20) // max(1, 4 * (m + 1) * d))
@@ -301,7 +331,9 @@ def chunked_bwd(
     proj_s: Tensor,
     proj_t: Tensor,
     temperature: float,
-    reverse: bool,
+    divergence: str,
+    beta: float,
+    support: str,
     ignore_index: int,
     chunk_size: int,
     needs: tuple[bool, bool, bool, bool, bool, bool],
@@ -334,7 +366,7 @@ def chunked_bwd(
         u_ls = grad_slp.index_select(0, rows).float()
         u_t = grad_tlp.index_select(0, rows).float()
         u_kl = grad_kl.index_select(0, rows).float()
-        c_s, c_t = bucket_coefs(u_kl, kl.index_select(0, rows), b, reverse, u_ls, u_t)
+        c_s, c_t = bucket_coefs(u_kl, kl.index_select(0, rows), b, divergence, beta, u_ls, u_t)
         ids = topk_ids.index_select(0, rows)
         for flag, proj, w, x, coef, u, out in (
             (from_tail_s, proj_s, ws, 0, c_s, u_ls, d_hs),
@@ -347,7 +379,7 @@ def chunked_bwd(
     need_t = (n_ht and not from_tail_t) or n_wt or n_bt
     if rows.numel() and (need_s or need_t):
         v2 = selected_variant(CHUNKED_SWITCH) == "v2"
-        _, bwd = epilogue_kernels(dev, topk_ids.shape[1])
+        _, bwd = epilogue_kernels(dev, topk_ids.shape[1], divergence, support)
         full_vocab = topk_ids.shape[1] == 0
         sides = 2 if full_vocab else int(bool(need_s)) + int(bool(need_t))
         # Per recomputed side: its logit block and its gradient block.
@@ -374,7 +406,8 @@ def chunked_bwd(
                 lse.index_select(0, r),
                 bucket.index_select(0, r),
                 temperature,
-                reverse,
+                divergence,
+                beta,
                 ignore_index,
                 bool(need_s),
                 bool(need_t),

@@ -55,7 +55,7 @@ import torch
 from torch import Tensor, nn
 
 from lopd_kernels._backend import OpBackends, compiled_unavailable, triton_import_error
-from lopd_kernels._constants import TRITON_SPARSE_TEACHER_MAX_TOP_M
+from lopd_kernels._constants import KL_DIVERGENCES, TRITON_SPARSE_TEACHER_MAX_TOP_M
 from lopd_kernels._custom_ops import CustomOps
 from lopd_kernels._reduction import check_module_options, reduce_kl
 from lopd_kernels.bucket_math import bucket_divergence, masked_logsumexp
@@ -174,7 +174,7 @@ def sparse_teacher_topk_tail_kl_reference(
     logq_tail = teacher_log_tail(lp, tail_floor, divergence == "reverse").unsqueeze(1)
     logp = torch.cat([logp_top, logp_tail], 1)
     logq = torch.cat([lp, logq_tail], 1)
-    kl = bucket_divergence(logp, logq, divergence == "reverse")
+    kl = bucket_divergence(logp, logq, divergence)
     with torch.no_grad():
         s_mass = logp_top.exp().sum(-1)
         t_mass = lp.exp().sum(-1)
@@ -468,7 +468,7 @@ class SparseTeacherTopKTailKL(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        check_module_options(reduction, divergence, backend)
+        check_module_options(reduction, divergence, backend, divergences=KL_DIVERGENCES)
         self.temperature = temperature
         self.divergence = divergence
         self.ignore_index = ignore_index

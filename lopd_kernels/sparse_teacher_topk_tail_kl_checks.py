@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from lopd_kernels._constants import REFERENCE_DTYPES
+from lopd_kernels._constants import KL_DIVERGENCES, REFERENCE_DTYPES
 from lopd_kernels.topk_tail_kl_checks import check_loss_options, check_rows_have_mass
 from lopd_kernels.topk_tail_kl_checks import check_values as check_target_values
 
@@ -86,7 +86,7 @@ def check_inputs(
             "constants (a server's outputs) and returns no gradient for them: pass "
             "teacher_topk_logprobs.detach()"
         )
-    check_loss_options(temperature, divergence, ignore_index)
+    check_loss_options(temperature, divergence, ignore_index, divergences=KL_DIVERGENCES)
     if not isinstance(tail_floor, (int, float)) or not 0.0 <= tail_floor < 1.0:
         raise ValueError(f"tail_floor must be a number in [0, 1), got {tail_floor!r}")
     if not isinstance(mass_tolerance, (int, float)) or not 0.0 <= mass_tolerance < 1.0:

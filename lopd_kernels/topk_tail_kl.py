@@ -3,14 +3,17 @@
 For every token row (student logits ``s``, teacher logits ``t``, sampled token ``a``, all divided
 by the temperature first) the op returns
 
-* ``kl``: the divergence between student and teacher over ``M + 1`` buckets: the teacher's
-  top-M vocabulary ids and one tail bucket holding the rest of the vocabulary. Reverse KL
-  ``sum_b P_b (log P_b - log Q_b)`` (the paper's) or forward KL ``sum_b Q_b (log Q_b - log P_b)``.
-  The tail's log-mass is the log-sum-exp over the complement of the top-M, never
-  ``log(1 - sum(top))`` (derivation: ``docs/math.md``).
+* ``kl``: the divergence between student and teacher over the buckets of a *support*: its ids
+  (``support="teacher"``: the teacher's top-M, the paper's; ``"student"``: the student's top-M;
+  ``"union"``: both, up to 2M ids) each a bucket, and one tail bucket holding the rest of the
+  vocabulary. Reverse KL ``sum_b P_b (log P_b - log Q_b)`` (the paper's), forward KL
+  ``sum_b Q_b (log Q_b - log P_b)``, or TRL's generalized JSD with ``beta``. The tail's log-mass
+  is the log-sum-exp over the complement of the support, never ``log(1 - sum(top))``
+  (definitions and derivations: ``docs/math.md``).
 * ``student_logprob`` / ``teacher_logprob``: ``log_softmax(.)[a]`` of each side.
 * ``privilege = teacher_logprob - stopgrad(student_logprob)``.
-* ``topk_ids``: the teacher's top-M ids, by descending teacher logit (ties: lower id first).
+* ``topk_ids``: the support's ids (``-1``: padding of a union smaller than 2M), and
+  ``support_size``: how many there are.
 
 Gradients flow to both logits: ``kl`` to both, ``student_logprob`` to the student,
 ``privilege`` and ``teacher_logprob`` to the teacher.
@@ -33,11 +36,28 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lopd_kernels._backend import OpBackends, compiled_unavailable, triton_import_error
-from lopd_kernels._constants import CUDA_TOPK_MAX_TOP_M, TRITON_TOPK_MAX_TOP_M
+from lopd_kernels._backend import (
+    BackendUnavailableError,
+    OpBackends,
+    compiled_unavailable,
+    triton_import_error,
+)
+from lopd_kernels._constants import (
+    CUDA_TOPK_MAX_TOP_M,
+    TOPK_KERNEL_JSD,
+    TOPK_KERNEL_SUPPORTS,
+    TRITON_TOPK_MAX_TOP_M,
+)
 from lopd_kernels._custom_ops import CustomOps
 from lopd_kernels._reduction import check_module_options, reduce_kl
-from lopd_kernels.bucket_math import bucket_divergence, masked_logsumexp
+from lopd_kernels.bucket_math import (
+    bucket_divergence,
+    masked_logsumexp,
+    op_divergence,
+    select_support,
+    support_masks,
+    support_width,
+)
 from lopd_kernels.row_layout import rows_in_place
 from lopd_kernels.topk_tail_kl_checks import (
     check_inputs,
@@ -64,16 +84,22 @@ class TopKTailKLOutput(NamedTuple):
     """Outputs of :func:`topk_tail_kl`; leading shape ``[...]`` is that of ``target_ids``.
 
     Attributes:
-        kl: ``[...]`` float32 divergence over the top-M buckets plus the tail bucket.
+        kl: ``[...]`` float32 divergence over the support's buckets plus the tail bucket.
         privilege: ``[...]`` ``teacher_logprob - stopgrad(student_logprob)`` (gradient to the
             teacher only).
         student_logprob: ``[...]`` ``log_softmax(student_logits / T)[target]``.
         teacher_logprob: ``[...]`` ``log_softmax(teacher_logits / T)[target]``.
-        topk_ids: ``[..., M]`` int64 teacher top-M ids (``[..., 0]`` in full-vocabulary mode).
-        teacher_topk_mass: ``[...]`` float32, no gradient: the teacher's probability mass on its
-            top-M ids, ``sum_i exp(log Q_i)`` over the kernel's bucket log-masses (exact also for
-            a sharp teacher; no extra pass over the logits). 1 in full-vocabulary mode; 0 at
-            ignored rows. How much of the teacher the top-M buckets resolve (paper, A.2).
+        topk_ids: ``[..., K]`` int64, no gradient: the support's ids, its bucket order
+            (``docs/math.md``): ``K = M`` for ``support="teacher"`` (the teacher's top-M, by
+            descending teacher logit, ties to the lower id) and ``"student"`` (the same on the
+            student); ``K = 2M`` for ``"union"`` (the teacher's top-M, then the student's other
+            top-M ids in student order, then -1); ``K = 0`` for the full vocabulary.
+        teacher_topk_mass: ``[...]`` float32, no gradient: the teacher's probability mass on the
+            support's ids, ``sum_i exp(log Q_i)`` over the kernel's bucket log-masses (exact also
+            for a sharp teacher; no extra pass over the logits). 1 in full-vocabulary mode; 0 at
+            ignored rows. How much of the teacher the buckets resolve (paper, A.2).
+        support_size: ``[...]`` int64, no gradient: the number of ids in ``topk_ids`` (M, the
+            union's size in ``[M, 2M]``, V for the full vocabulary); 0 at ignored rows.
     """
 
     kl: Tensor
@@ -82,20 +108,42 @@ class TopKTailKLOutput(NamedTuple):
     teacher_logprob: Tensor
     topk_ids: Tensor
     teacher_topk_mass: Tensor
+    support_size: Tensor
 
 
 def teacher_topk_mass(bucket_logp: Tensor, target_ids: Tensor, ignore_index: int) -> Tensor:
-    """``[N]`` teacher mass on its top-M from the ops' ``bucket_logp [N, 2, M+1]`` (no gradient).
+    """``[N]`` teacher mass on the support from the ops' ``bucket_logp [N, 2, K+1]`` (no grad).
 
-    A sum of M non-negative terms (never ``1 - tail``); 1 for the full vocabulary (``M = 0``),
-    0 at rows whose target is ``ignore_index``.
+    A sum of K non-negative terms (never ``1 - tail``; padding buckets are ``-inf``: 0); 1 for
+    the full vocabulary (``K = 0``), 0 at rows whose target is ``ignore_index``.
     """
-    m = bucket_logp.shape[-1] - 1
-    if m == 0:
+    k = bucket_logp.shape[-1] - 1
+    if k == 0:
         mass = torch.ones(bucket_logp.shape[0], dtype=torch.float32, device=bucket_logp.device)
     else:
-        mass = bucket_logp.detach()[:, 1, :m].float().exp().sum(-1)
+        mass = bucket_logp.detach()[:, 1, :k].float().exp().sum(-1)
     return torch.where(target_ids == ignore_index, torch.zeros_like(mass), mass)
+
+
+def support_size(topk_ids: Tensor, target_ids: Tensor, ignore_index: int, vocab: int) -> Tensor:
+    """``[N]`` int64 ids per row in ``topk_ids [N, K]`` (its non-negative entries; V when
+    ``K = 0``, the full vocabulary), 0 at rows whose target is ``ignore_index``."""
+    if topk_ids.shape[-1] == 0:
+        size = torch.full(target_ids.shape, vocab, dtype=torch.int64, device=target_ids.device)
+    else:
+        size = (topk_ids.detach() >= 0).sum(-1)
+    return torch.where(target_ids == ignore_index, torch.zeros_like(size), size)
+
+
+def kernel_option_refusal(impl: str, divergence: str, support: str) -> str | None:
+    """Why kernel implementation ``impl`` cannot take ``support`` / ``divergence`` (as the ops
+    take it: :func:`lopd_kernels.bucket_math.op_divergence`), or None
+    (:data:`lopd_kernels._constants.TOPK_KERNEL_SUPPORTS`, ``TOPK_KERNEL_JSD``)."""
+    if support not in TOPK_KERNEL_SUPPORTS.get(impl, ("teacher",)):
+        return f"has no kernel for support={support!r} yet"
+    if divergence == "jsd" and not TOPK_KERNEL_JSD.get(impl, False):
+        return "has no kernel for divergence='jsd' (0 < beta < 1) yet"
+    return None
 
 
 # ------------------------------------------------------------------------------------ reference
@@ -109,30 +157,35 @@ def topk_tail_kl_reference(
     top_m: int | None = 20,
     temperature: float = 1.0,
     divergence: str = "reverse",
+    beta: float | None = None,
+    support: str = "teacher",
     ignore_index: int = -100,
 ) -> TopKTailKLOutput:
     """PyTorch reference of :func:`topk_tail_kl` (plain autograd; the test oracle).
 
-    Computes in float64 when either input is float64, else in float32. The top-M is chosen by a
-    stable descending sort of the teacher logits, so ties go to the lower vocabulary id (the rule
-    every kernel implements). The tail log-mass is a log-sum-exp over the complement of the
-    top-M. Ignored rows are dropped before any work and come back as zeros.
+    Computes in float64 when either input is float64, else in float32. The support's ids come
+    from stable descending sorts (:func:`lopd_kernels.bucket_math.select_support`), so ties go to
+    the lower vocabulary id (the rule every kernel implements). The tail log-mass is a
+    log-sum-exp over the complement of the support. Ignored rows are dropped before any work and
+    come back as zeros.
 
     Args:
         student_logits: ``[..., V]`` floating logits.
         teacher_logits: ``[..., V]`` floating logits (dtype may differ from the student's).
         target_ids: ``[...]`` int64 sampled token ids, or ``ignore_index``.
-        top_m: M >= 1, or None (or >= V) for the full-vocabulary KL without a tail bucket.
+        top_m: M >= 1, or None (or >= V) for the full-vocabulary divergence without a tail.
         temperature: T > 0; logits are divided by T first.
-        divergence: ``"reverse"`` (KL(student || teacher)) or ``"forward"``.
+        divergence, beta, support: as :func:`topk_tail_kl`.
         ignore_index: target value marking rows that produce zeros.
 
     Returns:
         :class:`TopKTailKLOutput`; float outputs in the compute dtype (float32 or float64).
     """
     m = check_inputs(
-        student_logits, teacher_logits, target_ids, top_m, temperature, divergence, ignore_index
-    )
+        student_logits, teacher_logits, target_ids, top_m, temperature, divergence, ignore_index,
+        beta, support,
+    )  # fmt: skip
+    divergence, beta = op_divergence(divergence, beta)
     vocab = student_logits.shape[-1]
     lead = student_logits.shape[:-1]
     dtype = (
@@ -161,17 +214,21 @@ def topk_tail_kl_reference(
         ids = torch.zeros(rows.numel(), 0, dtype=torch.int64, device=s.device)
         logp, logq = s - lse_s, t - lse_t
     else:
-        order = torch.sort(t.detach(), dim=-1, descending=True, stable=True).indices
-        ids = order[:, :m]
-        tail = torch.ones_like(s, dtype=torch.bool).scatter(1, ids, False)
-        logp = torch.cat([s.gather(1, ids), masked_logsumexp(s, tail).unsqueeze(1)], 1) - lse_s
-        logq = torch.cat([t.gather(1, ids), masked_logsumexp(t, tail).unsqueeze(1)], 1) - lse_t
-    kl = bucket_divergence(logp, logq, divergence == "reverse")
+        ids = select_support(s, t, m, support)
+        in_support, pad = support_masks(ids, vocab)
+        safe = ids.clamp(min=0)
+        # Padding slots (-1, union only) are buckets of mass 0 on both sides: they add 0.
+        top_s = s.gather(1, safe).masked_fill(pad, -math.inf)
+        top_t = t.gather(1, safe).masked_fill(pad, -math.inf)
+        tail = ~in_support
+        logp = torch.cat([top_s, masked_logsumexp(s, tail).unsqueeze(1)], 1) - lse_s
+        logq = torch.cat([top_t, masked_logsumexp(t, tail).unsqueeze(1)], 1) - lse_t
+    kl = bucket_divergence(logp, logq, divergence, beta)
     with torch.no_grad():
         if m == 0:
             mass = torch.ones(rows.numel(), dtype=dtype, device=s.device)
         else:
-            mass = logq[:, :m].exp().sum(-1)
+            mass = logq[:, :-1].exp().sum(-1)
 
     n = tgt.numel()
 
@@ -187,6 +244,7 @@ def topk_tail_kl_reference(
         teacher_logprob=tlp.reshape(lead),
         topk_ids=ids.reshape(*lead, ids.shape[-1]),
         teacher_topk_mass=mass.reshape(lead),
+        support_size=support_size(ids, tgt, ignore_index, vocab).reshape(lead),
     )
 
 
@@ -201,18 +259,21 @@ def _fwd_fake(
     target_ids: Tensor,
     top_m: int,
     temperature: float,
-    reverse: bool,
+    divergence: str,
+    beta: float,
+    support: str,
     ignore_index: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     n = math.prod(student_logits.shape[:-1])  # [N, V] or [B, L, V] logits
+    k = support_width(top_m, support)
     f32 = {"dtype": torch.float32, "device": student_logits.device}
     return (
         torch.empty(n, **f32),
         torch.empty(n, **f32),
         torch.empty(n, **f32),
-        torch.empty(n, top_m, dtype=torch.int64, device=student_logits.device),
+        torch.empty(n, k, dtype=torch.int64, device=student_logits.device),
         torch.empty(n, 2, **f32),
-        torch.empty(n, 2, top_m + 1, **f32),
+        torch.empty(n, 2, k + 1, **f32),
     )
 
 
@@ -228,7 +289,8 @@ def _bwd_fake(
     lse: Tensor,
     bucket_logp: Tensor,
     temperature: float,
-    reverse: bool,
+    divergence: str,
+    beta: float,
     ignore_index: int,
     student_requires_grad: bool,
     teacher_requires_grad: bool,
@@ -241,13 +303,11 @@ def _bwd_fake(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    student, teacher, target, _top_m, temperature, reverse, ignore_index = inputs
+    student, teacher, target, _top_m, temperature, divergence, beta, _support, ignore = inputs
     kl, _slp, _tlp, topk_ids, lse, bucket_logp = output
-    # O(M) per row beyond the inputs themselves: lse [N, 2], bucket_logp [N, 2, M + 1].
+    # O(K) per row beyond the inputs themselves: lse [N, 2], bucket_logp [N, 2, K + 1].
     ctx.save_for_backward(student, teacher, target, topk_ids, kl, lse, bucket_logp)
-    ctx.temperature = temperature
-    ctx.reverse = reverse
-    ctx.ignore_index = ignore_index
+    ctx.scalars = (temperature, divergence, beta, ignore)
 
 
 def _make_backward(bwd_op):
@@ -264,23 +324,10 @@ def _make_backward(bwd_op):
             return g.to(torch.float32).contiguous()
 
         gs, gt = bwd_op(
-            upstream(g_kl),
-            upstream(g_slp),
-            upstream(g_tlp),
-            student,
-            teacher,
-            target,
-            topk_ids,
-            kl,
-            lse,
-            bucket_logp,
-            ctx.temperature,
-            ctx.reverse,
-            ctx.ignore_index,
-            need_s,
-            need_t,
-        )
-        return (gs if need_s else None, gt if need_t else None, None, None, None, None, None)
+            upstream(g_kl), upstream(g_slp), upstream(g_tlp), student, teacher, target,
+            topk_ids, kl, lse, bucket_logp, *ctx.scalars, need_s, need_t,
+        )  # fmt: skip
+        return (gs if need_s else None, gt if need_t else None, *([None] * 7))
 
     return backward
 
@@ -301,16 +348,31 @@ def _triton_launchers():
     return topk_tail_kl_fwd_triton, topk_tail_kl_bwd_triton
 
 
+def refuse_options(impl: str, divergence: str, support: str) -> None:
+    """Raises :class:`BackendUnavailableError` when kernel ``impl`` (a key of
+    ``TOPK_KERNEL_SUPPORTS``) lacks the options: the op itself refuses them (the public
+    functions never send them: their resolvers know)."""
+    reason = kernel_option_refusal(impl, divergence, support)
+    if reason is not None:
+        name = "triton" if impl == "fused_triton" else impl
+        raise BackendUnavailableError(
+            f"{OP}: backend={name!r} {reason}; backend='auto' picks an implementation that has it"
+        )
+
+
 def _triton_fwd(
     student_logits: Tensor,
     teacher_logits: Tensor,
     target_ids: Tensor,
     top_m: int,
     temperature: float,
-    reverse: bool,
+    divergence: str,
+    beta: float,
+    support: str,
     ignore_index: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Triton forward as an opaque op (same contract as ``lopd::topk_tail_kl_cpu_fwd``)."""
+    refuse_options("triton", divergence, support if top_m else "teacher")
     fwd, _ = _triton_launchers()
     vocab = student_logits.shape[-1]
     if target_ids.is_cuda:
@@ -323,14 +385,9 @@ def _triton_fwd(
         check_values(target_ids, vocab, ignore_index)
     # The launcher reads strided rows in place (it copies only a non-dense vocabulary axis).
     return fwd(
-        student_logits,
-        teacher_logits,
-        target_ids.contiguous(),
-        top_m,
-        temperature,
-        reverse,
-        ignore_index,
-    )
+        student_logits, teacher_logits, target_ids.contiguous(), top_m, temperature,
+        divergence == "reverse", ignore_index,
+    )  # fmt: skip
 
 
 def _triton_bwd(
@@ -345,43 +402,42 @@ def _triton_bwd(
     lse: Tensor,
     bucket_logp: Tensor,
     temperature: float,
-    reverse: bool,
+    divergence: str,
+    beta: float,
     ignore_index: int,
     student_requires_grad: bool,
     teacher_requires_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     """Triton backward as an opaque op (same contract as ``lopd::topk_tail_kl_cpu_bwd``)."""
+    refuse_options("triton", divergence, "teacher")
     _, bwd = _triton_launchers()
     return bwd(
-        grad_kl.contiguous(),
-        grad_student_logprob.contiguous(),
-        grad_teacher_logprob.contiguous(),
-        student_logits,
-        teacher_logits,
-        target_ids.contiguous(),
-        topk_ids.contiguous(),
-        kl.contiguous(),
-        lse.contiguous(),
-        bucket_logp.contiguous(),
-        temperature,
-        reverse,
-        ignore_index,
-        student_requires_grad,
-        teacher_requires_grad,
-    )
+        grad_kl.contiguous(), grad_student_logprob.contiguous(),
+        grad_teacher_logprob.contiguous(), student_logits, teacher_logits,
+        target_ids.contiguous(), topk_ids.contiguous(), kl.contiguous(), lse.contiguous(),
+        bucket_logp.contiguous(), temperature, divergence == "reverse", ignore_index,
+        student_requires_grad, teacher_requires_grad,
+    )  # fmt: skip
 
 
 CUSTOM_OPS.define("triton", _triton_fwd, _triton_bwd)
 CUSTOM_OPS.register_compiled()
 
 
-def _limits(top_m: int) -> dict[str, str]:
-    """Per-call reasons an implementation cannot take ``top_m`` (0: the full vocabulary)."""
+def _limits(top_m: int, divergence: str, support: str) -> dict[str, str]:
+    """Per-call reasons an implementation cannot take these options (``top_m`` 0: the full
+    vocabulary; ``divergence`` as the ops take it)."""
     out = {}
     if top_m > TRITON_TOPK_MAX_TOP_M:
         out["triton"] = f"supports top_m <= {TRITON_TOPK_MAX_TOP_M} (or None), got {top_m}"
     if top_m > CUDA_TOPK_MAX_TOP_M:
         out["cuda"] = f"supports top_m <= {CUDA_TOPK_MAX_TOP_M} (or None), got {top_m}"
+    # The full vocabulary has no support to select: only the divergence matters there.
+    support = "teacher" if top_m == 0 else support
+    for impl in ("cpu", "cuda", "triton"):
+        reason = kernel_option_refusal(impl, divergence, support)
+        if reason is not None and impl not in out:
+            out[impl] = reason
     return out
 
 
@@ -393,10 +449,13 @@ def topk_tail_kl(
     top_m: int | None = 20,
     temperature: float = 1.0,
     divergence: str = "reverse",
+    beta: float | None = None,
+    support: str = "teacher",
     ignore_index: int = -100,
     backend: str = "auto",
 ) -> TopKTailKLOutput:
-    """Top-M + tail-bucket KL, sampled-token log-probs and privilege, fused (paper eq. 9-11).
+    """Top-M + tail-bucket divergence, sampled-token log-probs and privilege, fused (paper
+    eq. 9-11).
 
     Args:
         student_logits: ``[..., V]`` float32 / bfloat16 / float16 (float64: ``backend="torch"``
@@ -404,52 +463,52 @@ def topk_tail_kl(
         teacher_logits: ``[..., V]``, same shape and device; the dtype may differ.
         target_ids: ``[...]`` int64 (or int32) sampled token ids in ``[0, V)``, or
             ``ignore_index`` for rows that produce 0 everywhere (outputs and gradients).
-        top_m: M, the number of teacher top ids kept as their own buckets; ``None`` (or
-            ``>= V``) computes the full-vocabulary KL with no tail bucket.
+        top_m: M, the number of top ids each kept as a bucket; ``None`` (or ``>= V``) computes
+            the full-vocabulary divergence with no tail bucket.
         temperature: T > 0; both logits are divided by T first.
-        divergence: ``"reverse"`` = KL(student || teacher) (the paper's) or ``"forward"``.
+        divergence: ``"reverse"`` = KL(student || teacher) (the paper's), ``"forward"`` =
+            KL(teacher || student), or ``"jsd"``: TRL's generalized JSD
+            ``beta KL(Q || M) + (1 - beta) KL(P || M)``, ``M = (1 - beta) P + beta Q``, with
+            ``beta=0`` / ``1`` the forward / reverse KL as in TRL (``docs/math.md``, 1b).
+        beta: the JSD's ``beta`` in [0, 1] (None: 0.5, TRL's GKD default); only with
+            ``divergence="jsd"``.
+        support: whose top-M ids are buckets: ``"teacher"`` (the paper's), ``"student"``, or
+            ``"union"`` (both; ``topk_ids`` is ``[..., 2M]`` with -1 padding).
         ignore_index: target value marking ignored rows.
         backend: ``"auto"`` (CPU tensors: the C++ kernel; CUDA tensors: Triton, else the CUDA
-            kernel if built; float64: the reference), ``"torch"``, ``"cpu"``, ``"triton"``,
-            ``"cuda"``.
+            kernel if built; float64, or options no kernel has: the reference), ``"torch"``,
+            ``"cpu"``, ``"triton"``, ``"cuda"``.
 
     Returns:
         :class:`TopKTailKLOutput` ``(kl, privilege, student_logprob, teacher_logprob,
-        topk_ids, teacher_topk_mass)``; float outputs are float32 ``[...]`` (float64 from the
-        float64 reference), ``topk_ids`` is int64 ``[..., M]``.
+        topk_ids, teacher_topk_mass, support_size)``; float outputs are float32 ``[...]``
+        (float64 from the float64 reference), ``topk_ids`` is int64 ``[..., K]``.
 
     Raises:
         TypeError / ValueError: bad dtypes, shapes, devices, ``top_m``, ``temperature``,
-            ``divergence`` or ``backend``; the message names the argument.
+            ``divergence``, ``beta``, ``support`` or ``backend``; the message names the argument.
         ValueError: a target outside ``[0, V)`` that is not ``ignore_index``, or a row (not
             ignored) whose student or teacher logits are all ``-inf``; on CUDA tensors and under
             ``torch.compile`` a device-side assert (``RuntimeError``) instead (docs/kernels.md).
+        BackendUnavailableError: an explicit backend that cannot run these inputs or options.
     """
     m = check_inputs(
-        student_logits, teacher_logits, target_ids, top_m, temperature, divergence, ignore_index
-    )
+        student_logits, teacher_logits, target_ids, top_m, temperature, divergence, ignore_index,
+        beta, support,
+    )  # fmt: skip
     fp64 = torch.float64 in (student_logits.dtype, teacher_logits.dtype)
-    name = BACKENDS.resolve(backend, student_logits.device, fp64=fp64, unsupported=_limits(m))
+    div, _ = op_divergence(divergence, beta)
+    limits = _limits(m, div, support)
+    name = BACKENDS.resolve(backend, student_logits.device, fp64=fp64, unsupported=limits)
     if name == "torch":
         return topk_tail_kl_reference(
-            student_logits,
-            teacher_logits,
-            target_ids,
-            top_m=top_m,
-            temperature=temperature,
-            divergence=divergence,
-            ignore_index=ignore_index,
-        )
+            student_logits, teacher_logits, target_ids, top_m=top_m, temperature=temperature,
+            divergence=divergence, beta=beta, support=support, ignore_index=ignore_index,
+        )  # fmt: skip
     return call_fwd_op(
-        CUSTOM_OPS.fwd_op(name),
-        student_logits,
-        teacher_logits,
-        target_ids,
-        m,
-        temperature,
-        divergence,
-        ignore_index,
-    )
+        CUSTOM_OPS.fwd_op(name), student_logits, teacher_logits, target_ids, m, temperature,
+        divergence, ignore_index, beta=beta, support=support,
+    )  # fmt: skip
 
 
 def call_fwd_op(
@@ -461,40 +520,42 @@ def call_fwd_op(
     temperature: float,
     divergence: str,
     ignore_index: int,
+    *,
+    beta: float | None = None,
+    support: str = "teacher",
 ) -> TopKTailKLOutput:
     """Runs a ``topk_tail_kl_<impl>_fwd``-schema op (any implementation's, autograd registered)
-    on validated ``[..., V]`` inputs with ``m`` top buckets and shapes its outputs as
-    :func:`topk_tail_kl`."""
+    on validated ``[..., V]`` inputs with ``m`` top ids and shapes its outputs as
+    :func:`topk_tail_kl` (``divergence`` / ``beta`` as the user gives them)."""
     lead = student_logits.shape[:-1]
     flat_target = target_ids.reshape(-1).to(torch.int64).contiguous()
     check_targets_in_range(flat_target, student_logits.shape[-1], ignore_index)
+    div, b = op_divergence(divergence, beta)
     kl, slp, tlp, ids, lse, bucket = op(
-        rows_in_place(student_logits),
-        rows_in_place(teacher_logits),
-        flat_target,
-        m,
-        float(temperature),
-        divergence == "reverse",
-        int(ignore_index),
-    )
+        rows_in_place(student_logits), rows_in_place(teacher_logits), flat_target, m,
+        float(temperature), div, b, support, int(ignore_index),
+    )  # fmt: skip
     check_rows_have_mass(lse, flat_target, ignore_index, _SIDES)
+    vocab = student_logits.shape[-1]
     return TopKTailKLOutput(
         kl=kl.reshape(lead),
         privilege=(tlp - slp.detach()).reshape(lead),
         student_logprob=slp.reshape(lead),
         teacher_logprob=tlp.reshape(lead),
-        topk_ids=ids.reshape(*lead, m),
+        topk_ids=ids.reshape(*lead, ids.shape[-1]),
         teacher_topk_mass=teacher_topk_mass(bucket, flat_target, ignore_index).reshape(lead),
+        support_size=support_size(ids, flat_target, ignore_index, vocab).reshape(lead),
     )
 
 
 class TopKTailKL(nn.Module):
-    """Module form of :func:`topk_tail_kl` returning the (reduced) KL loss.
+    """Module form of :func:`topk_tail_kl` returning the (reduced) divergence.
 
     Args:
-        top_m, temperature, divergence, ignore_index, backend: as in :func:`topk_tail_kl`.
-        reduction: ``"none"`` (``[...]`` per-token KL, 0 at ignored tokens), ``"mean"`` (over
-            non-ignored tokens; 0, never NaN, when every token is ignored) or ``"sum"``.
+        top_m, temperature, divergence, beta, support, ignore_index, backend: as in
+            :func:`topk_tail_kl`.
+        reduction: ``"none"`` (``[...]`` per-token divergence, 0 at ignored tokens), ``"mean"``
+            (over non-ignored tokens; 0, never NaN, when every token is ignored) or ``"sum"``.
 
     Shapes:
         student_logits, teacher_logits: ``[..., V]``; target_ids: ``[...]``; output: ``[...]``
@@ -509,32 +570,32 @@ class TopKTailKL(nn.Module):
         ignore_index: int = -100,
         reduction: str = "mean",
         backend: str = "auto",
+        *,
+        beta: float | None = None,
+        support: str = "teacher",
     ) -> None:
         super().__init__()
-        check_module_options(reduction, divergence, backend)
+        check_module_options(reduction, divergence, backend, support=support)
         self.top_m = top_m
         self.temperature = temperature
         self.divergence = divergence
+        self.beta = beta
+        self.support = support
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.backend = backend
 
     def forward(self, student_logits: Tensor, teacher_logits: Tensor, target_ids: Tensor) -> Tensor:
         kl = topk_tail_kl(
-            student_logits,
-            teacher_logits,
-            target_ids,
-            top_m=self.top_m,
-            temperature=self.temperature,
-            divergence=self.divergence,
-            ignore_index=self.ignore_index,
-            backend=self.backend,
-        ).kl
+            student_logits, teacher_logits, target_ids, top_m=self.top_m,
+            temperature=self.temperature, divergence=self.divergence, beta=self.beta,
+            support=self.support, ignore_index=self.ignore_index, backend=self.backend,
+        ).kl  # fmt: skip
         return reduce_kl(kl, target_ids, self.ignore_index, self.reduction)
 
     def extra_repr(self) -> str:
         return (
             f"top_m={self.top_m}, temperature={self.temperature}, divergence={self.divergence!r}, "
-            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-            f"backend={self.backend!r}"
+            f"beta={self.beta}, support={self.support!r}, ignore_index={self.ignore_index}, "
+            f"reduction={self.reduction!r}, backend={self.backend!r}"
         )

@@ -5,7 +5,8 @@ dtypes, devices, Python scalars), so it runs under ``torch.compile`` without gra
 :func:`check_values` reads tensor data (here the targets; a host sync on a GPU, so each backend
 calls it where it can afford one). The compiled kernels repeat the checks they need in C++
 (``csrc/common/topk_tail_kl_checks.h``). :func:`check_loss_options` holds the scalar options the
-whole top-M + tail family shares.
+whole top-M + tail family shares; :func:`check_support` the ``support`` option of the two ops that
+select their buckets (``topk_tail_kl``, ``fused_linear_topk_tail_kl``).
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import math
 import torch
 from torch import Tensor
 
-from lopd_kernels._constants import DIVERGENCES, REFERENCE_DTYPES
+from lopd_kernels._constants import DIVERGENCES, REFERENCE_DTYPES, SUPPORTS
 
 __all__ = [
     "check_inputs",
     "check_loss_options",
     "check_rows_have_mass",
+    "check_support",
     "check_targets_in_range",
     "check_values",
 ]
@@ -34,6 +36,8 @@ def check_inputs(
     temperature: float,
     divergence: str,
     ignore_index: int,
+    beta: float | None = None,
+    support: str = "teacher",
 ) -> int:
     """Validates everything knowable without reading tensor data; returns the op's ``top_m``.
 
@@ -80,7 +84,8 @@ def check_inputs(
         )
     if top_m is not None and (not isinstance(top_m, int) or isinstance(top_m, bool) or top_m < 1):
         raise ValueError(f"top_m must be None (full vocabulary) or an int >= 1, got {top_m!r}")
-    check_loss_options(temperature, divergence, ignore_index)
+    check_loss_options(temperature, divergence, ignore_index, beta=beta)
+    check_support(support)
     vocab = student_logits.shape[-1]
     return 0 if top_m is None or top_m >= vocab else top_m
 
@@ -97,9 +102,17 @@ def check_values(target_ids: Tensor, vocab: int, ignore_index: int) -> None:
         )
 
 
-def check_loss_options(temperature: float, divergence: str, ignore_index: int) -> None:
-    """The scalar options every top-M + tail op shares: a finite temperature > 0, a known
-    divergence, an integer ``ignore_index``."""
+def check_loss_options(
+    temperature: float,
+    divergence: str,
+    ignore_index: int,
+    *,
+    beta: float | None = None,
+    divergences: tuple[str, ...] = DIVERGENCES,
+) -> None:
+    """The scalar options every top-M + tail op shares: a finite temperature > 0, a divergence
+    of ``divergences`` (the op's), ``beta`` only with ``divergence="jsd"`` and then None (0.5)
+    or a number in [0, 1], an integer ``ignore_index``."""
     if (
         not isinstance(temperature, (int, float))
         or isinstance(temperature, bool)
@@ -107,8 +120,21 @@ def check_loss_options(temperature: float, divergence: str, ignore_index: int) -
         or temperature <= 0
     ):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if divergence not in divergences:
+        raise ValueError(f"divergence must be one of {divergences}, got {divergence!r}")
+    if beta is not None:
+        if divergence != "jsd":
+            raise ValueError(
+                f"beta is the option of divergence='jsd' (TRL's generalized JSD); with "
+                f"divergence={divergence!r} leave it None, got beta={beta!r}"
+            )
+        if (
+            not isinstance(beta, (int, float))
+            or isinstance(beta, bool)
+            or not math.isfinite(beta)
+            or not 0.0 <= beta <= 1.0
+        ):
+            raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
 
@@ -158,3 +184,9 @@ def check_targets_in_range(target_ids: Tensor, vocab: int, ignore_index: int) ->
         torch._assert_async(~bad.any(), "target_ids outside [0, V) that are not ignore_index")
     elif not torch.compiler.is_compiling():
         check_values(target_ids, vocab, ignore_index)
+
+
+def check_support(support: str) -> None:
+    """``support`` is one of :data:`lopd_kernels.SUPPORTS` (whose top-M gets the buckets)."""
+    if support not in SUPPORTS:
+        raise ValueError(f"support must be one of {SUPPORTS}, got {support!r}")

@@ -92,17 +92,21 @@ def topk_tail_kl_emulated(
     top_m: int | None = 20,
     temperature: float = 1.0,
     divergence: str = "reverse",
+    beta: float | None = None,
+    support: str = "teacher",
     ignore_index: int = -100,
 ) -> TopKTailKLOutput:
     """``lopd_kernels.topk_tail_kl(..., backend="cuda")`` with the CUDA kernels emulated on CPU
     tensors ``[..., V]``; differentiable in both logits."""
     load()
     m = check_inputs(
-        student_logits, teacher_logits, target_ids, top_m, temperature, divergence, ignore_index
-    )
+        student_logits, teacher_logits, target_ids, top_m, temperature, divergence, ignore_index,
+        beta, support,
+    )  # fmt: skip
     return call_fwd_op(
         torch.ops.lopd_simt_emu.topk_tail_kl_cuda_fwd,
         student_logits, teacher_logits, target_ids, m, temperature, divergence, ignore_index,
+        beta=beta, support=support,
     )  # fmt: skip
 
 

@@ -130,7 +130,10 @@ def triton_gpu_parts(monkeypatch):
     monkeypatch.setattr(
         chunked,
         "epilogue_kernels",
-        lambda device, top_m=0: (ops.topk_tail_kl_triton_fwd, ops.topk_tail_kl_triton_bwd),
+        lambda device, top_m=0, divergence="reverse", support="teacher": (
+            ops.topk_tail_kl_triton_fwd,
+            ops.topk_tail_kl_triton_bwd,
+        ),
     )
     monkeypatch.setattr(chunked, "tail_probs_triton_ok", lambda logits: True)
 

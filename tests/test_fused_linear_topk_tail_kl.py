@@ -185,7 +185,10 @@ def emulated_cuda_epilogue(monkeypatch):
     monkeypatch.setattr(
         chunked,
         "epilogue_kernels",
-        lambda device, top_m=0: (ops.topk_tail_kl_cuda_fwd, ops.topk_tail_kl_cuda_bwd),
+        lambda device, top_m=0, divergence="reverse", support="teacher": (
+            ops.topk_tail_kl_cuda_fwd,
+            ops.topk_tail_kl_cuda_bwd,
+        ),
     )
 
 
@@ -428,7 +431,7 @@ def test_opcheck(impl, tail_proj):
     args = (
         leaves["student_hidden"], leaves["student_weight"], leaves["student_bias"],
         leaves["teacher_hidden"], leaves["teacher_weight"], leaves["teacher_bias"],
-        target, 4, 0.9, True, -100, 2, [tail_proj, tail_proj],
+        target, 4, 0.9, "reverse", 1.0, "teacher", -100, 2, [tail_proj, tail_proj],
     )  # fmt: skip
     tests = ("test_schema", "test_autograd_registration", "test_faketensor")
     fwd_op = getattr(torch.ops.lopd, f"fused_linear_topk_tail_kl_{impl}_fwd").default
@@ -438,7 +441,7 @@ def test_opcheck(impl, tail_proj):
     grads = [torch.randn(6).to(device) for _ in range(3)]
     bwd_args = (
         *grads, *(x.detach() for x in args[:7]), ids, kl.detach(), lse, bucket, proj_s, proj_t,
-        0.9, True, -100, 2, [True, True, False, True, False, True], False,
+        0.9, "reverse", 1.0, "teacher", -100, 2, [True, True, False, True, False, True], False,
     )  # fmt: skip
     torch.library.opcheck(
         getattr(torch.ops.lopd, f"fused_linear_topk_tail_kl_{impl}_bwd").default,
@@ -625,14 +628,15 @@ def test_torch_twins_match_reference(top_m, divergence):
     s.data[0, :3] = -math.inf
     target = torch.randint(3, 41, (9,), generator=g)
     target[2] = -100
-    reverse = divergence == "reverse"
     ref = topk_tail_kl_reference(
         s, t, target, top_m=top_m or None, temperature=0.8, divergence=divergence
     )
     ups = [torch.randn(9, generator=g, dtype=torch.float64) for _ in range(3)]
     loss = (ref.kl * ups[0] + ref.student_logprob * ups[1] + ref.teacher_logprob * ups[2]).sum()
     loss.backward()
-    out = _rows_fwd_torch(s.detach().float(), t.detach().float(), target, top_m, 0.8, reverse, -100)
+    beta = 1.0 if divergence == "reverse" else 0.0
+    s32, t32 = s.detach().float(), t.detach().float()
+    out = _rows_fwd_torch(s32, t32, target, top_m, 0.8, divergence, beta, "teacher", -100)
     kl, lp_s, lp_t, ids, lse, bucket = out
     assert_close(kl, ref.kl, torch.float32, "kl")
     assert_close(lp_s, ref.student_logprob, torch.float32, "student_logprob")
@@ -640,7 +644,7 @@ def test_torch_twins_match_reference(top_m, divergence):
     assert torch.equal(ids, ref.topk_ids)
     gs, gt = _rows_bwd_torch(
         *(u.float() for u in ups), s.detach().float(), t.detach().float(), target, ids, kl, lse,
-        bucket, 0.8, reverse, -100, True, True,
+        bucket, 0.8, divergence, beta, -100, True, True,
     )  # fmt: skip
     assert_close(gs, s.grad, torch.float32, "d student_logits")
     assert_close(gt, t.grad, torch.float32, "d teacher_logits")
@@ -691,3 +695,54 @@ def test_triton_kernels_compile_for_sm90():
     loop iterations): this is the check that the GPU path builds.
     """
     assert_script_compiles(_COMPILE_SCRIPT)
+
+
+# ---------------------------------------------------------------------------------------------
+# support x divergence on the chunked path (and the HF helpers)
+# ---------------------------------------------------------------------------------------------
+
+OPTIONS = [
+    ("teacher", "jsd", 0.5),
+    ("student", "reverse", None),
+    ("student", "jsd", 0.25),
+    ("union", "forward", None),
+    ("union", "jsd", 0.9),
+]
+
+
+@pytest.mark.parametrize(("support", "divergence", "beta"), OPTIONS)
+@pytest.mark.parametrize(
+    "requires", [None, {"student_hidden", "teacher_hidden"}], ids=["all", "frozen-heads"]
+)
+def test_chunked_every_support_and_divergence(support, divergence, beta, requires):
+    """Every option through the chunked path (C++ per-row kernels, chunks of 4 rows), all
+    gradients, or with frozen heads (the tail projections, padding slots of the union included)."""
+    inputs, target = make_inputs(13, 16, 301, bias=True, seed=21)
+    kw = {"top_m": 6, "temperature": 0.9, "divergence": divergence, "beta": beta}
+    out, _ = check(inputs, target, "cpu", torch.float32, requires=requires, chunk_size=4,
+                   support=support, **kw)  # fmt: skip
+    biases = {k: inputs[k] for k in ("student_bias", "teacher_bias")}
+    ref = fused_linear_topk_tail_kl_reference(*(inputs[n] for n in NAMES), target,
+                                              support=support, **biases, **kw)  # fmt: skip
+    assert torch.equal(out.support_size, ref.support_size)
+
+
+@pytest.mark.parametrize("support", ["student", "union"])
+def test_hf_helpers_take_support_and_jsd(support):
+    """lm_head_topk_tail_kl (batched layout, fused and materialized; causal_lm_topk_tail_kl
+    calls it) passes support / beta through; support_size comes back in the batch layout."""
+    g = torch.Generator().manual_seed(5)
+    h_s, h_t = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
+    head_s, head_t = torch.nn.Linear(8, 41), torch.nn.Linear(8, 41)
+    target = torch.randint(0, 41, (2, 5), generator=g)
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 1, 1]], dtype=torch.bool)
+    kw = {"top_m": 4, "divergence": "jsd", "beta": 0.4, "support": support}
+    fused = lm_head_topk_tail_kl(h_s, head_s, h_t, head_t, target, mask, **kw)
+    plain = lm_head_topk_tail_kl(h_s, head_s, h_t, head_t, target, mask, fused=False, **kw)
+    ref = lk.topk_tail_kl_reference(head_s(h_s), head_t(h_t), target.masked_fill(~mask, -100),
+                                    **kw)  # fmt: skip
+    for out in (fused, plain):
+        torch.testing.assert_close(out.kl, ref.kl.float(), rtol=2e-5, atol=2e-6)
+        assert torch.equal(out.topk_ids, ref.topk_ids)
+        assert torch.equal(out.support_size, ref.support_size)
+    assert out.support_size.shape == (2, 5) and not out.support_size[~mask].any()

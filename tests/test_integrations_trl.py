@@ -25,7 +25,7 @@ from datasets import Dataset  # noqa: E402
 from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import DistillationConfig, DistillationTrainer  # noqa: E402
-from trl.experimental.gkd import GKDTrainer  # noqa: E402
+from trl.experimental.gkd import GKDConfig, GKDTrainer  # noqa: E402
 
 import lopd_kernels as lk  # noqa: E402
 from lopd.integrations.trl import (  # noqa: E402
@@ -121,17 +121,22 @@ def test_top_m_trains_below_the_full_kl(trl_distillation_run, tokenizer, tmp_pat
     assert torch.isfinite(after).all()
 
 
-def test_config_rejects_what_the_kernel_cannot_do(tmp_path):
+def test_config_accepts_every_beta_and_rejects_bad_fields(tmp_path):
+    for beta in (0.0, 0.25, 0.5, 0.9, 1.0):
+        LopdDistillationConfig(output_dir=str(tmp_path), beta=beta, use_cpu=True)
+        LopdGKDConfig(output_dir=str(tmp_path), beta=beta, use_cpu=True)
+    assert LopdGKDConfig(output_dir=str(tmp_path), use_cpu=True).beta == 0.5  # TRL's GKD default
     with pytest.raises(ValueError, match="beta"):
-        LopdDistillationConfig(output_dir=str(tmp_path), beta=0.5, use_cpu=True)
+        LopdGKDConfig(output_dir=str(tmp_path), beta=1.5, use_cpu=True)
     with pytest.raises(ValueError, match="top_m"):
         LopdDistillationConfig(output_dir=str(tmp_path), top_m=0, use_cpu=True)
     with pytest.raises(ValueError, match="lopd_backend"):
         LopdDistillationConfig(output_dir=str(tmp_path), lopd_backend="gpu", use_cpu=True)
-    with pytest.raises(ValueError, match="beta"):
-        LopdGKDConfig(output_dir=str(tmp_path), beta=0.5, use_cpu=True)
+    with pytest.raises(ValueError, match="lopd_support"):
+        LopdGKDConfig(output_dir=str(tmp_path), lopd_support="both", use_cpu=True)
     assert divergence_from_beta(1.0) == "reverse"
     assert divergence_from_beta(0.0) == "forward"
+    assert divergence_from_beta(0.5) == "jsd"
 
 
 def test_dtensor_head_is_gathered_and_gets_its_gradient(tmp_path):
@@ -163,14 +168,20 @@ def test_dtensor_head_is_gathered_and_gets_its_gradient(tmp_path):
         dist.destroy_process_group()
 
 
+BETAS = (0.0, 0.25, 0.5, 0.9, 1.0)
+
+
 def test_gkd_loss_matches_trl_full_vocabulary_and_shrinks_with_top_m(tmp_path, tokenizer):
+    """At top_m=None the loss is TRL's generalized_jsd_loss at every beta (its forward / reverse
+    ends included), value and gradient; a finite top_m coarsens the buckets, which can only
+    shrink an f-divergence (the JSD is one)."""
     trainer_stub = LopdGKDTrainer.__new__(LopdGKDTrainer)  # the loss reads only self.args
     gen = torch.Generator().manual_seed(2)
     student = torch.randn(2, 7, 53, generator=gen, dtype=torch.float32, requires_grad=True)
     teacher = torch.randn(2, 7, 53, generator=gen) * 2
     labels = torch.randint(0, 53, (2, 7), generator=gen)
     labels[0, :3] = -100
-    for beta in (0.0, 1.0):
+    for beta in BETAS:
         trainer_stub.args = LopdGKDConfig(output_dir=str(tmp_path), top_m=None, use_cpu=True)
         ours = trainer_stub.generalized_jsd_loss(student, teacher, labels, beta=beta)
         theirs = GKDTrainer.generalized_jsd_loss(student, teacher, labels, beta=beta)
@@ -178,9 +189,12 @@ def test_gkd_loss_matches_trl_full_vocabulary_and_shrinks_with_top_m(tmp_path, t
         (g_ours,) = torch.autograd.grad(ours, student)
         (g_theirs,) = torch.autograd.grad(theirs, student)
         torch.testing.assert_close(g_ours, g_theirs, rtol=1e-4, atol=1e-6)
-        trainer_stub.args = LopdGKDConfig(output_dir=str(tmp_path), top_m=3, use_cpu=True)
-        top3 = trainer_stub.generalized_jsd_loss(student, teacher, labels, beta=beta)
-        assert 0 < top3 < ours
+        for support in ("teacher", "student", "union"):
+            trainer_stub.args = LopdGKDConfig(
+                output_dir=str(tmp_path), top_m=3, lopd_support=support, use_cpu=True
+            )
+            top3 = trainer_stub.generalized_jsd_loss(student, teacher, labels, beta=beta)
+            assert 0 < top3 < ours, (beta, support)
         n = 7
         per_token = trainer_stub.generalized_jsd_loss(
             student, teacher, labels, beta=beta, reduction="none", num_items_in_batch=None
@@ -192,19 +206,113 @@ def test_gkd_loss_matches_trl_full_vocabulary_and_shrinks_with_top_m(tmp_path, t
         )
 
 
+def other_teacher():
+    """A second, different model with the tiny Qwen3's vocabulary: two narrower layers, seeded
+    random weights (logits of std ~1, so every divergence is far from 0)."""
+    cfg = transformers.AutoConfig.from_pretrained(TINY)
+    cfg.update(dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                    num_attention_heads=3, num_key_value_heads=1, head_dim=32,
+                    layer_types=["full_attention"] * 2, initializer_range=0.1))  # fmt: skip
+    torch.manual_seed(3)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _student_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_step(stock, ours, inputs):
+    """compute_loss of both trainers on the same batch: loss and every student gradient."""
+    losses, grads = [], []
+    for trainer in (stock, ours):
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, dict(inputs))
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(_student_grads(trainer.model))
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)
+    return losses[0]
+
+
+def test_distillation_trainer_is_trls_loss_at_every_beta(tokenizer, tmp_path):
+    """LopdDistillationTrainer at top_m=None equals trl.DistillationTrainer's chunked divergence
+    at every beta (loss and all student gradients, one batch), with a different teacher model."""
+    student = AutoModelForCausalLM.from_pretrained(TINY)
+    teacher = other_teacher()
+    gen = torch.Generator().manual_seed(4)
+    inputs = {
+        "prompt_ids": torch.randint(0, 1700, (2, 3), generator=gen),
+        "prompt_mask": torch.ones(2, 3, dtype=torch.long),
+        "completion_ids": torch.randint(0, 1700, (2, 5), generator=gen),
+        "completion_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]),
+    }
+    kw = dict(COMMON, max_completion_length=5)
+    stock = DistillationTrainer(
+        model=copy.deepcopy(student), teacher_model=teacher, processing_class=tokenizer,
+        args=DistillationConfig(output_dir=str(tmp_path / "stock"), **kw), train_dataset=PROMPTS,
+    )  # fmt: skip
+    ours = LopdDistillationTrainer(
+        model=copy.deepcopy(student), teacher_model=teacher, processing_class=tokenizer,
+        args=LopdDistillationConfig(output_dir=str(tmp_path / "ours"), top_m=None, **kw),
+        train_dataset=PROMPTS,
+    )  # fmt: skip
+    for beta in BETAS:
+        stock.beta = ours.beta = beta
+        loss = _assert_same_step(stock, ours, inputs)
+        assert loss > 1e-3, beta
+
+
+def test_gkd_trainer_default_beta_is_stock_gkd_and_trains(tokenizer, tmp_path):
+    """LopdGKDTrainer with its default beta = 0.5 (the JSD) at top_m=None: stock GKD's step-0
+    loss and student gradients on the same batch, then both train 2 on-policy steps to the same
+    logged losses and weights."""
+    student = AutoModelForCausalLM.from_pretrained(TINY)
+    teacher = other_teacher()
+    common = dict(COMMON, max_new_tokens=4, max_length=64, lmbda=1.0, temperature=1.0)
+    trainers = []
+    for cls, cfg_cls, extra in ((GKDTrainer, GKDConfig, {}),
+                                (LopdGKDTrainer, LopdGKDConfig, {"top_m": None})):  # fmt: skip
+        config = cfg_cls(output_dir=str(tmp_path / cls.__name__), **common, **extra)
+        assert config.beta == 0.5
+        trainers.append(cls(
+            model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher), args=config,
+            train_dataset=CHATS, processing_class=tokenizer,
+        ))  # fmt: skip
+    stock, ours = trainers
+    batch = stock.data_collator([CHATS[i] for i in range(2)])
+    assert _assert_same_step(stock, ours, batch) > 1e-3
+    results = []
+    for trainer in trainers:
+        trainer.model.zero_grad()
+        before = trainer.model.get_parameter(PROBE).detach().clone()
+        transformers.set_seed(0)
+        trainer.train()
+        logs = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        results.append((logs, before, trainer.model.get_parameter(PROBE).detach()))
+    (stock_losses, before, stock_after), (losses, _, after) = results
+    assert len(losses) == 2 and losses == pytest.approx(stock_losses, rel=1e-5)
+    assert (after - before).abs().max() > 1e-4
+    torch.testing.assert_close(after, stock_after, rtol=1e-4, atol=1e-6)
+
+
+CHATS = Dataset.from_dict(
+    {
+        "messages": [
+            [{"role": "user", "content": q}, {"role": "assistant", "content": "ok " + q}]
+            for q in ("Hello", "Write code", "Tell me", "Add 2")
+        ]
+    }
+)
+
+
 def test_gkd_trainer_trains_on_policy_with_top_m(tokenizer, tmp_path):
-    chats = Dataset.from_dict(
-        {
-            "messages": [
-                [{"role": "user", "content": q}, {"role": "assistant", "content": "ok " + q}]
-                for q in ("Hello", "Write code", "Tell me", "Add 2")
-            ]
-        }
-    )
     # lmbda=1: every step trains on the student's own samples (on-policy).
     common = dict(COMMON, max_new_tokens=4, max_length=64, lmbda=1.0, temperature=1.0)
-    config = LopdGKDConfig(output_dir=str(tmp_path), top_m=4, **common)
-    losses, _, before, after = train(LopdGKDTrainer, config, tokenizer, chats)
+    config = LopdGKDConfig(output_dir=str(tmp_path), top_m=4, beta=1.0, **common)
+    losses, _, before, after = train(LopdGKDTrainer, config, tokenizer, CHATS)
     assert all(0 < loss < 20 for loss in losses)
     assert (after - before).abs().max() > 1e-4
     assert torch.isfinite(after).all()

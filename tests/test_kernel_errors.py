@@ -133,7 +133,9 @@ def test_the_cpp_kernels_raise_value_error_themselves(op):
     target = torch.tensor([1, 2, V + 7, 3, -100])
     with pytest.raises(ValueError, match=rf"target_ids\[2\] = {V + 7} is outside \[0, V = {V}\)"):
         if op == "topk_tail_kl_cpu_fwd":
-            torch.ops.lopd.topk_tail_kl_cpu_fwd(s, t, target, M, 1.0, True, -100)
+            torch.ops.lopd.topk_tail_kl_cpu_fwd(
+                s, t, target, M, 1.0, "reverse", 1.0, "teacher", -100
+            )
         else:
             lp, ids = t.log_softmax(-1).topk(M, dim=-1)
             torch.ops.lopd.sparse_teacher_topk_tail_kl_cpu_fwd(

@@ -301,7 +301,7 @@ def test_cpu_tail_exact_for_tiny_tail_mass():
     t[:, m:] -= 50.0  # teacher: top-20 around 0, the other 980 entries near -50
     s[:, m:] -= 30.0
     _kl, _, _, ids, _lse, bucket = torch.ops.lopd.topk_tail_kl_cpu_fwd(
-        s, t, target, m, 1.0, True, -100
+        s, t, target, m, 1.0, "reverse", 1.0, "teacher", -100
     )
     t64 = t.double()
     keep = torch.ones(n, v, dtype=torch.bool).scatter(1, ids, False)
@@ -464,7 +464,7 @@ def _opcheck_samples(fwd, top_m, device="cpu"):
     s, t, target = (x.to(device) for x in make_inputs(3, 37, ignore_rows=(1,), pad=2, seed=9))
     s.requires_grad_(True)
     t.requires_grad_(True)
-    fwd_args = (s, t, target, top_m, 0.9, True, -100)
+    fwd_args = (s, t, target, top_m, 0.9, "reverse", 1.0, "teacher", -100)
     kl, _slp, _tlp, ids, lse, bucket = fwd(
         *(x.detach() if torch.is_tensor(x) else x for x in fwd_args)
     )
@@ -481,7 +481,8 @@ def _opcheck_samples(fwd, top_m, device="cpu"):
         lse,
         bucket,
         0.9,
-        True,
+        "reverse",
+        1.0,
         -100,
         True,
         True,
@@ -596,11 +597,13 @@ def test_backend_errors():
     with pytest.raises(TypeError, match="float64"):
         lk.topk_tail_kl(s.double(), t, target, backend="cpu")
     with pytest.raises(ValueError, match="target_ids"):  # TORCH_CHECK_VALUE, as every backend
-        torch.ops.lopd.topk_tail_kl_cpu_fwd(s, t, torch.tensor([0, 99]), 3, 1.0, True, -100)
+        torch.ops.lopd.topk_tail_kl_cpu_fwd(
+            s, t, torch.tensor([0, 99]), 3, 1.0, "reverse", 1.0, "teacher", -100
+        )
     with pytest.raises(RuntimeError, match="top_m"):
-        torch.ops.lopd.topk_tail_kl_cpu_fwd(s, t, target, 10, 1.0, True, -100)
+        torch.ops.lopd.topk_tail_kl_cpu_fwd(s, t, target, 10, 1.0, "reverse", 1.0, "teacher", -100)
     with pytest.raises(RuntimeError, match="temperature"):
-        torch.ops.lopd.topk_tail_kl_cpu_fwd(s, t, target, 3, 0.0, True, -100)
+        torch.ops.lopd.topk_tail_kl_cpu_fwd(s, t, target, 3, 0.0, "reverse", 1.0, "teacher", -100)
     with pytest.raises(ValueError, match="reduction"):
         lk.TopKTailKL(reduction="avg")
     with pytest.raises(ValueError, match="backend='cuda' needs CUDA tensors"):

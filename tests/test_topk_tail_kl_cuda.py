@@ -159,15 +159,38 @@ def test_strided_logits_are_not_copied(target, v):
         assert not s.is_contiguous() and not t.is_contiguous()
         n = s.numel() // v
         tgt = torch.randint(0, v, (n,), generator=g).to(dev)
-        out = fwd(s, t, tgt, 8, 1.0, True, -100)
-        assert _copies(lambda s=s, t=t, tgt=tgt: fwd(s, t, tgt, 8, 1.0, True, -100), n * v) == []
+        out = fwd(s, t, tgt, 8, 1.0, "reverse", 1.0, "teacher", -100)
+        assert (
+            _copies(
+                lambda s=s, t=t, tgt=tgt: fwd(s, t, tgt, 8, 1.0, "reverse", 1.0, "teacher", -100),
+                n * v,
+            )
+            == []
+        )
         kl, _slp, _tlp, ids, lse, bucket = out
         ones = torch.ones_like(kl)
-        args = (ones, ones, ones, s, t, tgt, ids, kl, lse, bucket, 1.0, True, -100, True, True)
+        args = (
+            ones,
+            ones,
+            ones,
+            s,
+            t,
+            tgt,
+            ids,
+            kl,
+            lse,
+            bucket,
+            1.0,
+            "reverse",
+            1.0,
+            -100,
+            True,
+            True,
+        )
         assert _copies(lambda args=args: bwd(*args), n * v) == []
         gs, gt = bwd(*args)
         assert gs.shape == s.shape and gs.is_contiguous() and gt.is_contiguous()
-        dense = fwd(s.contiguous(), t.contiguous(), tgt, 8, 1.0, True, -100)
+        dense = fwd(s.contiguous(), t.contiguous(), tgt, 8, 1.0, "reverse", 1.0, "teacher", -100)
         for a, b in zip(out, dense):
             assert torch.equal(a, b)
 
@@ -235,12 +258,14 @@ def test_fwd_switch_is_read_by_the_launcher(target, monkeypatch):
             monkeypatch.delenv(sw.env, raising=False)
         else:
             monkeypatch.setenv(sw.env, value)
-        runs[value] = torch.cat([x.flatten().float() for x in fwd(s, t, tgt, 20, 1.4, True, -100)])
+        runs[value] = torch.cat(
+            [x.flatten().float() for x in fwd(s, t, tgt, 20, 1.4, "reverse", 1.0, "teacher", -100)]
+        )
     assert not torch.equal(runs["v1"], runs["v2"])  # the two kernels round differently
     assert torch.equal(runs[None], runs[sw.default])
     monkeypatch.setenv(sw.env, "v3")
     with pytest.raises(RuntimeError, match=r"not a variant of topk_tail_kl.cuda_fwd.*'v1', 'v2'"):
-        fwd(s, t, tgt, 20, 1.0, True, -100)
+        fwd(s, t, tgt, 20, 1.0, "reverse", 1.0, "teacher", -100)
 
 
 def test_infinite_divergence_is_inf_not_nan(target):
@@ -275,7 +300,17 @@ def test_emulated_rejects_bad_input_like_the_cuda_op():
     s, t, tgt = make_inputs(2, 50, seed=0)
     with pytest.raises(RuntimeError, match="top_m must be <= 1024"):
         torch.ops.lopd_simt_emu.topk_tail_kl_cuda_fwd(
-            torch.zeros(1, 3000), torch.zeros(1, 3000), tgt[:1], 1025, 1.0, True, -100
+            torch.zeros(1, 3000),
+            torch.zeros(1, 3000),
+            tgt[:1],
+            1025,
+            1.0,
+            "reverse",
+            1.0,
+            "teacher",
+            -100,
         )
     with pytest.raises(RuntimeError, match="same shape"):
-        torch.ops.lopd_simt_emu.topk_tail_kl_cuda_fwd(s, t[:, :49], tgt, 5, 1.0, True, -100)
+        torch.ops.lopd_simt_emu.topk_tail_kl_cuda_fwd(
+            s, t[:, :49], tgt, 5, 1.0, "reverse", 1.0, "teacher", -100
+        )

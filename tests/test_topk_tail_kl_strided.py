@@ -145,10 +145,27 @@ def test_cpu_ops_do_not_copy_strided_logits():
     tgt = target.reshape(-1)
     fwd, bwd = torch.ops.lopd.topk_tail_kl_cpu_fwd, torch.ops.lopd.topk_tail_kl_cpu_bwd
     numel = s.numel()
-    assert _copies(lambda: fwd(s, t, tgt, 5, 1.0, True, -100), numel) == []
-    kl, _slp, _tlp, ids, lse, bucket = fwd(s, t, tgt, 5, 1.0, True, -100)
+    assert _copies(lambda: fwd(s, t, tgt, 5, 1.0, "reverse", 1.0, "teacher", -100), numel) == []
+    kl, _slp, _tlp, ids, lse, bucket = fwd(s, t, tgt, 5, 1.0, "reverse", 1.0, "teacher", -100)
     ones = torch.ones_like(kl)
-    args = (ones, ones, ones, s, t, tgt, ids, kl, lse, bucket, 1.0, True, -100, True, True)
+    args = (
+        ones,
+        ones,
+        ones,
+        s,
+        t,
+        tgt,
+        ids,
+        kl,
+        lse,
+        bucket,
+        1.0,
+        "reverse",
+        1.0,
+        -100,
+        True,
+        True,
+    )
     assert _copies(lambda: bwd(*args), numel) == []
     gs, gt = bwd(*args)
     assert gs.shape == gt.shape == s.shape and gs.is_contiguous() and gt.is_contiguous()

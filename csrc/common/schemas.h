@@ -13,29 +13,39 @@ namespace lopd::schemas {
 
 #define LOPD_OP_NAME(OP, IMPL, PHASE) OP "_" IMPL "_" PHASE
 
-// ---- topk_tail_kl (lopd_kernels/topk_tail_kl.py) ----
-// Forward. top_m == 0 means the full vocabulary (no selection, no tail bucket); else
-// 1 <= top_m < V. Logits [N, V] fp32/bf16/fp16 (the two may differ), math in fp32.
-// Returns kl[N], student_logprob[N], teacher_logprob[N] (fp32), topk_ids[N,M] (int64, by
-// descending teacher logit, ties to the lower id), lse[N,2] (fp32 log-sum-exp of student/T and
-// teacher/T), bucket_logp[N,2,M+1] (fp32 log P_b, log Q_b in topk_ids order; index M is the
-// tail; with top_m == 0 it holds 0, 0: one bucket of mass 1). Rows whose
-// target == ignore_index are all zeros; other targets must lie in [0, V).
+// ---- topk_tail_kl (lopd_kernels/topk_tail_kl.py; semantics: docs/math.md, sections 1-2) ----
+// Forward. top_m == 0 means the full vocabulary (no selection, no tail bucket, support ignored);
+// else 1 <= top_m < V. Logits [N, V] or [B, L, V] fp32/bf16/fp16 (the two may differ), math in
+// fp32. divergence: "reverse" | "forward" | "jsd"; beta: the JSD's, in (0, 1) (TRL's convention:
+// mixture (1 - beta) P + beta Q; the Python API sends "jsd" at beta 0 / 1 as "forward" /
+// "reverse", and an op that gets them anyway computes those); ignored by the KLs.
+// support: "teacher" | "student" | "union": the ids that get their own bucket.
+// Returns kl[N] (the divergence), student_logprob[N], teacher_logprob[N] (fp32),
+// topk_ids[N, K] (int64; K = M for "teacher" / "student": that side's top-M by descending logit,
+// ties to the lower id; K = 2M for "union": the teacher's top-M in that order, then the student's
+// top-M ids not among them in the student's order, then -1 padding; K = 0 for the full
+// vocabulary), lse[N, 2] (fp32 log-sum-exp of student/T and teacher/T), bucket_logp[N, 2, K+1]
+// (fp32 log P_b, log Q_b in topk_ids order, -inf on both sides at a -1 slot; index K is the
+// tail, the complement of the row's ids; with top_m == 0 it holds 0, 0: one bucket of mass 1).
+// Rows whose target == ignore_index are all zeros (topk_ids too); other targets lie in [0, V).
 #define LOPD_TOPK_TAIL_KL_FWD_SCHEMA(IMPL)                                                         \
   LOPD_OP_NAME("topk_tail_kl", IMPL, "fwd") "(Tensor student_logits, Tensor teacher_logits, "      \
-  "Tensor target_ids, int top_m, float temperature, bool reverse, int ignore_index) -> "           \
-  "(Tensor kl, Tensor student_logprob, Tensor teacher_logprob, Tensor topk_ids, Tensor lse, "      \
-  "Tensor bucket_logp)"
+  "Tensor target_ids, int top_m, float temperature, str divergence, float beta, str support, "     \
+  "int ignore_index) -> (Tensor kl, Tensor student_logprob, Tensor teacher_logprob, "              \
+  "Tensor topk_ids, Tensor lse, Tensor bucket_logp)"
 
-// Backward. grad_teacher_logprob already includes the privilege's upstream gradient.
+// Backward. grad_teacher_logprob already includes the privilege's upstream gradient. The support
+// is read from topk_ids (a -1 slot is skipped), so it takes no support argument; divergence and
+// beta as in the forward (the JSD's KL(P || M), KL(Q || M) are recomputed from bucket_logp, or
+// by a pass over the row for the full vocabulary).
 // Returns grad_student [N,V], grad_teacher [N,V] in the logits' dtypes; a side whose
 // *_requires_grad is false gets an empty float32 tensor of shape [0].
 #define LOPD_TOPK_TAIL_KL_BWD_SCHEMA(IMPL)                                                         \
   LOPD_OP_NAME("topk_tail_kl", IMPL, "bwd") "(Tensor grad_kl, Tensor grad_student_logprob, "       \
   "Tensor grad_teacher_logprob, Tensor student_logits, Tensor teacher_logits, Tensor target_ids, " \
-  "Tensor topk_ids, Tensor kl, Tensor lse, Tensor bucket_logp, float temperature, bool reverse, "  \
-  "int ignore_index, bool student_requires_grad, bool teacher_requires_grad) -> "                  \
-  "(Tensor grad_student, Tensor grad_teacher)"
+  "Tensor topk_ids, Tensor kl, Tensor lse, Tensor bucket_logp, float temperature, "                \
+  "str divergence, float beta, int ignore_index, bool student_requires_grad, "                     \
+  "bool teacher_requires_grad) -> (Tensor grad_student, Tensor grad_teacher)"
 
 inline constexpr const char* kTopkTailKlCpuFwd = LOPD_TOPK_TAIL_KL_FWD_SCHEMA("cpu");
 inline constexpr const char* kTopkTailKlCpuBwd = LOPD_TOPK_TAIL_KL_BWD_SCHEMA("cpu");

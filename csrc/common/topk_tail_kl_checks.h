@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string_view>
 #include <tuple>
 
 #include "common/topk_tail_kl_math.h"
@@ -71,6 +72,41 @@ inline void check_row_vector(const at::Tensor& x, const char* name, int64_t n,
               x.scalar_type());
 }
 
+// The divergence as the kernels run it: "jsd" at beta 0 / 1 is the forward / reverse KL (TRL's
+// convention, docs/math.md section 1b), so it takes their code and gives their bits.
+inline DivergenceSpec parse_divergence(std::string_view divergence, double beta) {
+  if (divergence == "reverse") return DivergenceSpec{kReverse, 1.0f};
+  if (divergence == "forward") return DivergenceSpec{kForward, 0.0f};
+  TORCH_CHECK(divergence == "jsd", "topk_tail_kl: divergence must be 'reverse', 'forward' or ",
+              "'jsd', got '", divergence, "'");
+  TORCH_CHECK(std::isfinite(beta) && beta >= 0.0 && beta <= 1.0,
+              "topk_tail_kl: beta must be in [0, 1] for divergence='jsd', got ", beta);
+  if (beta == 0.0) return DivergenceSpec{kForward, 0.0f};
+  if (beta == 1.0) return DivergenceSpec{kReverse, 1.0f};
+  return DivergenceSpec{kJsd, static_cast<float>(beta)};
+}
+
+inline Support parse_support(std::string_view support) {
+  if (support == "teacher") return kSupportTeacher;
+  if (support == "student") return kSupportStudent;
+  TORCH_CHECK(support == "union", "topk_tail_kl: support must be 'teacher', 'student' or ",
+              "'union', got '", support, "'");
+  return kSupportUnion;
+}
+
+// K, the width of topk_ids: M, or 2M for the union; 0 for the full vocabulary.
+inline int64_t support_width(int64_t top_m, Support support) {
+  return support == kSupportUnion ? 2 * top_m : top_m;
+}
+
+// An implementation without a kernel for an option refuses it in one line (the Python resolver
+// routes such calls elsewhere; this is for direct calls of the op).
+inline void check_kernel_has(bool has, const char* backend, const char* what) {
+  TORCH_CHECK(has, "topk_tail_kl (", backend, "): this build has no kernel for ", what,
+              " yet; call lopd_kernels.topk_tail_kl(..., backend='auto'), which routes it to an "
+              "implementation that has one");
+}
+
 inline float checked_inv_temperature(double temperature) {
   TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0,
               "topk_tail_kl: temperature must be a finite number > 0, got ", temperature);
@@ -78,13 +114,14 @@ inline float checked_inv_temperature(double temperature) {
 }
 
 // The forward's six outputs, uninitialized, on the logits' device: kl, student_logprob,
-// teacher_logprob [N] fp32, topk_ids [N, M] int64, lse [N, 2] and bucket_logp [N, 2, M + 1] fp32.
+// teacher_logprob [N] fp32, topk_ids [N, K] int64, lse [N, 2] and bucket_logp [N, 2, K + 1] fp32
+// (K = support_width(M, support)).
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-empty_fwd_outputs(int64_t n, int64_t top_m, const at::TensorOptions& logits_options) {
+empty_fwd_outputs(int64_t n, int64_t width, const at::TensorOptions& logits_options) {
   const auto f32 = logits_options.dtype(at::kFloat);
   return {at::empty({n}, f32),        at::empty({n}, f32),
-          at::empty({n}, f32),        at::empty({n, top_m}, f32.dtype(at::kLong)),
-          at::empty({n, 2}, f32),     at::empty({n, 2, top_m + 1}, f32)};
+          at::empty({n}, f32),        at::empty({n, width}, f32.dtype(at::kLong)),
+          at::empty({n, 2}, f32),     at::empty({n, 2, width + 1}, f32)};
 }
 
 // Forward arguments (target values are checked by the caller: on CPU by reading them, on CUDA
@@ -99,7 +136,8 @@ inline void check_fwd_args(const at::Tensor& student, const at::Tensor& teacher,
               "vocabulary) or in [1, V = ", v, "), got ", top_m);
 }
 
-// Backward arguments; returns M (the width of topk_ids).
+// Backward arguments; returns K (the width of topk_ids: M, or 2M for a union, whose -1 slots
+// the kernels skip).
 inline int64_t check_bwd_args(const at::Tensor& grad_kl, const at::Tensor& grad_student_logprob,
                               const at::Tensor& grad_teacher_logprob, const at::Tensor& student,
                               const at::Tensor& teacher, const at::Tensor& target_ids,
@@ -115,10 +153,11 @@ inline int64_t check_bwd_args(const at::Tensor& grad_kl, const at::Tensor& grad_
   check_row_vector(grad_student_logprob, "grad_student_logprob", n, at::kFloat, dev);
   check_row_vector(grad_teacher_logprob, "grad_teacher_logprob", n, at::kFloat, dev);
   check_row_vector(kl, "kl", n, at::kFloat, dev);
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == n && topk_ids.size(1) < v &&
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == n && topk_ids.size(1) < 2 * v &&
                   topk_ids.scalar_type() == at::kLong && topk_ids.device() == dev,
-              "topk_tail_kl: topk_ids must be int64 [N = ", n, ", M < V = ", v, "] on ", dev,
-              ", got ", topk_ids.scalar_type(), " ", topk_ids.sizes(), " on ", topk_ids.device());
+              "topk_tail_kl: topk_ids must be int64 [N = ", n, ", K < 2 V = ", 2 * v, "] on ",
+              dev, ", got ", topk_ids.scalar_type(), " ", topk_ids.sizes(), " on ",
+              topk_ids.device());
   const int64_t m = topk_ids.size(1);
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == n && lse.size(1) == 2 &&
                   lse.scalar_type() == at::kFloat && lse.device() == dev,

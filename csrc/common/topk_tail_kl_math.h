@@ -20,6 +20,18 @@ namespace lopd::topk_tail_kl {
 
 #define LOPD_NEG_INF (-INFINITY)
 
+// The divergence a kernel computes (docs/math.md, sections 1 and 1b): KL(P || Q) (reverse),
+// KL(Q || P) (forward), or TRL's generalized JSD beta KL(Q || M) + (1 - beta) KL(P || M) with
+// M = (1 - beta) P + beta Q, 0 < beta < 1 (the ends are the forward / reverse KL: parsed so).
+enum DivergenceKind : int { kReverse = 0, kForward = 1, kJsd = 2 };
+struct DivergenceSpec {
+  DivergenceKind kind;
+  float beta;  // the JSD's (1 for reverse, 0 for forward)
+};
+
+// Whose top-M ids get their own bucket: the teacher's, the student's, or both (up to 2M ids).
+enum Support : int { kSupportTeacher = 0, kSupportStudent = 1, kSupportUnion = 2 };
+
 // Where row r of the logits starts, in elements: [N, V] logits with any row stride (one item
 // of N rows), or [B, L, V] with any item and position strides (logits[:, :-1] of a causal LM,
 // which no [N, V] view covers), read in place. The vocabulary axis is always dense.
@@ -168,6 +180,100 @@ LOPD_HOST_DEVICE inline float topk_row_finalize(const float* s_top, const float*
   *lse_s_out = lse_s;
   *lse_t_out = lse_t;
   return kl;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Generalized JSD (docs/math.md, section 1b): M_b = (1 - beta) P_b + beta Q_b,
+// JSD = beta KL(Q || M) + (1 - beta) KL(P || M), 0 < beta < 1. Every term is a mass times a
+// bounded log-ratio (log P_b - log M_b <= -log(1 - beta)): finite for any buckets.
+// ---------------------------------------------------------------------------------------------
+
+// log M_b from the two log-masses; -inf when both are -inf.
+LOPD_HOST_DEVICE inline float jsd_log_mixture(float logp, float logq, float beta) {
+  const float a = logp == LOPD_NEG_INF ? LOPD_NEG_INF : logp + log1pf(-beta);
+  const float b = logq == LOPD_NEG_INF ? LOPD_NEG_INF : logq + logf(beta);
+  const float hi = fmaxf(a, b);
+  if (hi == LOPD_NEG_INF) return LOPD_NEG_INF;
+  return hi + log1pf(expf(fminf(a, b) - hi));
+}
+
+// X_b (log X_b - log M_b): one bucket's share of KL(X || M); 0 when X_b = 0.
+LOPD_HOST_DEVICE inline float kl_to_mixture_term(float logx, float logm) {
+  return logx == LOPD_NEG_INF ? 0.0f : expf(logx) * (logx - logm);
+}
+
+// One bucket's JSD term: beta Q_b (log Q_b - log M_b) + (1 - beta) P_b (log P_b - log M_b).
+LOPD_HOST_DEVICE inline float bucket_jsd_term(float logp, float logq, float beta) {
+  const float logm = jsd_log_mixture(logp, logq, beta);
+  return beta * kl_to_mixture_term(logq, logm) + (1.0f - beta) * kl_to_mixture_term(logp, logm);
+}
+
+// One bucket's contribution to the divergence of `div` (the KLs: bucket_kl_term, unchanged).
+LOPD_HOST_DEVICE inline float bucket_divergence_term(float logp, float logq,
+                                                     const DivergenceSpec& div) {
+  if (div.kind == kJsd) return bucket_jsd_term(logp, logq, div.beta);
+  return bucket_kl_term(logp, logq, div.kind == kReverse);
+}
+
+// K_P = KL(P || M) and K_Q = KL(Q || M) over nb buckets (what the JSD backward needs besides the
+// bucket masses; the forward's JSD is beta K_Q + (1 - beta) K_P).
+LOPD_HOST_DEVICE inline void jsd_mixture_kls(const float* logp, const float* logq, int64_t nb,
+                                             float beta, float* k_p, float* k_q) {
+  float kp = 0.0f, kq = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float logm = jsd_log_mixture(logp[b], logq[b], beta);
+    kp += kl_to_mixture_term(logp[b], logm);
+    kq += kl_to_mixture_term(logq[b], logm);
+  }
+  *k_p = kp;
+  *k_q = kq;
+}
+
+// The JSD's per-bucket gradient factors, in the form of bucket_grad_factors (per entry
+// (w_j k + u 1[j = a]) / T, w_j the entry's share of its bucket on that side):
+//   k_s = P_b (u_kl (1 - beta) (log P_b - log M_b - K_P) - u_ls)
+//   k_t = Q_b (u_kl beta (log Q_b - log M_b - K_Q) - u_lt)
+// A side without mass in the bucket gets 0 (not 0 * -inf).
+LOPD_HOST_DEVICE inline void bucket_grad_factors_jsd(float logp, float logq, float beta,
+                                                     float k_p, float k_q, float u_kl, float u_ls,
+                                                     float u_lt, float* k_s, float* k_t) {
+  const float logm = jsd_log_mixture(logp, logq, beta);
+  *k_s = logp == LOPD_NEG_INF
+             ? 0.0f
+             : expf(logp) * (u_kl * (1.0f - beta) * ((logp - logm) - k_p) - u_ls);
+  *k_t = logq == LOPD_NEG_INF ? 0.0f
+                              : expf(logq) * (u_kl * beta * ((logq - logm) - k_q) - u_lt);
+}
+
+// bucket_grad_factors for any divergence; k_p, k_q: jsd_mixture_kls of the row (JSD only).
+LOPD_HOST_DEVICE inline void bucket_grad_factors_div(float logp, float logq, float kl,
+                                                     const DivergenceSpec& div, float k_p,
+                                                     float k_q, float u_kl, float u_ls,
+                                                     float u_lt, float* k_s, float* k_t) {
+  if (div.kind == kJsd) {
+    bucket_grad_factors_jsd(logp, logq, div.beta, k_p, k_q, u_kl, u_ls, u_lt, k_s, k_t);
+  } else {
+    bucket_grad_factors(logp, logq, kl, div.kind == kReverse, u_kl, u_ls, u_lt, k_s, k_t);
+  }
+}
+
+// topk_row_finalize for any divergence and support: s_top[i], t_top[i] (i < k) are the scaled
+// logits of the row's bucket ids in topk_ids order, -inf at a union's padding slots (mass 0 on
+// both sides: log-mass -inf, no contribution); the KLs take topk_row_finalize itself (their bits
+// are unchanged).
+LOPD_HOST_DEVICE inline float row_finalize(const float* s_top, const float* t_top, int64_t k,
+                                           const LseState& tail_s, const LseState& tail_t,
+                                           const DivergenceSpec& div, float* logp, float* logq,
+                                           float* lse_s_out, float* lse_t_out) {
+  if (div.kind != kJsd) {
+    return topk_row_finalize(s_top, t_top, k, tail_s, tail_t, div.kind == kReverse, logp, logq,
+                             lse_s_out, lse_t_out);
+  }
+  // The same buckets (the reverse KL's value is discarded), then the JSD over them.
+  topk_row_finalize(s_top, t_top, k, tail_s, tail_t, true, logp, logq, lse_s_out, lse_t_out);
+  float jsd = 0.0f;
+  for (int64_t i = 0; i <= k; ++i) jsd += bucket_jsd_term(logp[i], logq[i], div.beta);
+  return jsd;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -37,9 +37,11 @@ void check_targets(const at::Tensor& target, int64_t vocab, int64_t ignore_index
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 topk_tail_kl_fwd_cpu(const at::Tensor& student_logits, const at::Tensor& teacher_logits,
                      const at::Tensor& target_ids, int64_t top_m, double temperature,
-                     bool reverse, int64_t ignore_index) {
+                     c10::string_view divergence, double beta, c10::string_view support,
+                     int64_t ignore_index) {
   checks::check_fwd_args(student_logits, teacher_logits, target_ids, top_m, c10::DeviceType::CPU,
                          "CPU");
+  const checks::Support sup = top_m == 0 ? checks::kSupportTeacher : checks::parse_support(support);
   const int64_t n = checks::rows_of(student_logits);
   const int64_t v = student_logits.size(-1);
   TopKTailKLFwdArgs a;
@@ -52,11 +54,13 @@ topk_tail_kl_fwd_cpu(const at::Tensor& student_logits, const at::Tensor& teacher
   a.target = target_ids.contiguous();
   check_targets(a.target, v, ignore_index);
   a.top_m = top_m;
+  a.width = checks::support_width(top_m, sup);
   a.inv_temperature = checks::checked_inv_temperature(temperature);
-  a.reverse = reverse;
+  a.div = checks::parse_divergence(divergence, beta);
+  a.support = sup;
   a.ignore_index = ignore_index;
   std::tie(a.kl, a.student_logprob, a.teacher_logprob, a.topk_ids, a.lse, a.bucket_logp) =
-      checks::empty_fwd_outputs(n, top_m, student_logits.options());
+      checks::empty_fwd_outputs(n, a.width, student_logits.options());
   LOPD_CPU_ISA_CALL(topk_tail_kl_fwd_kernel, a);
   return {a.kl, a.student_logprob, a.teacher_logprob, a.topk_ids, a.lse, a.bucket_logp};
 }
@@ -66,8 +70,8 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cpu(
     const at::Tensor& grad_teacher_logprob, const at::Tensor& student_logits,
     const at::Tensor& teacher_logits, const at::Tensor& target_ids, const at::Tensor& topk_ids,
     const at::Tensor& kl, const at::Tensor& lse, const at::Tensor& bucket_logp,
-    double temperature, bool reverse, int64_t ignore_index, bool student_requires_grad,
-    bool teacher_requires_grad) {
+    double temperature, c10::string_view divergence, double beta, int64_t ignore_index,
+    bool student_requires_grad, bool teacher_requires_grad) {
   checks::check_bwd_args(grad_kl, grad_student_logprob, grad_teacher_logprob, student_logits,
                          teacher_logits, target_ids, topk_ids, kl, lse, bucket_logp,
                          c10::DeviceType::CPU, "CPU");
@@ -89,7 +93,7 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cpu(
   a.lse = lse.contiguous();
   a.bucket_logp = bucket_logp.contiguous();
   a.inv_temperature = checks::checked_inv_temperature(temperature);
-  a.reverse = reverse;
+  a.div = checks::parse_divergence(divergence, beta);
   a.ignore_index = ignore_index;
   // The two [N, V] gradients are the op's only large allocations: recycled buffers (see
   // cpu/buffer_cache.h: fresh pages would be zeroed by the OS before the kernel writes them),

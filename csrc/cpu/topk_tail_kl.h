@@ -19,16 +19,18 @@ struct TopKTailKLFwdArgs {
   int64_t vocab;       // V
   ::lopd::topk_tail_kl::RowLayout s_layout, t_layout;
   at::Tensor target;   // [N] int64
-  int64_t top_m;       // 0 (full vocabulary) or in [1, V)
+  int64_t top_m;       // M: 0 (full vocabulary) or in [1, V)
+  int64_t width;       // K, the columns of topk_ids: M, 2M for the union, 0 for the full vocabulary
   float inv_temperature;
-  bool reverse;
+  ::lopd::topk_tail_kl::DivergenceSpec div;
+  ::lopd::topk_tail_kl::Support support;  // teacher when top_m == 0
   int64_t ignore_index;
   at::Tensor kl;               // [N] float32
   at::Tensor student_logprob;  // [N] float32
   at::Tensor teacher_logprob;  // [N] float32
-  at::Tensor topk_ids;         // [N, top_m] int64
+  at::Tensor topk_ids;         // [N, K] int64 (-1: a union's padding slot)
   at::Tensor lse;              // [N, 2] float32
-  at::Tensor bucket_logp;      // [N, 2, top_m + 1] float32
+  at::Tensor bucket_logp;      // [N, 2, K + 1] float32
 };
 
 struct TopKTailKLBwdArgs {
@@ -41,12 +43,12 @@ struct TopKTailKLBwdArgs {
   int64_t vocab;                    // V
   ::lopd::topk_tail_kl::RowLayout s_layout, t_layout;
   at::Tensor target;                // [N] int64
-  at::Tensor topk_ids;              // [N, M] int64
+  at::Tensor topk_ids;              // [N, K] int64 (-1: padding, skipped)
   at::Tensor kl;                    // [N] float32
   at::Tensor lse;                   // [N, 2] float32
-  at::Tensor bucket_logp;           // [N, 2, M + 1] float32
+  at::Tensor bucket_logp;           // [N, 2, K + 1] float32
   float inv_temperature;
-  bool reverse;
+  ::lopd::topk_tail_kl::DivergenceSpec div;
   int64_t ignore_index;
   at::Tensor grad_student;  // dense, student's shape and dtype, or undefined when not required
   at::Tensor grad_teacher;  // dense, teacher's shape and dtype, or undefined when not required

@@ -59,9 +59,16 @@ void dispatch_pair(at::ScalarType s, at::ScalarType t, F&& f) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 topk_tail_kl_fwd_cuda(const at::Tensor& student_logits, const at::Tensor& teacher_logits,
                       const at::Tensor& target_ids, int64_t top_m, double temperature,
-                      bool reverse, int64_t ignore_index) {
+                      c10::string_view divergence, double beta, c10::string_view support,
+                      int64_t ignore_index) {
   checks::check_fwd_args(student_logits, teacher_logits, target_ids, top_m,
                          LOPD_SIMT_DEVICE_TYPE, LOPD_SIMT_BACKEND);
+  const checks::DivergenceSpec div = checks::parse_divergence(divergence, beta);
+  const checks::Support sup = top_m == 0 ? checks::kSupportTeacher : checks::parse_support(support);
+  checks::check_kernel_has(sup == checks::kSupportTeacher, LOPD_SIMT_BACKEND,
+                           "support='student' / 'union'");
+  checks::check_kernel_has(div.kind != checks::kJsd, LOPD_SIMT_BACKEND, "divergence='jsd'");
+  const bool reverse = div.kind == checks::kReverse;
   const int64_t n = checks::rows_of(student_logits);
   const int64_t v = student_logits.size(-1);
   // The v2 forward indexes within a row in 32 bits (with room for a tile past the end).
@@ -102,11 +109,14 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cuda(
     const at::Tensor& grad_teacher_logprob, const at::Tensor& student_logits,
     const at::Tensor& teacher_logits, const at::Tensor& target_ids, const at::Tensor& topk_ids,
     const at::Tensor& kl, const at::Tensor& lse, const at::Tensor& bucket_logp,
-    double temperature, bool reverse, int64_t ignore_index, bool student_requires_grad,
-    bool teacher_requires_grad) {
+    double temperature, c10::string_view divergence, double beta, int64_t ignore_index,
+    bool student_requires_grad, bool teacher_requires_grad) {
   const int64_t m = checks::check_bwd_args(
       grad_kl, grad_student_logprob, grad_teacher_logprob, student_logits, teacher_logits,
       target_ids, topk_ids, kl, lse, bucket_logp, LOPD_SIMT_DEVICE_TYPE, LOPD_SIMT_BACKEND);
+  const checks::DivergenceSpec div = checks::parse_divergence(divergence, beta);
+  checks::check_kernel_has(div.kind != checks::kJsd, LOPD_SIMT_BACKEND, "divergence='jsd'");
+  const bool reverse = div.kind == checks::kReverse;
   const auto dev = student_logits.device();
   const int64_t n = checks::rows_of(student_logits);
   const int64_t v = student_logits.size(-1);

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from lopd.config.checks import at_least, greater_than, in_unit_interval, one_of, optional_at_least
-from lopd_kernels import DIVERGENCES
+from lopd_kernels import KL_DIVERGENCES
 
 __all__ = [
     "GRPOConfig",
@@ -81,7 +81,7 @@ class LOPDConfig:
         )
         greater_than(0, lopd__grad_clip=self.grad_clip, lopd__temperature=self.temperature)
         optional_at_least(1, lopd__top_m=self.top_m)
-        one_of(DIVERGENCES, lopd__divergence=self.divergence)
+        one_of(KL_DIVERGENCES, lopd__divergence=self.divergence)
 
 
 @dataclass
@@ -117,7 +117,7 @@ class OPSDConfig:
 
     def validate(self) -> None:
         optional_at_least(1, opsd__top_m=self.top_m)
-        one_of(DIVERGENCES, opsd__divergence=self.divergence)
+        one_of(KL_DIVERGENCES, opsd__divergence=self.divergence)
 
 
 @dataclass
@@ -138,7 +138,7 @@ class SDPOConfig:
     def validate(self) -> None:
         at_least(1, sdpo__group_size=self.group_size)
         in_unit_interval(sdpo__ema_rate=self.ema_rate)
-        one_of(DIVERGENCES, sdpo__divergence=self.divergence)
+        one_of(KL_DIVERGENCES, sdpo__divergence=self.divergence)
 
 
 @dataclass
@@ -159,7 +159,7 @@ class SDFTConfig:
     def validate(self) -> None:
         in_unit_interval(sdft__ema_rate=self.ema_rate)
         optional_at_least(1, sdft__top_m=self.top_m)
-        one_of(DIVERGENCES, sdft__divergence=self.divergence)
+        one_of(KL_DIVERGENCES, sdft__divergence=self.divergence)
 
 
 @dataclass

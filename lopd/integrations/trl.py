@@ -15,12 +15,14 @@ stay TRL's:
   ``generalized_jsd_loss`` on the logits TRL's ``compute_loss`` already materializes, with
   :func:`lopd_kernels.topk_tail_kl`.
 
-Options mirrored from the TRL config: ``beta`` selects the divergence (``1.0``: reverse
-KL(student || teacher), the paper's; ``0.0``: forward KL; the kernels implement no JSD mixture, so
-anything in between is rejected with an error), ``temperature`` is the loss temperature exactly
-where TRL applies one, ``num_items_in_batch`` gives TRL's gradient-accumulation-correct
-reduction. New fields: ``top_m`` (M teacher top ids kept as buckets, the rest one tail bucket;
-``None``: the full-vocabulary KL, numerically TRL's ``beta`` in {0, 1} loss), ``lopd_backend`` and
+Options mirrored from the TRL config: ``beta`` selects the divergence exactly as in TRL
+(``1.0``: reverse KL(student || teacher), the paper's; ``0.0``: forward KL; in between TRL's
+generalized JSD with mixture ``(1 - beta) P_student + beta P_teacher``, the kernels'
+``divergence="jsd"``; docs/math.md, 1b), ``temperature`` is the loss temperature exactly where
+TRL applies one, ``num_items_in_batch`` gives TRL's gradient-accumulation-correct reduction. New
+fields: ``top_m`` (M top ids kept as buckets, the rest one tail bucket; ``None``: the
+full-vocabulary divergence, numerically TRL's own loss at every ``beta``), ``lopd_support``
+(whose top-M: ``"teacher"``, ``"student"`` or ``"union"``), ``lopd_backend`` and
 ``lopd_chunk_size`` (the kernels' ``backend`` / ``chunk_size``).
 
 Example (the README's "Use the kernels in your trainer" runs this)::
@@ -35,6 +37,7 @@ Example (the README's "Use the kernels in your trainer" runs this)::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +63,7 @@ __all__ = [
     "LopdGKDConfig",
     "LopdGKDTrainer",
     "divergence_from_beta",
+    "divergence_kwargs",
     "plain_head_tensor",
 ]
 
@@ -68,25 +72,43 @@ _BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 
 
 def divergence_from_beta(beta: float) -> str:
-    """Maps TRL's ``beta`` to the kernels' ``divergence``: 1 -> ``"reverse"``, 0 -> ``"forward"``.
+    """Maps TRL's ``beta`` to the kernels' ``divergence``: 1 -> ``"reverse"``, 0 ->
+    ``"forward"``, anything in between -> ``"jsd"`` (TRL's generalized JSD at that ``beta``).
 
     Raises:
-        ValueError: ``beta`` strictly between 0 and 1 (TRL's generalized JSD, which the top-M +
-            tail kernels do not implement) or outside [0, 1].
+        ValueError: ``beta`` outside [0, 1] (or not a number).
     """
+    if (
+        isinstance(beta, bool)
+        or not isinstance(beta, (int, float))
+        or not math.isfinite(beta)
+        or not 0.0 <= beta <= 1.0
+    ):
+        raise ValueError(f"beta must be a number in [0, 1] (TRL's convention), got {beta!r}")
     if beta == 1.0:
         return "reverse"
     if beta == 0.0:
         return "forward"
-    raise ValueError(
-        f"beta must be 1.0 (reverse KL, the paper's) or 0.0 (forward KL) for the lopd top-M + tail "
-        f"loss, got {beta!r}; the generalized JSD (0 < beta < 1) is TRL's own loss"
+    return "jsd"
+
+
+def divergence_kwargs(beta: float) -> dict:
+    """The kernels' ``divergence`` (and ``beta`` for the JSD) for TRL's ``beta``."""
+    divergence = divergence_from_beta(beta)
+    return (
+        {"divergence": divergence, "beta": float(beta)}
+        if divergence == "jsd"
+        else {"divergence": divergence}
     )
 
 
-def _check_lopd_fields(top_m: int | None, backend: str, chunk_size: int | None) -> None:
+def _check_lopd_fields(
+    top_m: int | None, backend: str, chunk_size: int | None, support: str = "teacher"
+) -> None:
     if top_m is not None and (isinstance(top_m, bool) or not isinstance(top_m, int) or top_m < 1):
         raise ValueError(f"top_m must be an int >= 1 or None (full vocabulary), got {top_m!r}")
+    if support not in lk.SUPPORTS:
+        raise ValueError(f"lopd_support must be one of {lk.SUPPORTS}, got {support!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"lopd_backend must be one of {_BACKENDS}, got {backend!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
@@ -139,14 +161,16 @@ def _check_no_softcap(config, role: str) -> None:
 class LopdDistillationConfig(DistillationConfig):
     """``trl.DistillationConfig`` plus the top-M + tail options (see the module docstring).
 
-    ``beta`` must be 1.0 (default, reverse KL) or 0.0 (forward KL).
+    ``beta`` is TRL's: 1.0 (default) reverse KL, 0.0 forward KL, in between the generalized JSD.
     """
 
     top_m: int | None = field(
         default=20,
-        metadata={
-            "help": "Teacher top ids kept as buckets (rest: one tail); None: full vocabulary."
-        },
+        metadata={"help": "Top ids kept as buckets (rest: one tail); None: full vocabulary."},
+    )
+    lopd_support: str = field(
+        default="teacher",
+        metadata={"help": "Whose top-M ids are buckets: teacher, student or union."},
     )
     lopd_backend: str = field(
         default="auto", metadata={"help": "lopd_kernels backend: auto, torch, cpu, triton, cuda."}
@@ -158,15 +182,16 @@ class LopdDistillationConfig(DistillationConfig):
     def __post_init__(self):
         super().__post_init__()
         divergence_from_beta(self.beta)
-        _check_lopd_fields(self.top_m, self.lopd_backend, self.lopd_chunk_size)
+        _check_lopd_fields(self.top_m, self.lopd_backend, self.lopd_chunk_size, self.lopd_support)
 
 
 class LopdDistillationTrainer(DistillationTrainer):
     """``trl.DistillationTrainer`` with the loss of :func:`lopd_kernels.fused_linear_topk_tail_kl`.
 
-    Takes a :class:`LopdDistillationConfig`. Logs ``teacher_topk_mass`` (mean teacher mass on its
-    top-M ids: how much of the teacher the buckets resolve, paper A.2) where TRL logs the student
-    entropy, which the kernel does not compute.
+    Takes a :class:`LopdDistillationConfig`. Logs ``teacher_topk_mass`` (mean teacher mass on the
+    support's ids: how much of the teacher the buckets resolve, paper A.2) where TRL logs the
+    student entropy, which the kernel does not compute. The divergence follows ``self.beta``
+    (TRL's attribute) at every step.
     """
 
     def __init__(self, *args, **kwargs):
@@ -175,7 +200,6 @@ class LopdDistillationTrainer(DistillationTrainer):
             raise TypeError(
                 f"args must be a LopdDistillationConfig, got {type(self.args).__name__}"
             )
-        self.divergence = divergence_from_beta(self.beta)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # As TRL: the token count over the generated completions (not the dataloader's), divided
@@ -252,8 +276,9 @@ class LopdDistillationTrainer(DistillationTrainer):
             h_teacher.reshape(-1, h_teacher.size(-1)), w_t,
             target.reshape(-1),
             student_bias=b_s, teacher_bias=b_t, top_m=self.args.top_m,
-            temperature=self.temperature, divergence=self.divergence, ignore_index=_IGNORE,
+            temperature=self.temperature, support=self.args.lopd_support, ignore_index=_IGNORE,
             backend=self.args.lopd_backend, chunk_size=self.args.lopd_chunk_size,
+            **divergence_kwargs(self.beta),
         )  # fmt: skip
         num_valid = (target != _IGNORE).sum()
         return (
@@ -282,15 +307,18 @@ def _reduce_sum(total: Tensor, num_valid: Tensor, num_items_in_batch) -> Tensor:
 
 @dataclass
 class LopdGKDConfig(GKDConfig):
-    """``trl.experimental.gkd.GKDConfig`` plus ``top_m`` / ``lopd_backend``.
+    """``trl.experimental.gkd.GKDConfig`` plus ``top_m`` / ``lopd_support`` / ``lopd_backend``.
 
-    ``beta`` defaults to 1.0 here (reverse KL; TRL's GKD default 0.5 is the JSD, which the kernel
-    does not implement) and must be 0.0 or 1.0.
+    ``beta`` is TRL's GKD one, default 0.5 (the JSD): 1.0 reverse KL, 0.0 forward KL, in between
+    the generalized JSD, all on the top-M + tail buckets (``top_m=None``: TRL's own loss).
     """
 
-    beta: float = field(default=1.0, metadata={"help": "1.0: reverse KL; 0.0: forward KL."})
     top_m: int | None = field(
-        default=20, metadata={"help": "Teacher top ids kept as buckets; None: full vocabulary."}
+        default=20, metadata={"help": "Top ids kept as buckets; None: full vocabulary."}
+    )
+    lopd_support: str = field(
+        default="teacher",
+        metadata={"help": "Whose top-M ids are buckets: teacher, student or union."},
     )
     lopd_backend: str = field(
         default="auto", metadata={"help": "lopd_kernels backend: auto, torch, cpu, triton, cuda."}
@@ -299,7 +327,7 @@ class LopdGKDConfig(GKDConfig):
     def __post_init__(self):
         super().__post_init__()
         divergence_from_beta(self.beta)
-        _check_lopd_fields(self.top_m, self.lopd_backend, None)
+        _check_lopd_fields(self.top_m, self.lopd_backend, None, self.lopd_support)
 
 
 class LopdGKDTrainer(GKDTrainer):
@@ -319,20 +347,21 @@ class LopdGKDTrainer(GKDTrainer):
         student_logits: Tensor,
         teacher_logits: Tensor,
         labels: Tensor | None = None,
-        beta: float = 1.0,
+        beta: float = 0.5,
         temperature: float = 1.0,
         reduction: str = "batchmean",
         num_items_in_batch=None,
     ) -> Tensor:
-        """Top-M + tail KL with TRL's ``generalized_jsd_loss`` arguments and reductions.
+        """Top-M + tail divergence with TRL's ``generalized_jsd_loss`` arguments and reductions.
 
         Args:
             student_logits, teacher_logits: ``[B, L, V]``.
             labels: ``[B, L]`` token ids, -100 at positions without loss; None: every position.
-            beta: 1.0 reverse KL, 0.0 forward KL (:func:`divergence_from_beta`).
+            beta: TRL's (default 0.5, TRL's GKD's): 1.0 reverse KL, 0.0 forward KL, in between
+                the generalized JSD (:func:`divergence_from_beta`).
             temperature: loss temperature (TRL's GKD ``compute_loss`` passes none: 1.0).
             reduction: ``"batchmean"`` (mean over valid tokens), ``"sum"``, ``"mean"`` (same as
-                batchmean here: one value per token) or ``"none"`` (``[n_valid]`` per-token KL;
+                batchmean here: one value per token) or ``"none"`` (``[n_valid]`` per token;
                 TRL's is per vocabulary entry).
             num_items_in_batch: when given, ``sum / num_items_in_batch`` (overrides reduction).
 
@@ -345,8 +374,8 @@ class LopdGKDTrainer(GKDTrainer):
             labels = labels.to(student_logits.device)
         out = lk.topk_tail_kl(
             student_logits, teacher_logits, labels, top_m=self.args.top_m,
-            temperature=temperature, divergence=divergence_from_beta(beta),
-            ignore_index=_IGNORE, backend=self.args.lopd_backend,
+            temperature=temperature, support=self.args.lopd_support, ignore_index=_IGNORE,
+            backend=self.args.lopd_backend, **divergence_kwargs(beta),
         )  # fmt: skip
         valid = labels != _IGNORE
         if num_items_in_batch is not None:

@@ -192,7 +192,9 @@ def fused_linear_bwd_triton(
             c_s = c_t = rowp  # unused by the FULL kernel
             ids = tgt
         else:
-            c_s, c_t = bucket_coefs(u_kl, kl_v, bucket.index_select(0, rows), reverse, u_ls, u_t)
+            div, beta = ("reverse", 1.0) if reverse else ("forward", 0.0)
+            b_rows = bucket.index_select(0, rows)
+            c_s, c_t = bucket_coefs(u_kl, kl_v, b_rows, div, beta, u_ls, u_t)
             ids = topk_ids.index_select(0, rows).contiguous()
         cfg = _config(hs.dtype)
         bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]

@@ -2,9 +2,15 @@
 // (CPU_CAPABILITY = DEFAULT | AVX2 | AVX512, see csrc/cpu/isa_dispatch.h); the per-row math is in
 // csrc/common/topk_tail_kl_math.h, shared with the CUDA kernel.
 //
-// Forward, one row (top-M mode): a single streaming pass over both logit rows.
-// The running teacher top-M lives in a binary min-heap (worst kept entry on top, its logit is the
-// admission threshold). The tails of both sides are log-sum-exps over the complement of the
+// Forward, one row (top-M mode): a single streaming pass over both logit rows, whatever the
+// support. The running top-M of the selecting row (the teacher's; the student's for
+// support="student", the same code with the rows' roles swapped) lives in a binary min-heap
+// (worst kept entry on top, its logit is the admission threshold). support="union" keeps both
+// running top-M heaps in the same pass: a lane is a tail lane when it beats neither threshold,
+// and an entry evicted from one heap joins the tails only if the other heap does not hold it
+// (a scan of its M entries, on the rare evictions), so the tails are exactly the complement of
+// the union at the end; each vector step costs one more compare, and the careful path runs for
+// the student's candidates too. The tails of both sides are log-sum-exps over the complement of the
 // selection, accumulated in ONE pass over both rows: each vector step of 32 lanes computes
 // 2^(x log2(e) / T - k) after one FMA (fast_exp2), relative to a per-side stabilizer k that is
 // some tail lane's own value (Base2Tail below: no underflow however small the tail is, no
@@ -16,9 +22,13 @@
 // joins a scalar tail state), and the threshold is refreshed. Lane sums are flushed to double per
 // block of kBlock entries; the full log-sum-exps are logaddexp(lse(top), tail) at the end. Each
 // logit is read once; two exponentials per vocabulary entry at about 11 vector instructions each.
+// Divergences: the KLs and the generalized JSD (docs/math.md, 1b) differ only in the row's
+// finalization from the bucket log-masses (math::row_finalize) and in the backward's per-bucket
+// factors (math::bucket_grad_factors_div); the full-vocabulary JSD takes two passes (both
+// log-sum-exps first, then the terms) and its backward one more (KL(P || M), KL(Q || M)).
 // Backward, one row: one pass per tensor writes the tail formula (share of the tail mass times the
-// tail's factor, see bucket_grad_factors) for every entry, then the M selected entries and the
-// target are rewritten with their own factors.
+// tail's factor, see bucket_grad_factors) for every entry, then the K selected entries (a -1
+// slot skipped) and the target are rewritten with their own factors.
 // GCC 12 reports -Wmaybe-uninitialized false positives inside its own avx512fintrin.h (the
 // `_mm512_undefined_*` placeholders ATen's Vectorized uses); they are not about this file's code.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -89,16 +99,29 @@ inline bool ranks_before(const Entry& a, const Entry& b) {
   return a.t > b.t || (a.t == b.t && a.idx < b.idx);
 }
 
+// The same order on the student logit (the union's second selection).
+inline bool ranks_before_s(const Entry& a, const Entry& b) {
+  return a.s > b.s || (a.s == b.s && a.idx < b.idx);
+}
+
+// Whether heap h (m entries) holds vocabulary index idx.
+inline bool holds(const Entry* h, int64_t m, int64_t idx) {
+  for (int64_t i = 0; i < m; ++i) {
+    if (h[i].idx == idx) return true;
+  }
+  return false;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------------------------
 
-// Per-thread scratch, O(M).
+// Per-thread scratch, O(K): the selecting heap, the union's student heap, the K bucket logits.
 struct FwdScratch {
-  std::vector<Entry> heap;
-  std::vector<float> s_top, t_top, logp, logq;
-  explicit FwdScratch(int64_t m)
-      : heap(m), s_top(m), t_top(m), logp(m + 1), logq(m + 1) {}
+  std::vector<Entry> heap, heap_s;
+  std::vector<float> s_top, t_top;
+  FwdScratch(int64_t m, int64_t k, bool two_heaps)
+      : heap(m), heap_s(two_heaps ? m : 0), s_top(k), t_top(k) {}
 };
 
 struct RowResult {
@@ -157,14 +180,25 @@ struct Base2Tail {
   }
 };
 
-template <typename TS, typename TT>
-RowResult fwd_topk_row(const TS* s, const TT* t, int64_t V, int64_t M, float inv, bool reverse,
-                       FwdScratch& scr, int64_t* ids_out, float* bucket_out) {
+// One row's top-M + tail forward. kUnion == false: the heap selects on `t` (the teacher's row;
+// with `swapped` the student's, `s` then being the teacher's); kUnion == true (never swapped):
+// two heaps, on `t` (teacher) and on `s` (student). Writes ids_out[K] and bucket_out[2 (K + 1)].
+template <bool kUnion, typename TS, typename TT>
+RowResult fwd_topk_row(const TS* s, const TT* t, int64_t V, int64_t M, float inv,
+                       const math::DivergenceSpec& div, bool swapped, FwdScratch& scr,
+                       int64_t* ids_out, float* bucket_out) {
   Entry* heap = scr.heap.data();
   // The heap is a max-heap under ranks_before reversed, i.e. heap[0] is the worst kept entry.
   auto worse_first = [](const Entry& a, const Entry& b) { return ranks_before(a, b); };
+  auto worse_first_s = [](const Entry& a, const Entry& b) { return ranks_before_s(a, b); };
   for (int64_t j = 0; j < M; ++j) {
     heap[j] = Entry{static_cast<float>(t[j]) * inv, static_cast<float>(s[j]) * inv, j};
+  }
+  [[maybe_unused]] Entry* heap_s = nullptr;
+  if constexpr (kUnion) {
+    heap_s = scr.heap_s.data();
+    std::copy(heap, heap + M, heap_s);
+    std::make_heap(heap_s, heap_s + M, worse_first_s);
   }
   std::make_heap(heap, heap + M, worse_first);
 
@@ -172,17 +206,48 @@ RowResult fwd_topk_row(const TS* s, const TT* t, int64_t V, int64_t M, float inv
   math::LseState tail_s = math::lse_empty();
   math::LseState tail_t = math::lse_empty();
   // Offers entry j (larger than every index in the heap, so it must beat the worst kept logit
-  // strictly); whatever does not stay in the heap is folded into both tails.
+  // strictly); whatever does not stay in the heap is folded into both tails. The union's:
+  // an entry leaves for the tails when it is in neither heap any more.
   auto offer = [&](float tj, float sj, int64_t j) {
-    if (tj > heap[0].t) {
-      math::lse_add(tail_t, heap[0].t);
-      math::lse_add(tail_s, heap[0].s);
-      std::pop_heap(heap, heap + M, worse_first);
-      heap[M - 1] = Entry{tj, sj, j};
-      std::push_heap(heap, heap + M, worse_first);
+    if constexpr (!kUnion) {
+      if (tj > heap[0].t) {
+        math::lse_add(tail_t, heap[0].t);
+        math::lse_add(tail_s, heap[0].s);
+        std::pop_heap(heap, heap + M, worse_first);
+        heap[M - 1] = Entry{tj, sj, j};
+        std::push_heap(heap, heap + M, worse_first);
+      } else {
+        math::lse_add(tail_t, tj);
+        math::lse_add(tail_s, sj);
+      }
     } else {
-      math::lse_add(tail_t, tj);
-      math::lse_add(tail_s, sj);
+      const bool in_t = tj > heap[0].t;
+      const bool in_s = sj > heap_s[0].s;
+      if (!in_t && !in_s) {
+        math::lse_add(tail_t, tj);
+        math::lse_add(tail_s, sj);
+        return;
+      }
+      if (in_t) {
+        const Entry out = heap[0];
+        std::pop_heap(heap, heap + M, worse_first);
+        heap[M - 1] = Entry{tj, sj, j};
+        std::push_heap(heap, heap + M, worse_first);
+        if (!holds(heap_s, M, out.idx)) {
+          math::lse_add(tail_t, out.t);
+          math::lse_add(tail_s, out.s);
+        }
+      }
+      if (in_s) {
+        const Entry out = heap_s[0];
+        std::pop_heap(heap_s, heap_s + M, worse_first_s);
+        heap_s[M - 1] = Entry{tj, sj, j};
+        std::push_heap(heap_s, heap_s + M, worse_first_s);
+        if (!holds(heap, M, out.idx)) {
+          math::lse_add(tail_t, out.t);
+          math::lse_add(tail_s, out.s);
+        }
+      }
     }
   };
 
@@ -194,6 +259,8 @@ RowResult fwd_topk_row(const TS* s, const TT* t, int64_t V, int64_t M, float inv
   bool ready = false;
   float thr = heap[0].t;
   Vec vthr(thr);
+  [[maybe_unused]] float thr_s = kUnion ? heap_s[0].s : 0.0f;
+  [[maybe_unused]] Vec vthr_s(thr_s);
   int64_t j = M;
   const int64_t vec_end = M + (V - M) / kStep * kStep;
   while (j < vec_end) {
@@ -212,29 +279,49 @@ RowResult fwd_topk_row(const TS* s, const TT* t, int64_t V, int64_t M, float inv
       const Vec yt1 = at::vec::fmsub(t1, vc2, acc_t.vk);
       const Vec ys0 = at::vec::fmsub(s0, vc2, acc_s.vk);
       const Vec ys1 = at::vec::fmsub(s1, vc2, acc_s.vk);
-      if (ready && (gt_mask(ts0, vthr) | gt_mask(ts1, vthr) | gt_mask(yt0, vslack2) |
-                    gt_mask(yt1, vslack2) | gt_mask(ys0, vslack2) | gt_mask(ys1, vslack2)) == 0) {
+      uint32_t cand = gt_mask(ts0, vthr) | gt_mask(ts1, vthr);
+      [[maybe_unused]] Vec ss0, ss1;
+      if constexpr (kUnion) {
+        // The union's lanes are also candidates when the student logit beats its threshold.
+        ss0 = s0 * vinv;
+        ss1 = s1 * vinv;
+        cand |= gt_mask(ss0, vthr_s) | gt_mask(ss1, vthr_s);
+      }
+      if (ready && (cand | gt_mask(yt0, vslack2) | gt_mask(yt1, vslack2) |
+                    gt_mask(ys0, vslack2) | gt_mask(ys1, vslack2)) == 0) {
         // The common case: every lane is a tail lane and no term can overflow.
         acc_t.sum = acc_t.sum + fast_exp2(yt0) + fast_exp2(yt1);
         acc_s.sum = acc_s.sum + fast_exp2(ys0) + fast_exp2(ys1);
         continue;
       }
-      const Vec c0 = ts0 > vthr;
-      const Vec c1 = ts1 > vthr;
+      Vec c0 = ts0 > vthr;
+      Vec c1 = ts1 > vthr;
+      if constexpr (kUnion) {
+        c0 = c0 | (ss0 > vthr_s);
+        c1 = c1 | (ss1 > vthr_s);
+      }
       acc_t.add_masked(t0, t1, yt0, yt1, c0, c1, vc2);
       acc_s.add_masked(s0, s1, ys0, ys1, c0, c1, vc2);
       ready = acc_t.k != kNegInf && acc_s.k != kNegInf;
-      if ((gt_mask(ts0, vthr) | gt_mask(ts1, vthr)) != 0) {
+      if (cand != 0) {
         float tb[kStep], sb[kStep];
         ts0.store(tb);
         ts1.store(tb + kVF);
         (s0 * vinv).store(sb);
         (s1 * vinv).store(sb + kVF);
         for (int64_t l = 0; l < kStep; ++l) {
-          if (tb[l] > thr) offer(tb[l], sb[l], k + l);
+          if constexpr (kUnion) {
+            if (tb[l] > thr || sb[l] > thr_s) offer(tb[l], sb[l], k + l);
+          } else {
+            if (tb[l] > thr) offer(tb[l], sb[l], k + l);
+          }
         }
         thr = heap[0].t;
         vthr = Vec(thr);
+        if constexpr (kUnion) {
+          thr_s = heap_s[0].s;
+          vthr_s = Vec(thr_s);
+        }
       }
     }
     acc_t.flush();
@@ -255,9 +342,33 @@ RowResult fwd_topk_row(const TS* s, const TT* t, int64_t V, int64_t M, float inv
     s_top[i] = heap[i].s;
     t_top[i] = heap[i].t;
   }
+  int64_t K = M;
+  if constexpr (kUnion) {
+    // The teacher's top-M (above), then the student's other top-M ids in student order, then -1.
+    K = 2 * M;
+    std::sort(heap_s, heap_s + M, ranks_before_s);
+    int64_t k = M;
+    for (int64_t i = 0; i < M; ++i) {
+      if (holds(heap, M, heap_s[i].idx)) continue;
+      ids_out[k] = heap_s[i].idx;
+      s_top[k] = heap_s[i].s;
+      t_top[k] = heap_s[i].t;
+      ++k;
+    }
+    for (; k < K; ++k) {
+      ids_out[k] = -1;
+      s_top[k] = t_top[k] = kNegInf;
+    }
+  }
   RowResult r;
-  r.kl = math::topk_row_finalize(s_top, t_top, M, tail_s, tail_t, reverse, bucket_out,
-                                 bucket_out + (M + 1), &r.lse_s, &r.lse_t);
+  if (!swapped) {
+    r.kl = math::row_finalize(s_top, t_top, K, tail_s, tail_t, div, bucket_out,
+                              bucket_out + (K + 1), &r.lse_s, &r.lse_t);
+  } else {
+    // The heap selected on the student (`t` here): its `t` values are the student's.
+    r.kl = math::row_finalize(t_top, s_top, K, tail_t, tail_s, div, bucket_out,
+                              bucket_out + (K + 1), &r.lse_s, &r.lse_t);
+  }
   return r;
 }
 
@@ -321,11 +432,97 @@ RowResult fwd_full_row(const TW* w, const TO* o, int64_t V, float inv) {
   return r;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Full-vocabulary generalized JSD (docs/math.md, 1b): every entry is its own bucket, and the
+// mixture's log needs both normalizers, so the terms take a pass of their own after the
+// log-sum-exps. Three fast_exp and one log1p (ATen's SLEEF) per entry.
+// ---------------------------------------------------------------------------------------------
+
+// Per lane, for normalized log-probabilities ls, lt: p = S, q = T and lm = log M =
+// log((1 - beta) S + beta T) = hi + log1p(exp(lo - hi)) of the two weighted log-masses (NaN
+// where both are -inf: every use is masked there).
+inline void jsd_lanes(const Vec& ls, const Vec& lt, const Vec& vl1mb, const Vec& vlb, Vec& p,
+                      Vec& q, Vec& lm) {
+  const Vec a = ls + vl1mb;
+  const Vec b = lt + vlb;
+  const Vec hi = at::vec::maximum(a, b);
+  lm = hi + fast_exp(at::vec::minimum(a, b) - hi).log1p();
+  p = fast_exp(ls);
+  q = fast_exp(lt);
+}
+
+// kp = S (log S - log M), kq = T (log T - log M), 0 for a side without mass.
+inline void jsd_lane_parts(const Vec& ls, const Vec& lt, const Vec& vl1mb, const Vec& vlb,
+                           Vec& kp, Vec& kq) {
+  const Vec vneg(kNegInf), zero(0.0f);
+  Vec p, q, lm;
+  jsd_lanes(ls, lt, vl1mb, vlb, p, q, lm);
+  kp = Vec::blendv(p * (ls - lm), zero, ls == vneg);
+  kq = Vec::blendv(q * (lt - lm), zero, lt == vneg);
+}
+
+// A log-sum-exp as the shift of the log-probabilities: a row without mass (-inf) gives -inf
+// log-probabilities (x - (+inf)), never NaN.
+inline float lse_shift(float lse) {
+  return lse == kNegInf ? std::numeric_limits<float>::infinity() : lse;
+}
+
+// K_P = KL(P || M), K_Q = KL(Q || M) over the vocabulary, given both log-sum-exps.
+template <typename TS, typename TT>
+void full_jsd_kls(const TS* s, const TT* t, int64_t V, float inv, float lse_s, float lse_t,
+                  float beta, float* k_p, float* k_q) {
+  const Vec vinv(inv), vls(lse_shift(lse_s)), vlt(lse_shift(lse_t));
+  const Vec vl1mb(std::log1p(-beta)), vlb(std::log(beta));
+  double kp_total = 0.0, kq_total = 0.0;
+  int64_t j = 0;
+  while (V - j >= kStep) {
+    const int64_t blk_end = j + std::min<int64_t>(kBlock, (V - j) / kStep * kStep);
+    Vec acc_p(0.0f), acc_q(0.0f);
+    for (int64_t k = j; k < blk_end; k += kStep) {
+      Vec s0, s1, t0, t1, kp, kq;
+      load2(s + k, s0, s1);
+      load2(t + k, t0, t1);
+      jsd_lane_parts(s0 * vinv - vls, t0 * vinv - vlt, vl1mb, vlb, kp, kq);
+      acc_p = acc_p + kp;
+      acc_q = acc_q + kq;
+      jsd_lane_parts(s1 * vinv - vls, t1 * vinv - vlt, vl1mb, vlb, kp, kq);
+      acc_p = acc_p + kp;
+      acc_q = acc_q + kq;
+    }
+    kp_total += hsum(acc_p);
+    kq_total += hsum(acc_q);
+    j = blk_end;
+  }
+  for (; j < V; ++j) {
+    const float ls = math::log_normalize(static_cast<float>(s[j]) * inv, lse_s);
+    const float lt = math::log_normalize(static_cast<float>(t[j]) * inv, lse_t);
+    const float lm = math::jsd_log_mixture(ls, lt, beta);
+    kp_total += math::kl_to_mixture_term(ls, lm);
+    kq_total += math::kl_to_mixture_term(lt, lm);
+  }
+  *k_p = static_cast<float>(kp_total);
+  *k_q = static_cast<float>(kq_total);
+}
+
+// Full-vocabulary JSD forward row: the log-sum-exps (fwd_full_row's pass; its KL discarded),
+// then the terms.
+template <typename TS, typename TT>
+RowResult fwd_full_jsd_row(const TS* s, const TT* t, int64_t V, float inv, float beta) {
+  RowResult r = fwd_full_row(s, t, V, inv);  // (lse_w, lse_o) = (lse_s, lse_t)
+  float k_p, k_q;
+  full_jsd_kls(s, t, V, inv, r.lse_s, r.lse_t, beta, &k_p, &k_q);
+  r.kl = beta * k_q + (1.0f - beta) * k_p;
+  return r;
+}
+
 template <typename TS, typename TT>
 void fwd_impl(const TopKTailKLFwdArgs& a) {
   const int64_t N = a.n_rows;
   const int64_t V = a.vocab;
   const int64_t M = a.top_m;
+  const int64_t K = a.width;
+  const bool two_heaps = a.support == math::kSupportUnion;
+  const bool on_student = a.support == math::kSupportStudent;
   const TS* s_base = a.student.data_ptr<TS>();
   const TT* t_base = a.teacher.data_ptr<TT>();
   const int64_t* target = a.target.data_ptr<int64_t>();
@@ -339,24 +536,31 @@ void fwd_impl(const TopKTailKLFwdArgs& a) {
   // Enough rows per task that small vocabularies do not drown in scheduling overhead.
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    FwdScratch scr(M);
+    FwdScratch scr(M, K, two_heaps);
     for (int64_t n = begin; n < end; ++n) {
       const int64_t tgt = target[n];
-      int64_t* ids_n = ids + n * M;
-      float* bucket_n = bucket + n * 2 * (M + 1);
+      int64_t* ids_n = ids + n * K;
+      float* bucket_n = bucket + n * 2 * (K + 1);
       if (tgt == a.ignore_index) {
         kl[n] = slp[n] = tlp[n] = 0.0f;
         lse[2 * n] = lse[2 * n + 1] = 0.0f;
-        std::fill(ids_n, ids_n + M, int64_t{0});
-        std::fill(bucket_n, bucket_n + 2 * (M + 1), 0.0f);
+        std::fill(ids_n, ids_n + K, int64_t{0});
+        std::fill(bucket_n, bucket_n + 2 * (K + 1), 0.0f);
         continue;
       }
       const TS* s = s_base + a.s_layout.offset(n);
       const TT* t = t_base + a.t_layout.offset(n);
       RowResult r;
-      if (M > 0) {
-        r = fwd_topk_row(s, t, V, M, inv, a.reverse, scr, ids_n, bucket_n);
-      } else if (a.reverse) {
+      if (M > 0 && two_heaps) {
+        r = fwd_topk_row<true>(s, t, V, M, inv, a.div, false, scr, ids_n, bucket_n);
+      } else if (M > 0 && on_student) {
+        // The same pass selecting on the student row: the rows' roles swap.
+        r = fwd_topk_row<false>(t, s, V, M, inv, a.div, true, scr, ids_n, bucket_n);
+      } else if (M > 0) {
+        r = fwd_topk_row<false>(s, t, V, M, inv, a.div, false, scr, ids_n, bucket_n);
+      } else if (a.div.kind == math::kJsd) {
+        r = fwd_full_jsd_row(s, t, V, inv, a.div.beta);
+      } else if (a.div.kind == math::kReverse) {
         r = fwd_full_row(s, t, V, inv);
       } else {
         r = fwd_full_row(t, s, V, inv);
@@ -380,10 +584,10 @@ void fwd_impl(const TopKTailKLFwdArgs& a) {
 // Backward
 // ---------------------------------------------------------------------------------------------
 
-// One side's gradient row. k[i] is bucket i's factor (k[M]: the tail), tail_lse the log-sum-exp
-// of that side's tail logits. Streams grad[j] = exp(x[j] / T - tail_lse) * k[M] / T (the tail
-// formula) over the whole row, then rewrites the M selected entries (share 1: no logit read) and
-// the target.
+// One side's gradient row. k[i] is bucket i's factor (k[M]: the tail; M here is K, the width of
+// ids), tail_lse the log-sum-exp of that side's tail logits. Streams grad[j] = exp(x[j] / T -
+// tail_lse) * k[M] / T (the tail formula) over the whole row, then rewrites the selected entries
+// (share 1: no logit read; a -1 slot, a union's padding, is skipped) and the target.
 template <typename T>
 void bwd_topk_side(const T* x, T* g, int64_t V, int64_t M, const int64_t* ids, const float* k,
                    float tail_lse, float u_lp, int64_t tgt, float inv) {
@@ -409,6 +613,7 @@ void bwd_topk_side(const T* x, T* g, int64_t V, int64_t M, const int64_t* ids, c
   bool target_selected = false;
   for (int64_t i = 0; i < M; ++i) {
     const int64_t id = ids[i];
+    if (id < 0) continue;
     g[id] = static_cast<T>(math::entry_grad(1.0f, k[i], u_lp, id == tgt, inv));
     target_selected |= id == tgt;
   }
@@ -462,11 +667,53 @@ void bwd_full_row(const TS* s, const TT* t, TS* gs, TT* gt, int64_t V, float lse
   scalar(tgt, true);
 }
 
+// Full-vocabulary JSD backward: K_P and K_Q first (a pass), then the gradients (another).
+template <typename TS, typename TT>
+void bwd_full_jsd_row(const TS* s, const TT* t, TS* gs, TT* gt, int64_t V, float lse_s,
+                      float lse_t, float beta, float u_kl, float u_ls, float u_lt, int64_t tgt,
+                      float inv) {
+  float k_p, k_q;
+  full_jsd_kls(s, t, V, inv, lse_s, lse_t, beta, &k_p, &k_q);
+  const Vec vinv(inv), vls(lse_shift(lse_s)), vlt(lse_shift(lse_t));
+  const Vec vl1mb(std::log1p(-beta)), vlb(std::log(beta)), vneg(kNegInf), vzero(0.0f);
+  // k_s = S (u_kl (1 - beta) (log S - log M - K_P) - u_ls), k_t alike (bucket_grad_factors_jsd).
+  const Vec vas(u_kl * (1.0f - beta)), vat(u_kl * beta), vkp(k_p), vkq(k_q);
+  const Vec vuls(u_ls), vult(u_lt);
+  auto grads = [&](const Vec& ls, const Vec& lt, Vec& out_s, Vec& out_t) {
+    Vec p, q, lm;
+    jsd_lanes(ls, lt, vl1mb, vlb, p, q, lm);
+    const Vec ks = Vec::blendv(p * (vas * ((ls - lm) - vkp) - vuls), vzero, ls == vneg);
+    const Vec kt = Vec::blendv(q * (vat * ((lt - lm) - vkq) - vult), vzero, lt == vneg);
+    out_s = ks * vinv;
+    out_t = kt * vinv;
+  };
+  int64_t j = 0;
+  for (; V - j >= kStep; j += kStep) {
+    Vec s0, s1, t0, t1, gs0, gs1, gt0, gt1;
+    load2(s + j, s0, s1);
+    load2(t + j, t0, t1);
+    grads(s0 * vinv - vls, t0 * vinv - vlt, gs0, gt0);
+    grads(s1 * vinv - vls, t1 * vinv - vlt, gs1, gt1);
+    if (gs != nullptr) store2(gs + j, gs0, gs1);
+    if (gt != nullptr) store2(gt + j, gt0, gt1);
+  }
+  auto scalar = [&](int64_t i, bool is_target) {
+    const float ls = math::log_normalize(static_cast<float>(s[i]) * inv, lse_s);
+    const float lt = math::log_normalize(static_cast<float>(t[i]) * inv, lse_t);
+    float ks, kt;
+    math::bucket_grad_factors_jsd(ls, lt, beta, k_p, k_q, u_kl, u_ls, u_lt, &ks, &kt);
+    if (gs != nullptr) gs[i] = static_cast<TS>(math::entry_grad(1.0f, ks, u_ls, is_target, inv));
+    if (gt != nullptr) gt[i] = static_cast<TT>(math::entry_grad(1.0f, kt, u_lt, is_target, inv));
+  };
+  for (; j < V; ++j) scalar(j, false);
+  scalar(tgt, true);
+}
+
 template <typename TS, typename TT>
 void bwd_impl(const TopKTailKLBwdArgs& a) {
   const int64_t N = a.n_rows;
   const int64_t V = a.vocab;
-  const int64_t M = a.topk_ids.size(1);
+  const int64_t M = a.topk_ids.size(1);  // K: M, or 2M for a union
   const TS* s_base = a.student.data_ptr<TS>();
   const TT* t_base = a.teacher.data_ptr<TT>();
   TS* gs_base = a.grad_student.defined() ? a.grad_student.data_ptr<TS>() : nullptr;
@@ -497,16 +744,26 @@ void bwd_impl(const TopKTailKLBwdArgs& a) {
       const TT* t = t_base + a.t_layout.offset(n);
       const float lse_s = lse[2 * n];
       const float lse_t = lse[2 * n + 1];
+      if (M == 0 && a.div.kind == math::kJsd) {
+        bwd_full_jsd_row(s, t, gs, gt, V, lse_s, lse_t, a.div.beta, g_kl[n], g_ls[n], g_lt[n],
+                         tgt, inv);
+        continue;
+      }
       if (M == 0) {
-        bwd_full_row(s, t, gs, gt, V, lse_s, lse_t, kl[n], a.reverse, g_kl[n], g_ls[n], g_lt[n],
-                     tgt, inv);
+        bwd_full_row(s, t, gs, gt, V, lse_s, lse_t, kl[n], a.div.kind == math::kReverse,
+                     g_kl[n], g_ls[n], g_lt[n], tgt, inv);
         continue;
       }
       const float* logp = bucket + n * 2 * (M + 1);
       const float* logq = logp + (M + 1);
+      // The JSD's factors need KL(P || M) and KL(Q || M) of the row: O(K) from the buckets.
+      float k_p = 0.0f, k_q = 0.0f;
+      if (a.div.kind == math::kJsd) {
+        math::jsd_mixture_kls(logp, logq, M + 1, a.div.beta, &k_p, &k_q);
+      }
       for (int64_t b = 0; b <= M; ++b) {
-        math::bucket_grad_factors(logp[b], logq[b], kl[n], a.reverse, g_kl[n], g_ls[n], g_lt[n],
-                                  &ks[b], &kt[b]);
+        math::bucket_grad_factors_div(logp[b], logq[b], kl[n], a.div, k_p, k_q, g_kl[n], g_ls[n],
+                                      g_lt[n], &ks[b], &kt[b]);
       }
       const int64_t* ids_n = ids + n * M;
       const float tail_s = math::bucket_lse(lse_s, logp[M]);
