@@ -56,7 +56,9 @@ from lopd_kernels.bucket_math import (
     op_divergence,
     select_support,
     support_masks,
+    support_size,
     support_width,
+    teacher_topk_mass,
 )
 from lopd_kernels.row_layout import rows_in_place
 from lopd_kernels.topk_tail_kl_checks import (
@@ -109,30 +111,6 @@ class TopKTailKLOutput(NamedTuple):
     topk_ids: Tensor
     teacher_topk_mass: Tensor
     support_size: Tensor
-
-
-def teacher_topk_mass(bucket_logp: Tensor, target_ids: Tensor, ignore_index: int) -> Tensor:
-    """``[N]`` teacher mass on the support from the ops' ``bucket_logp [N, 2, K+1]`` (no grad).
-
-    A sum of K non-negative terms (never ``1 - tail``; padding buckets are ``-inf``: 0); 1 for
-    the full vocabulary (``K = 0``), 0 at rows whose target is ``ignore_index``.
-    """
-    k = bucket_logp.shape[-1] - 1
-    if k == 0:
-        mass = torch.ones(bucket_logp.shape[0], dtype=torch.float32, device=bucket_logp.device)
-    else:
-        mass = bucket_logp.detach()[:, 1, :k].float().exp().sum(-1)
-    return torch.where(target_ids == ignore_index, torch.zeros_like(mass), mass)
-
-
-def support_size(topk_ids: Tensor, target_ids: Tensor, ignore_index: int, vocab: int) -> Tensor:
-    """``[N]`` int64 ids per row in ``topk_ids [N, K]`` (its non-negative entries; V when
-    ``K = 0``, the full vocabulary), 0 at rows whose target is ``ignore_index``."""
-    if topk_ids.shape[-1] == 0:
-        size = torch.full(target_ids.shape, vocab, dtype=torch.int64, device=target_ids.device)
-    else:
-        size = (topk_ids.detach() >= 0).sum(-1)
-    return torch.where(target_ids == ignore_index, torch.zeros_like(size), size)
 
 
 def kernel_option_refusal(impl: str, divergence: str, support: str) -> str | None:
