@@ -393,7 +393,7 @@ def write_report(
         "# LOPD vs baselines on the embedded tool-use world",
         "",
         f"Seeds: {meta['seeds']}. Budget: {meta['budget']} generated rollouts per run (bank "
-        f"included). Preset `{meta['preset']}` (`lopd/configs/{meta['preset']}.yaml`)"
+        f"included). Preset `{meta['preset']}` (`lopd/config/yaml/{meta['preset']}.yaml`)"
         + (f" with overrides `{' '.join(meta['overrides'])}`" if meta["overrides"] else "")
         + f". Total wall time {meta['wall_seconds'] / 60:.1f} min. "
         f"Command: `{meta['command']}`.",
