@@ -48,10 +48,13 @@ __all__ = [
 ]
 
 #: Bytes of the one float32 ``[C, Vb]`` logit block per device type (the op's working set beyond
-#: its outputs and gradients). CPU: 64 MiB keeps a block row in L2 while it is read twice and
-#: costs nothing in GEMM speed against larger blocks (benchmarks/bench_fused_linear_logprob.py);
-#: GPU: 1 GiB is ~1,700 rows of a 152k vocabulary, GEMMs large enough for cuBLAS's peak.
-BLOCK_BUDGET = {"cpu": 64 << 20, "cuda": 1 << 30}
+#: its outputs and gradients). CPU: 128 MiB (2,048 rows x 16,384 entries). Measured at N = 2,048,
+#: V = 151,936, fp32, 2 loaded cores (forward + backward against the materialized path):
+#: d = 1,024: 64 / 128 / 256 MiB blocks 0.94x / 0.86x / 0.86x; d = 256: 64 / 256 MiB 0.99x /
+#: 0.86x, whole-vocabulary rows (chunks of 110 / 440 rows) 1.25x / 0.97x. GPU: 1 GiB is ~1,700
+#: rows of a 152k vocabulary,
+#: GEMMs large enough for cuBLAS's peak.
+BLOCK_BUDGET = {"cpu": 128 << 20, "cuda": 1 << 30}
 #: Most token rows per chunk: the weight gradient is read and written once per chunk.
 MAX_CHUNK_ROWS = {"cpu": 4096, "cuda": 16384}
 # Vocabulary blocks are multiples of this many entries (vector and GEMM tile friendly).

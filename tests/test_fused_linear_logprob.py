@@ -247,6 +247,19 @@ def test_all_rows_ignored_and_int32_targets(impl):
 
 
 @needs_ext
+@pytest.mark.parametrize("variant", ["upcast", "native"])
+def test_cpu_bf16_gemm_variants(variant, monkeypatch):
+    """A bf16 head on CPU: float32 GEMMs of upcast blocks, or bf16 GEMMs (oneDNN; used where the
+    CPU has AVX512-BF16), both within bf16 tolerance of the float64 reference, several chunks."""
+    monkeypatch.setenv("LOPD_FUSED_LOGPROB_CPU_HALF", variant)
+    monkeypatch.setitem(chunked.BLOCK_BUDGET, "cpu", 4 * 64 * 4)
+    inputs, targets = make_inputs(13, 48, 301, torch.bfloat16, bias=True, seed=15)
+    check(inputs, targets, "cpu", torch.bfloat16, chunk_size=4, with_entropy=True)
+    check(inputs, targets, "cpu", torch.bfloat16, requires={"hidden"}, chunk_size=4)
+    check(inputs, targets, "cpu", torch.bfloat16, chunk_size=20)  # one chunk
+
+
+@needs_ext
 @pytest.mark.parametrize("isa", ["default", "avx2", "avx512"])
 def test_every_cpu_isa(isa, monkeypatch):
     """Each compiled ISA copy of the row kernels (LOPD_CPU_ISA caps it), V off the vector width."""

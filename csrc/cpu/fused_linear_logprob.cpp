@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -83,24 +85,101 @@ Plan make_plan(const at::Tensor& targets, int64_t ignore_index, int64_t chunk_si
   return p;
 }
 
-// Rows r of a [*, d] tensor as a contiguous float32 [R, d].
-at::Tensor gather_f32(const at::Tensor& x, const at::Tensor& r) {
-  return x.index_select(0, r).to(at::kFloat).contiguous();
-}
-
-// Head rows [v0, v0 + n) as float32 [n, d]: a view of a float32 head, else converted into buf.
-at::Tensor weight_block(const at::Tensor& w, int64_t v0, int64_t n, at::Tensor& buf) {
-  at::Tensor blk = w.narrow(0, v0, n);
-  if (w.scalar_type() == at::kFloat) return blk;
-  at::Tensor out = buf.narrow(0, 0, n);
-  out.copy_(blk);
-  return out;
-}
-
-// A [rows, cols] float32 view of the flat logit buffer.
+// A [rows, cols] view of a flat buffer.
 at::Tensor block_view(const at::Tensor& buf, int64_t rows, int64_t cols) {
   return buf.narrow(0, 0, rows * cols).view({rows, cols});
 }
+
+// Whether a bfloat16 head runs its GEMMs in bfloat16 (oneDNN through at::mm, float32
+// accumulation, block results rounded to bfloat16, as torch.matmul gives them): on CPUs with
+// AVX512-BF16 these are several times faster than float32 GEMMs of upcast operands (measured on an
+// AMD EPYC: 126 vs 10 GFLOP/s, benchmarks/bench_fused_linear_logprob.py). LOPD_CPU_ISA below
+// avx512 or LOPD_FUSED_LOGPROB_CPU_HALF=upcast (the previous kernel; read at every call,
+// lopd_kernels/kernel_variants.py) upcast instead: float32 logits of the bf16 operands.
+bool native_bf16(const at::Tensor& weight) {
+  if (weight.scalar_type() != at::kBFloat16 || ::lopd::cpu_isa() != ::lopd::CpuIsa::kAvx512) {
+    return false;
+  }
+  const char* v = std::getenv("LOPD_FUSED_LOGPROB_CPU_HALF");
+  if (v != nullptr && std::strcmp(v, "upcast") == 0) return false;
+#if defined(__x86_64__)
+  static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
+  return has_bf16;
+#else
+  return false;
+#endif
+}
+
+// The GEMMs of one call: float32 operands (a float32 head as is; a half-precision one upcast a
+// chunk of hidden rows and a block of head rows at a time), or bfloat16 ones (native_bf16).
+class BlockGemm {
+ public:
+  BlockGemm(const at::Tensor& weight, int64_t chunk, int64_t vb)
+      : weight_(weight), native_(native_bf16(weight)) {
+    const auto opts = weight.options();
+    if (native_) {
+      half_ = empty_recycled({chunk * vb}, opts);
+    } else if (weight.scalar_type() != at::kFloat) {
+      wbuf_ = at::empty({vb, weight.size(1)}, opts.dtype(at::kFloat));
+    }
+  }
+
+  // Rows r of the hidden states, contiguous, in the GEMM dtype.
+  at::Tensor hidden_rows(const at::Tensor& hidden, const at::Tensor& r) const {
+    at::Tensor h = hidden.index_select(0, r);
+    return (native_ ? h : h.to(at::kFloat)).contiguous();
+  }
+
+  // Head rows [v0, v0 + n) in the GEMM dtype.
+  at::Tensor head_block(int64_t v0, int64_t n) {
+    at::Tensor blk = weight_.narrow(0, v0, n);
+    if (native_ || weight_.scalar_type() == at::kFloat) return blk;
+    at::Tensor out = wbuf_.narrow(0, 0, n);
+    out.copy_(blk);
+    return out;
+  }
+
+  // out (float32 [R, n]) = h wb^T.
+  void logits(at::Tensor& out, const at::Tensor& h, const at::Tensor& wb) {
+    if (!native_) {
+      at::mm_out(out, h, wb.t());
+      return;
+    }
+    at::Tensor lh = block_view(half_, out.size(0), out.size(1));
+    at::mm_out(lh, h, wb.t());
+    out.copy_(lh);
+  }
+
+  // A float32 [R, n] block as the left operand of the gradient GEMMs (rounded to bf16 once).
+  at::Tensor operand(const at::Tensor& g) {
+    if (!native_) return g;
+    at::Tensor gh = block_view(half_, g.size(0), g.size(1));
+    gh.copy_(g);
+    return gh;
+  }
+
+  // out (float32) = / += a @ b.
+  static void into(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+    if (a.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat) {
+      if (accumulate) {
+        out.addmm_(a, b);
+      } else {
+        at::mm_out(out, a, b);
+      }
+    } else if (accumulate) {
+      out.add_(at::mm(a, b));
+    } else if (out.scalar_type() == a.scalar_type()) {
+      at::mm_out(out, a, b);
+    } else {
+      out.copy_(at::mm(a, b));
+    }
+  }
+
+ private:
+  at::Tensor weight_;
+  bool native_;
+  at::Tensor half_, wbuf_;
+};
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_linear_logprob_fwd_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -122,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_linear_logprob_
   const float inv = static_cast<float>(1.0 / temperature);
   const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor buf = empty_recycled({plan.chunk * plan.vb}, f32);
-  at::Tensor wbuf = weight.scalar_type() == at::kFloat ? at::Tensor() : at::empty({plan.vb, d}, f32);
+  BlockGemm gemm(weight, plan.chunk, plan.vb);
   at::Tensor m = at::empty({plan.chunk}, f32), z_a = at::empty({plan.chunk}, f32);
   at::Tensor scale = at::empty({plan.chunk}, f32);
   at::Tensor s_ex = at::empty({plan.chunk}, f32.dtype(at::kDouble));
@@ -135,7 +214,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_linear_logprob_
   for (int64_t c0 = 0; c0 < plan.n_valid; c0 += plan.chunk) {
     const int64_t nr = std::min(plan.chunk, plan.n_valid - c0);
     const at::Tensor r = plan.rows.narrow(0, c0, nr);
-    const at::Tensor h = gather_f32(hidden, r);
+    const at::Tensor h = gemm.hidden_rows(hidden, r);
     const at::Tensor tgt = targets.index_select(0, r).contiguous();
     m.fill_(kNegInf);
     z_a.fill_(kNegInf);
@@ -147,16 +226,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_linear_logprob_
                              scale.data_ptr<float>()};
     for (int64_t v0 = 0; v0 < vocab; v0 += plan.vb) {
       const int64_t cols = std::min(plan.vb, vocab - v0);
-      const at::Tensor wb = weight_block(weight, v0, cols, wbuf);
+      const at::Tensor wb = gemm.head_block(v0, cols);
       at::Tensor logits = block_view(buf, nr, cols);
-      at::mm_out(logits, h, wb.t());
+      gemm.logits(logits, h, wb);
       const LogprobBlock blk{logits.data_ptr<float>(), cols, nr, cols, v0,
                              bias_f32.defined() ? bias_f32.data_ptr<float>() + v0 : nullptr,
                              tgt.data_ptr<int64_t>(), inv};
       LOPD_CPU_ISA_CALL(fused_linear_logprob_fwd_block, blk, st, with_entropy, projection);
       if (projection) {
         acc.mul_(scale.narrow(0, 0, nr).unsqueeze(1));
-        acc.addmm_(logits, wb);
+        BlockGemm::into(acc, gemm.operand(logits), wb, true);
       }
     }
     // Per row: lse = m + log S, S = S_ex + e^{z_a - m}; log p_a = -log1p(S_ex e^{m - z_a}).
@@ -220,8 +299,8 @@ std::vector<at::Tensor> fused_linear_logprob_bwd_cpu(
   at::Tensor dh = need_h ? at::zeros({hidden.size(0), d}, f32) : at::Tensor();
   at::Tensor db = need_b ? at::zeros({vocab}, f32) : at::Tensor();
   // The weight gradient: written by the first chunk's GEMMs (beta = 0), accumulated by later
-  // ones; a half-precision head with one chunk goes block by block through a float32 block.
-  at::Tensor dw, dw32, dwbuf;
+  // ones; a half-precision head with one chunk gets each block written in its dtype.
+  at::Tensor dw, dw32;
   if (need_w) {
     if (plan.n_valid == 0) {
       dw32 = at::zeros({vocab, d}, f32);
@@ -229,21 +308,20 @@ std::vector<at::Tensor> fused_linear_logprob_bwd_cpu(
       dw32 = at::empty({vocab, d}, f32);
     } else {
       dw = at::empty({vocab, d}, weight.options());
-      dwbuf = at::empty({plan.vb, d}, f32);
     }
   }
   if (plan.n_valid > 0 && (need_h || need_w || need_b)) {
     const float inv = static_cast<float>(1.0 / temperature);
     const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
     at::Tensor buf = empty_recycled({plan.chunk * plan.vb}, f32);
-    at::Tensor wbuf = w_f32 ? at::Tensor() : at::empty({plan.vb, d}, f32);
+    BlockGemm gemm(weight, plan.chunk, plan.vb);
     const at::Tensor u = grad_logprob.to(at::kFloat).contiguous();
     const bool with_v = grad_entropy.numel() > 0;
     const at::Tensor v = with_v ? grad_entropy.to(at::kFloat).contiguous() : at::Tensor();
     for (int64_t c0 = 0; c0 < plan.n_valid; c0 += plan.chunk) {
       const int64_t nr = std::min(plan.chunk, plan.n_valid - c0);
       const at::Tensor r = plan.rows.narrow(0, c0, nr);
-      const at::Tensor h = gather_f32(hidden, r);
+      const at::Tensor h = gemm.hidden_rows(hidden, r);
       const at::Tensor tgt = targets.index_select(0, r).contiguous();
       const at::Tensor u_r = u.index_select(0, r).contiguous();
       const at::Tensor lse_r = lse.index_select(0, r).contiguous();
@@ -259,33 +337,18 @@ std::vector<at::Tensor> fused_linear_logprob_bwd_cpu(
       at::Tensor dh_c = need_h ? at::empty({nr, d}, f32) : at::Tensor();
       for (int64_t v0 = 0; v0 < vocab; v0 += plan.vb) {
         const int64_t cols = std::min(plan.vb, vocab - v0);
-        const at::Tensor wb = weight_block(weight, v0, cols, wbuf);
+        const at::Tensor wb = gemm.head_block(v0, cols);
         at::Tensor g = block_view(buf, nr, cols);
-        at::mm_out(g, h, wb.t());
+        gemm.logits(g, h, wb);
         const LogprobBlock blk{g.data_ptr<float>(), cols, nr, cols, v0,
                                bias_f32.defined() ? bias_f32.data_ptr<float>() + v0 : nullptr,
                                tgt.data_ptr<int64_t>(), inv};
         LOPD_CPU_ISA_CALL(fused_linear_logprob_bwd_block, blk, rg);
-        if (need_h) {
-          if (v0 == 0) {
-            at::mm_out(dh_c, g, wb);
-          } else {
-            dh_c.addmm_(g, wb);
-          }
-        }
+        const at::Tensor op = gemm.operand(g);
+        if (need_h) BlockGemm::into(dh_c, op, wb, v0 > 0);
         if (need_w) {
-          if (dw32.defined()) {
-            at::Tensor dst = dw32.narrow(0, v0, cols);
-            if (c0 == 0) {
-              at::mm_out(dst, g.t(), h);
-            } else {
-              dst.addmm_(g.t(), h);
-            }
-          } else {
-            at::Tensor part = dwbuf.narrow(0, 0, cols);
-            at::mm_out(part, g.t(), h);
-            dw.narrow(0, v0, cols).copy_(part);
-          }
+          at::Tensor dst = dw32.defined() ? dw32.narrow(0, v0, cols) : dw.narrow(0, v0, cols);
+          BlockGemm::into(dst, op.t(), h, c0 > 0);
         }
         if (need_b) db.narrow(0, v0, cols).add_(g.sum(0));
       }
