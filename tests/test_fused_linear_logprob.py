@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import lopd_kernels as lk
 from lopd_kernels import fused_linear_logprob_chunked as chunked
 from lopd_kernels.fused_linear_logprob import fused_linear_logprob, fused_linear_logprob_reference
+from tests.triton_compile import assert_script_compiles
 from tests.utils import TRITON_DEVICE, assert_close, triton_interpret
 
 NAMES = ("hidden", "weight", "bias")
@@ -440,3 +441,40 @@ def test_block_plan_and_working_set():
     assert budget < work < budget + 4 * 151_936 * 4096 + 5 * 4 * 4096 * 4096
     frozen = chunked.workspace_bytes(2048, 151_936, 1024, projection=True, head_grad=False)
     assert frozen >= 2048 * 1024 * 4  # the saved projection
+
+
+# Runs in a subprocess: with TRITON_INTERPRET=1 (set for this process by conftest.py) triton.jit
+# yields interpreter functions, which cannot be compiled.
+_COMPILE_SCRIPT = """
+import functools
+
+from tests.triton_compile import compile_kernel
+import lopd_kernels.triton.fused_linear_logprob_kernels as k
+
+def arg_type(name):
+    if name in ("H", "W", "B"):
+        return "*bf16"
+    if name == "TGT":
+        return "*i32"
+    if name in ("N", "V", "D", "split_len") or name.startswith("stride"):
+        return "i32"
+    return "fp32" if name == "inv_temp" else "*fp32"
+
+compile_for = functools.partial(
+    compile_kernel,
+    arch=90,
+    arg_type=arg_type,
+    aligned=lambda n: arg_type(n).startswith("*") or n.startswith("stride"),
+)
+tiles = dict(BLOCK_N=64, BLOCK_V=128, BLOCK_D=128, PRECISION="tf32", UPCAST=False)
+compile_for(k._fwd_kernel, HAS_B=True, ENTROPY=True, **tiles)
+compile_for(k._bwd_kernel, HAS_B=False, ENTROPY=True, NEED_DH=True, NEED_DW=True, NEED_DB=False,
+            **tiles)
+print("compiled")
+"""
+
+
+def test_triton_kernels_compile_for_sm90():
+    """The forward and backward kernels lower to a cubin for sm_90 (Triton's own ptxas, no GPU):
+    the interpreter accepts code the compiler rejects."""
+    assert_script_compiles(_COMPILE_SCRIPT)
