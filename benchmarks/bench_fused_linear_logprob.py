@@ -53,13 +53,14 @@ THREADS = int(os.environ.get("LOPD_BENCH_THREADS", "2"))
 HEAD_GRAD = os.environ.get("LOPD_BENCH_LP_GRADS", "head") != "frozen-head"
 ISA = os.environ.get("LOPD_CPU_ISA", "native")
 
-# The same source runs here (timing) and in a fresh process per variant (peak RSS).
+# The same source runs here (timing) and in a fresh process per variant (peak RSS). Valid Python
+# before formatting too, so tests/test_benchmark_hygiene.py can parse it.
 SETUP = """
 import torch
 import torch.nn.functional as F
 import lopd_kernels as lk
 
-N, D, V, DTYPE, HEAD_GRAD = {n}, {d}, {v}, torch.{dtype}, {head_grad}
+N, D, V, DTYPE, HEAD_GRAD = {n}, {d}, {v}, getattr(torch, "{dtype}"), {head_grad}
 _g = torch.Generator().manual_seed(0)
 # In place only: a temporary as large as the head would raise the RSS high-water mark of the
 # setup above what the measured call adds.
