@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from lopd.envs.base import parse_tool_calls
@@ -137,15 +138,29 @@ def lm_loss(
 
 
 def greedy_hits(head: Any, h: torch.Tensor, targets: torch.Tensor) -> int:
-    """How many rows of ``h`` (``[N, d]``) have ``targets`` as their arg-max token (no gradient;
-    the logits are formed ~32 MiB of rows at a time, never ``[N, V]`` at once)."""
-    vocab = head.weight.shape[0]
-    step = max(1, (32 << 20) // (4 * vocab))
+    """How many rows of ``h`` (``[N, d]``) have ``targets`` (``[N]``) as their arg-max token.
+
+    No gradient. The logits are formed ``[R, Vb]`` (at most 1,024 x 8,192) at a time, an arg-max
+    running over vocabulary blocks, so no tensor has a vocabulary-sized axis; ties go to the lowest
+    id, as
+    ``argmax`` over the whole row gives them."""
+    weight, bias = head.weight, getattr(head, "bias", None)
+    vocab = weight.shape[0]
+    rows = min(max(1, h.shape[0]), 1024)
+    block = min(8192, max(1, (32 << 20) // (4 * rows)))
     hits = 0
     with torch.no_grad():
-        for start in range(0, h.shape[0], step):
-            logits = head(h[start : start + step].to(head.weight.dtype))
-            hits += int((logits.argmax(-1) == targets[start : start + step]).sum())
+        for start in range(0, h.shape[0], rows):
+            x = h[start : start + rows].to(weight.dtype)
+            best = torch.full((x.shape[0],), -math.inf, dtype=torch.float32, device=x.device)
+            arg = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+            for v0 in range(0, vocab, block):
+                b = None if bias is None else bias[v0 : v0 + block]
+                top, idx = F.linear(x, weight[v0 : v0 + block], b).float().max(-1)
+                better = top > best  # strict: an equal later block does not displace the first
+                best = torch.where(better, top, best)
+                arg = torch.where(better, idx + v0, arg)
+            hits += int((arg == targets[start : start + rows]).sum())
     return hits
 
 
