@@ -4,7 +4,8 @@ every implementation shares.
 **Blocks.** The valid rows (target not ``ignore_index``) are taken ``C`` at a time (a token
 chunk) and the vocabulary ``Vb`` entries at a time (a vocabulary block); one ``[C, Vb]`` float32
 logit block exists at a time (:func:`block_plan`: ``C`` up to a row cap, ``Vb`` from a byte
-budget, so a short sequence gets whole-vocabulary rows and a 40k-token one 16k-entry blocks). The
+budget and at most 16,384 entries, so no block is ever ``[N, V]`` of a larger vocabulary, a short
+sequence included). The
 forward keeps per row a running maximum ``m``, ``S_ex = sum_{j != a} e^{z_j - m}`` (the target
 ``a`` left out, so that ``1 - p_a`` is a sum, never a difference) and, for the entropy,
 ``sum_{j != a} e^{z_j - m} (z_j - m)``: a block rescales them by ``e^{m_old - m_new}`` (the online
@@ -39,6 +40,7 @@ from lopd_kernels.fused_linear_logprob_checks import check_values
 
 __all__ = [
     "BLOCK_BUDGET",
+    "MAX_BLOCK_VOCAB",
     "MAX_CHUNK_ROWS",
     "block_plan",
     "blocked_bwd",
@@ -57,6 +59,10 @@ __all__ = [
 BLOCK_BUDGET = {"cpu": 128 << 20, "cuda": 1 << 30}
 #: Most token rows per chunk: the weight gradient is read and written once per chunk.
 MAX_CHUNK_ROWS = {"cpu": 4096, "cuda": 16384}
+#: Most vocabulary entries per block, whatever the rows: a short batch's block would otherwise
+#: span the whole vocabulary, an ``[N, V]`` tensor after all. 16,384 is what the budgets give a
+#: full chunk (2,048 CPU / 16,384 GPU rows), so long batches are unaffected.
+MAX_BLOCK_VOCAB = 16_384
 # Vocabulary blocks are multiples of this many entries (vector and GEMM tile friendly).
 _VOCAB_ALIGN = 64
 # Exponents below this contribute exactly 0 (e^-150 underflows float32); clamping there keeps
@@ -70,14 +76,14 @@ def block_plan(
     """``(C, Vb)``: token rows per chunk and vocabulary entries per block.
 
     ``C = min(n_rows, chunk_size or MAX_CHUNK_ROWS)``; ``Vb`` the largest multiple of 64 with
-    ``C * Vb * 4 <= BLOCK_BUDGET`` (at least 64, at most ``V``). Pure arithmetic on Python ints:
-    ``torch.compile`` traces it.
+    ``C * Vb * 4 <= BLOCK_BUDGET`` (at least 64, at most ``MAX_BLOCK_VOCAB`` and ``V``). Pure
+    arithmetic on Python ints: ``torch.compile`` traces it.
     """
     key = "cuda" if device_type == "cuda" else "cpu"
     rows = max(1, min(max(n_rows, 1), chunk_size or MAX_CHUNK_ROWS[key]))
     vb = BLOCK_BUDGET[key] // (4 * rows)
     vb = max(_VOCAB_ALIGN, vb - vb % _VOCAB_ALIGN)
-    return rows, min(vocab, vb)
+    return rows, min(vocab, vb, MAX_BLOCK_VOCAB)
 
 
 def workspace_bytes(

@@ -15,6 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lopd_kernels as lk
 from lopd_kernels import fused_linear_logprob_chunked as chunked
@@ -429,10 +431,13 @@ def test_float64_only_on_the_reference():
 
 
 def test_block_plan_and_working_set():
-    """Short batches get whole-vocabulary rows, long ones vocabulary blocks, all within the
-    block budget; the working-set bound counts what the op allocates."""
+    """Vocabulary blocks of at most 16,384 entries whatever the rows (a short batch too: no
+    [N, V] block), all within the block budget; the working-set bound counts what the op
+    allocates."""
     budget = chunked.BLOCK_BUDGET["cpu"]
-    assert chunked.block_plan(100, 151_936) == (100, 151_936)
+    assert chunked.block_plan(100, 151_936) == (100, chunked.MAX_BLOCK_VOCAB)
+    assert chunked.block_plan(100, 151_936, "cuda") == (100, chunked.MAX_BLOCK_VOCAB)
+    assert chunked.block_plan(3, 1000) == (3, 1000)
     rows, vb = chunked.block_plan(40_960, 151_936)
     assert rows == chunked.MAX_CHUNK_ROWS["cpu"] and vb % 64 == 0 and rows * vb * 4 <= budget
     assert chunked.block_plan(2048, 151_936, chunk_size=7)[0] == 7
@@ -441,6 +446,56 @@ def test_block_plan_and_working_set():
     assert budget < work < budget + 4 * 151_936 * 4096 + 5 * 4 * 4096 * 4096
     frozen = chunked.workspace_bytes(2048, 151_936, 1024, projection=True, head_grad=False)
     assert frozen >= 2048 * 1024 * 4  # the saved projection
+
+
+class _OpBlocks(TorchDispatchMode):
+    """Bytes of the float32 ``[chunk_size, vocab_block]`` block each ``fused_linear_logprob``
+    custom op is handed: the C++ op's one logit buffer, which comes from its recycled-buffer cache
+    (memory it maps itself, so the profiler's allocator events do not show it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if "fused_linear_logprob" in name:
+            chunk, vb = args[-2:] if name.endswith("_fwd.default") else args[-3:-1]
+            self.blocks.append(4 * chunk * vb)
+        return func(*args, **(kwargs or {}))
+
+
+def _largest_allocation(fn) -> int:
+    """Bytes of the largest CPU allocation made while ``fn`` runs: the profiler's allocator
+    events (inside ops too, which a dispatch hook does not see) and the C++ op's block."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, _OpBlocks() as op:
+        fn()
+    events = prof.profiler.kineto_results.events()
+    return max([e.nbytes() for e in events if e.name() == "[memory]"] + op.blocks)
+
+
+@pytest.mark.usefixtures("blocked_backend")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_grad", [True, False])
+def test_no_allocation_of_n_x_v_elements(impl, dtype, head_grad):
+    """36 scored rows over a 131,072-entry vocabulary: fewer rows than one block holds, yet no
+    allocation of the forward and backward (with entropy) is as large as [36, V] in half
+    precision (the largest: a [36, 16,384] block, in float64 where the blocked path sums it on
+    CPU, or the [V, 8] float32 weight gradient); the materialized path is caught."""
+    vocab = 131_072
+    inputs, targets = make_inputs(48, 8, vocab, dtype)
+    h = inputs["hidden"].requires_grad_()
+    w = inputs["weight"].requires_grad_(head_grad)
+    limit = 36 * vocab * 2
+
+    def fused():
+        out = lk.fused_linear_logprob(h, w, targets, with_entropy=head_grad, backend=impl)
+        (out.logprob.sum() + (out.entropy.sum() if head_grad else 0)).backward()
+
+    assert _largest_allocation(fused) < limit
+    materialized = F.cross_entropy((h @ w.T).float(), targets, reduction="none").sum().backward
+    assert _largest_allocation(materialized) >= limit
 
 
 # Runs in a subprocess: with TRITON_INTERPRET=1 (set for this process by conftest.py) triton.jit

@@ -1,7 +1,8 @@
 """No ``[tokens x vocab]`` tensor in a training step: every method's step and the cold start, on a
 stand-in with a 32,768-row vocabulary, under a dispatch hook that fails on any tensor an op
 creates with a vocabulary-sized axis and 16 x V elements or more (16 rows of logits; every loss
-here scores more action rows than that), naming the op.
+here scores more action rows than that), naming the op, and on any ``fused_linear_logprob`` op
+handed a logit block that large (its C++ implementation allocates it out of the hook's sight).
 
 The stand-in (:mod:`lopd.standin`) is the tiny model's tokenizer under a random one-layer Qwen3
 whose vocabulary is padded to 32,768 rows (the sampler never draws the padded ids), so the LM
@@ -20,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lopd.config import load_config
 from lopd.methods import METHODS
 from lopd.standin.build import StandinShape, build_standin
+from lopd.tiny.sft import copy_batches, lm_loss, warmup
 from lopd.trainer import Trainer
 
 VOCAB = 32_768
@@ -46,6 +48,13 @@ class VocabSizedTensors(TorchDispatchMode):
         self.caught: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if "fused_linear_logprob" in name:
+            # The C++ op's logit block lives in memory it maps itself, out of this hook's sight:
+            # the block shape it is handed (its last two int arguments) is checked instead.
+            chunk, vb = args[-2:] if name.endswith("_fwd.default") else args[-3:-1]
+            if vb >= self.vocab and chunk * vb >= self.limit:
+                self.caught.append(f"{func} -> its [{chunk}, {vb}] logit block")
         out = func(*args, **(kwargs or {}))
         inputs = {
             t.untyped_storage().data_ptr()
@@ -118,3 +127,21 @@ def test_one_step_of_every_method_builds_no_vocab_sized_tensor(method, trainer):
         metrics = trainer.train_step(0)
     assert not hook.caught, "\n".join(hook.caught)
     assert metrics["action_tokens"] >= ROWS  # the loss scored more rows than the hook's limit
+
+
+def test_a_tiny_sft_step_builds_no_vocab_sized_tensor(standin):
+    """The tiny model's SFT losses on the stand-in: a shared-prefix batch with the greedy-hit
+    count, and one warm-up step (loss, backward, AdamW) on copy batches."""
+    model = AutoModelForCausalLM.from_pretrained(standin)
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, 1000, (1, 20), generator=g).expand(4, -1)
+    ids = torch.cat([prefix, torch.randint(0, 1000, (4, 12), generator=g)], dim=1)
+    labels = ids.clone()
+    labels[:, :21] = -100
+    stats: dict[str, int] = {}
+    with _hook() as hook:
+        lm_loss(model, ids, torch.ones_like(ids), labels, min_prefix=16, stats=stats).backward()
+        warmup(model, copy_batches(tokenizer, 8, 8, seed=0), steps=1, lr=1e-3)
+    assert not hook.caught, "\n".join(hook.caught)
+    assert stats["actions"] == 4 * 11 >= ROWS
