@@ -3,7 +3,8 @@
 // csrc/cuda/<op>.cu (TORCH_LIBRARY_IMPL); every build declares the same op names, a CPU build
 // the `_cuda_` ops without a kernel. Fake (meta) implementations and autograd for torch.compile
 // are registered by each op's CustomOps in lopd_kernels/<op>.py (lopd_kernels/_custom_ops.py).
-// The Triton implementations and the fused-linear ops are Python custom ops, defined there too;
+// The Triton implementations, fused_linear_topk_tail_kl and fused_linear_logprob's cuda one are
+// Python custom ops, defined there too;
 // the Python module `lopd_kernels._C` itself (build information for
 // `python -m lopd_kernels.info`) is csrc/module.cpp.
 #include <torch/library.h>
@@ -21,4 +22,6 @@ TORCH_LIBRARY(lopd, m) {
   m.def(lopd::schemas::kVarlenCrossAttentionCpuBwd);
   m.def(lopd::schemas::kVarlenCrossAttentionCudaFwd);
   m.def(lopd::schemas::kVarlenCrossAttentionCudaBwd);
+  m.def(lopd::schemas::kFusedLinearLogprobCpuFwd);
+  m.def(lopd::schemas::kFusedLinearLogprobCpuBwd);
 }

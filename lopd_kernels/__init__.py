@@ -3,7 +3,9 @@
 Public API (see README and ``docs/kernels.md``): the loss ops ``topk_tail_kl``,
 ``fused_linear_topk_tail_kl``, ``sparse_teacher_topk_tail_kl`` (a teacher given by its top-M ids
 and log-probs only), each with its ``nn.Module`` (``TopKTailKL``, ``FusedLinearTopKTailKL``,
-``SparseTeacherTopKTailKL``); ``varlen_cross_attention`` and its module ``QFormerCompressor``;
+``SparseTeacherTopKTailKL``); ``fused_linear_logprob`` (token log-probs and entropies from hidden
+states and an LM head) and its loss module ``FusedLinearCrossEntropy``;
+``varlen_cross_attention`` and its module ``QFormerCompressor``;
 the Hugging Face helpers of :mod:`lopd_kernels.hf`. Each op has a PyTorch reference and C++ CPU,
 Triton and CUDA kernels behind ``backend=`` (the words of :data:`BACKENDS`, chosen by
 :mod:`lopd_kernels._backend`); kernels are the custom ops ``torch.ops.lopd.<op>_<impl>_fwd/_bwd``
@@ -13,6 +15,12 @@ built with and what ``"auto"`` picks.
 
 from lopd_kernels._backend import BACKENDS, BackendUnavailableError, extension_loaded
 from lopd_kernels._constants import DIVERGENCES, KL_DIVERGENCES, SUPPORTS
+from lopd_kernels.fused_linear_logprob import (
+    FusedLinearCrossEntropy,
+    FusedLinearLogprobOutput,
+    fused_linear_logprob,
+    fused_linear_logprob_reference,
+)
 from lopd_kernels.fused_linear_topk_tail_kl import (
     FusedLinearTopKTailKL,
     fused_linear_topk_tail_kl,
@@ -42,6 +50,8 @@ __all__ = [
     "KL_DIVERGENCES",
     "SUPPORTS",
     "BackendUnavailableError",
+    "FusedLinearCrossEntropy",
+    "FusedLinearLogprobOutput",
     "FusedLinearTopKTailKL",
     "QFormerCompressor",
     "SparseTeacherTopKTailKL",
@@ -52,6 +62,8 @@ __all__ = [
     "causal_lm_topk_tail_kl",
     "decoder_of",
     "extension_loaded",
+    "fused_linear_logprob",
+    "fused_linear_logprob_reference",
     "fused_linear_topk_tail_kl",
     "fused_linear_topk_tail_kl_reference",
     "lm_head_topk_tail_kl",

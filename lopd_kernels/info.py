@@ -20,6 +20,7 @@ import torch
 
 import lopd_kernels
 from lopd_kernels import _backend
+from lopd_kernels.fused_linear_logprob import BACKENDS as FUSED_LINEAR_LOGPROB
 from lopd_kernels.fused_linear_topk_tail_kl import BACKENDS as FUSED_LINEAR
 from lopd_kernels.sparse_teacher_topk_tail_kl import BACKENDS as SPARSE_TEACHER_TOPK_TAIL_KL
 from lopd_kernels.topk_tail_kl import BACKENDS as TOPK_TAIL_KL
@@ -27,7 +28,13 @@ from lopd_kernels.varlen_cross_attention import BACKENDS as VARLEN_CROSS_ATTENTI
 
 __all__ = ["collect", "main"]
 
-OPS = (TOPK_TAIL_KL, FUSED_LINEAR, SPARSE_TEACHER_TOPK_TAIL_KL, VARLEN_CROSS_ATTENTION)
+OPS = (
+    TOPK_TAIL_KL,
+    FUSED_LINEAR,
+    SPARSE_TEACHER_TOPK_TAIL_KL,
+    FUSED_LINEAR_LOGPROB,
+    VARLEN_CROSS_ATTENTION,
+)
 
 
 def _triton() -> dict[str, Any]:

@@ -88,6 +88,19 @@ SWITCHES: dict[str, Switch] = {
             "GEMMs in both."
         ),
     ),
+    "fused_linear_logprob.cpu_half": Switch(
+        env="LOPD_FUSED_LOGPROB_CPU_HALF",
+        choices=("upcast", "native"),
+        default="native",
+        doc=(
+            "GEMMs of fused_linear_logprob's C++ CPU op for a bfloat16 head (read by the C++ op, "
+            "csrc/cpu/fused_linear_logprob.cpp). upcast: float32 GEMMs of operands converted a "
+            "block at a time (float32 logits of the bf16 operands). native: bfloat16 GEMMs "
+            "(oneDNN through at::mm, float32 accumulation, each block's logits and gradient "
+            "products rounded to bfloat16, as torch.matmul on bf16 tensors gives them), on CPUs "
+            "with AVX512-BF16 and LOPD_CPU_ISA not below avx512; float16 heads always upcast."
+        ),
+    ),
 }
 
 

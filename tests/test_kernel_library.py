@@ -154,8 +154,15 @@ def test_bucket_maths_is_a_leaf():
             ),
             "fused_linear_topk_tail_kl",
         ),
+        (
+            lambda: lk.fused_linear_logprob(
+                torch.zeros(2, 4), torch.zeros(9, 4), torch.zeros(2).long(), backend="cuda"
+            ),
+            "fused_linear_logprob",
+        ),
     ],
-    ids=["topk_tail_kl", "varlen_cross_attention", "fused_linear_topk_tail_kl"],
+    ids=["topk_tail_kl", "varlen_cross_attention", "fused_linear_topk_tail_kl",
+         "fused_linear_logprob"],
 )  # fmt: skip
 def test_one_error_for_an_unavailable_backend(call, op):
     """Every op reports an explicit backend that cannot run the same way (and the error is both a
@@ -167,16 +174,20 @@ def test_one_error_for_an_unavailable_backend(call, op):
 
 
 OPS = ("topk_tail_kl", "fused_linear_topk_tail_kl", "sparse_teacher_topk_tail_kl",
-       "varlen_cross_attention")  # fmt: skip
+       "fused_linear_logprob", "varlen_cross_attention")  # fmt: skip
 # The C++ implementations of each op (the others are Python custom ops, always defined).
 COMPILED = {"topk_tail_kl": ("cpu", "cuda"), "sparse_teacher_topk_tail_kl": ("cpu",),
-            "varlen_cross_attention": ("cpu", "cuda"), "fused_linear_topk_tail_kl": ()}  # fmt: skip
+            "varlen_cross_attention": ("cpu", "cuda"), "fused_linear_topk_tail_kl": (),
+            "fused_linear_logprob": ("cpu",)}  # fmt: skip
+# The Python custom ops of each op (the rest: Triton's only).
+PYTHON = {"fused_linear_topk_tail_kl": _custom_ops.KERNEL_IMPLS,
+          "fused_linear_logprob": ("cuda", "triton")}  # fmt: skip
 
 
 def _implementations(op: str) -> list[str]:
     """The implementation words of ``op`` this install has as custom ops."""
     compiled = COMPILED[op] if lk.extension_loaded() else ()
-    python = _custom_ops.KERNEL_IMPLS if op == "fused_linear_topk_tail_kl" else ("triton",)
+    python = PYTHON.get(op, ("triton",))
     return [i for i in _custom_ops.KERNEL_IMPLS if i in compiled or i in python]
 
 

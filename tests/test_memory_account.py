@@ -47,3 +47,20 @@ def test_disabled_account_records_nothing_and_tensor_bytes_counts_storage_once(t
     t = torch.zeros(100)
     assert tensor_bytes([t, t[10:], t.view(10, 10)]) == 400  # views share one storage
     assert release_memory() >= 0 and resident_bytes()[1] >= resident_bytes()[0] > 0
+
+
+def test_lm_head_bytes_predicts_the_fused_and_the_materialized_paths():
+    """The fused log-prob kernel's transient bytes are bounded by its block plan, whatever the
+    token count; the materialized path's grow as three float32 [N, V] tensors."""
+    from lopd.run.memory_account import lm_head_bytes
+
+    v, d = 151_936, 4096
+    mat = lm_head_bytes(40_960, v, d, torch.bfloat16, "cuda", fused=False)
+    assert mat == 40_960 * v * 14  # 24.9 GB of float32 logits, their log-softmax and gradient
+    fused = lm_head_bytes(40_960, v, d, torch.bfloat16, "cuda")
+    assert fused < mat / 5 and fused < 8 << 30
+    short = lm_head_bytes(512, v, d, torch.bfloat16, "cuda")
+    assert short < fused  # the block shrinks with the rows
+    # Frozen head (the cold start): the saved [N, d] projection is counted.
+    cold = lm_head_bytes(40_960, v, d, torch.bfloat16, "cuda", head_grad=False)
+    assert cold >= 40_960 * d * 2

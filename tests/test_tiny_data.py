@@ -21,7 +21,7 @@ from lopd.tiny.data import (
     sample_conventions,
     tokenizer_corpus,
 )
-from lopd.tiny.sft import collate, lm_loss, shared_prefix_len
+from lopd.tiny.sft import collate, greedy_hits, lm_loss, shared_prefix_len
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +151,31 @@ def test_shared_prefix_loss_equals_the_whole_forward(train, tokenizer):
         if context_weight == 0.0:
             hf = model(input_ids=ids, attention_mask=attn, labels=labels).loss
             torch.testing.assert_close(whole / w[:, 1:].sum(), hf, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_greedy_hits_equal_the_whole_rows_argmax(bias):
+    """Blocked over rows and vocabulary, the arg-max is the whole row's, ties to the lowest id:
+    rows whose maximum repeats in a later block (past the ~32 MiB block of 1,024 rows) count
+    only when the target is the first."""
+    torch.manual_seed(0)
+    n, d, vocab = 1100, 8, 20_000  # 2 row chunks x 3 vocabulary blocks of 8,192
+    head = torch.nn.Linear(d, vocab, bias=bias)
+    u = 10 * torch.randn(d)
+    with torch.no_grad():
+        head.weight[5] = head.weight[9_000] = u  # id 9,000 (second block) duplicates id 5
+        if bias:
+            head.bias[9_000] = head.bias[5]
+    h = torch.randn(n, d)
+    h[:50] = u  # rows whose maximum is at ids 5 and 9,000 both
+    logits = head(h).detach()
+    targets = logits.argmax(-1)
+    targets[::3] = torch.randint(0, vocab, (len(targets[::3]),))
+    first = (logits[:, 5] >= logits.max(-1).values).nonzero().flatten()
+    assert len(first) >= 50
+    targets[first[::2]] = 9_000  # the duplicate: never the arg-max
+    assert greedy_hits(head, h, targets) == int((logits.argmax(-1) == targets).sum())
+    assert greedy_hits(head, h[:0], targets[:0]) == 0
 
 
 def test_turn_excerpts_keep_the_instruction_and_the_last_tool_result(train, tokenizer):

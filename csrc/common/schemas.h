@@ -101,6 +101,31 @@ inline constexpr const char* kVarlenCrossAttentionCpuBwd = LOPD_VARLEN_XATTN_BWD
 inline constexpr const char* kVarlenCrossAttentionCudaFwd = LOPD_VARLEN_XATTN_FWD_SCHEMA("cuda");
 inline constexpr const char* kVarlenCrossAttentionCudaBwd = LOPD_VARLEN_XATTN_BWD_SCHEMA("cuda");
 
+// ---- fused_linear_logprob (lopd_kernels/fused_linear_logprob.py) ----
+// The C++ CPU implementation of the op whose cuda / triton implementations are Python custom ops
+// with the same schema. Forward: hidden [N, d] and weight [V, d] of one dtype (fp32/bf16/fp16;
+// hidden rows may be strided), bias [V] or None, targets [N] int64 (ignore_index or in [0, V)),
+// temperature > 0; chunk_size token rows x vocab_block entries per float32 logit block (<= 0:
+// all rows / the whole vocabulary). projection: also return P [N, d] (hidden's dtype), the
+// hidden-state gradient of a unit upstream gradient (frozen head). Returns logprob [N], entropy
+// [N] (with_entropy; else [0]), lse [N] (fp32), P or [0]; ignored rows are 0 everywhere.
+#define LOPD_FUSED_LINEAR_LOGPROB_FWD_SCHEMA(IMPL)                                                 \
+  LOPD_OP_NAME("fused_linear_logprob", IMPL, "fwd") "(Tensor hidden, Tensor weight, Tensor? bias, " \
+  "Tensor targets, float temperature, int ignore_index, bool with_entropy, bool projection, "      \
+  "int chunk_size, int vocab_block) -> (Tensor, Tensor, Tensor, Tensor)"
+
+// Backward. grad_entropy [N] or [0] (no entropy gradient); proj non-empty: d_hidden =
+// grad_logprob * proj (hidden and weight are then not read and may be empty). needs: which of
+// [d_hidden, d_weight, d_bias] to return (in the inputs' dtypes), an unneeded one is [0].
+#define LOPD_FUSED_LINEAR_LOGPROB_BWD_SCHEMA(IMPL)                                                 \
+  LOPD_OP_NAME("fused_linear_logprob", IMPL, "bwd") "(Tensor grad_logprob, Tensor grad_entropy, "  \
+  "Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor logprob, Tensor entropy, "   \
+  "Tensor lse, Tensor proj, float temperature, int ignore_index, int chunk_size, "                 \
+  "int vocab_block, bool[] needs) -> Tensor[]"
+
+inline constexpr const char* kFusedLinearLogprobCpuFwd = LOPD_FUSED_LINEAR_LOGPROB_FWD_SCHEMA("cpu");
+inline constexpr const char* kFusedLinearLogprobCpuBwd = LOPD_FUSED_LINEAR_LOGPROB_BWD_SCHEMA("cpu");
+
 #undef LOPD_OP_NAME
 #undef LOPD_TOPK_TAIL_KL_FWD_SCHEMA
 #undef LOPD_TOPK_TAIL_KL_BWD_SCHEMA
@@ -108,5 +133,7 @@ inline constexpr const char* kVarlenCrossAttentionCudaBwd = LOPD_VARLEN_XATTN_BW
 #undef LOPD_SPARSE_TEACHER_BWD_SCHEMA
 #undef LOPD_VARLEN_XATTN_FWD_SCHEMA
 #undef LOPD_VARLEN_XATTN_BWD_SCHEMA
+#undef LOPD_FUSED_LINEAR_LOGPROB_FWD_SCHEMA
+#undef LOPD_FUSED_LINEAR_LOGPROB_BWD_SCHEMA
 
 }  // namespace lopd::schemas

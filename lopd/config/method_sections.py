@@ -46,7 +46,8 @@ class LOPDConfig:
         dual_lr: eta_beta, step size of the dual ascent on beta.
         beta_init: initial beta.
         fused_linear: compute the KL from final hidden states and ``lm_head`` with
-            ``fused_linear_topk_tail_kl`` (no ``[N, V]`` logits) instead of ``topk_tail_kl``.
+            ``fused_linear_topk_tail_kl`` (no ``[N, V]`` logits; the default) instead of
+            ``topk_tail_kl`` on the heads' ``[N, V]`` logits of the action rows (``false``).
     """
 
     method: str = "lopd"
@@ -64,7 +65,7 @@ class LOPDConfig:
     anchor_weight: float = 0.2
     dual_lr: float = 0.5
     beta_init: float = 0.0
-    fused_linear: bool = False
+    fused_linear: bool = True
 
     def validate(self) -> None:
         at_least(1, lopd__tasks_per_step=self.tasks_per_step, lopd__micro_batch=self.micro_batch)

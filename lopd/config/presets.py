@@ -87,7 +87,6 @@ def _paper() -> Config:
     cfg.lopd.lr = cfg.lopd.composer_lr = 1e-5
     cfg.lopd.grad_clip = 1.0
     cfg.lopd.top_m, cfg.lopd.margin, cfg.lopd.anchor_weight, cfg.lopd.dual_lr = 20, 0.05, 0.2, 0.5
-    cfg.lopd.fused_linear = True
     cfg.eval.every = 20
     cfg.checkpoint_every = 20
     cfg.checkpoint_final_optimizer = False

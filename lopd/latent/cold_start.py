@@ -18,7 +18,7 @@ from lopd.latent.experience import Experience
 from lopd.latent.injection import TeacherSequence
 from lopd.latent.teacher import TaskLatents, latent_teacher_sequence, teacher_action_hidden
 from lopd.loss import segment_mean
-from lopd.rollout.batch import ActionRows, lm_head
+from lopd.rollout.batch import ActionRows, lm_head, lm_head_logprobs
 from lopd.run.context import RunContext
 from lopd.run.seeds import Stream, seed_of
 from lopd.types import Trajectory
@@ -63,7 +63,8 @@ def cold_start_loss(
     checkpointed: bool = False,
 ) -> torch.Tensor:
     """Eq. 14 on this rank's trajectories: per-trajectory token-mean NLL of the action tokens
-    under the latent-conditioned frozen backbone, summed and divided by the global batch size.
+    under the latent-conditioned frozen backbone, summed and divided by the global batch size
+    (from the hidden states and the head by the fused kernel: no ``[N, V]`` logits).
 
     Args:
         latents: c_phi of the trajectories' tasks (the composer over their retrievals).
@@ -78,8 +79,9 @@ def cold_start_loss(
     composer = latents.composer
     c_phi = latents([t.task for t in trajs])
     h = teacher_action_hidden(composer, sequences, c_phi, where, pad_id, checkpointed=checkpointed)
-    logits = lm_head(composer.backbone)(h).float()
-    nll = torch.nn.functional.cross_entropy(logits, where.targets, reduction="none")
+    # The fused LM-head kernel: no [N, V] logits (the frozen head takes its gradient projection,
+    # so the backward reaches h without recomputing the logits).
+    nll = -lm_head_logprobs(lm_head(composer.backbone), h, where.targets)
     return segment_mean(nll, where.batch, len(trajs)).sum() / batch_size
 
 

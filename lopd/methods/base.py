@@ -46,7 +46,8 @@ class DistillSpec:
         temperature: applied to both logits.
         divergence: ``reverse`` (KL(student || teacher)) or ``forward``.
         fused_linear: compute from final hidden states and the LM heads
-            (``fused_linear_topk_tail_kl``, no ``[N, V]`` logits) instead of ``topk_tail_kl``.
+            (``fused_linear_topk_tail_kl``, no ``[N, V]`` logits; the default) instead of
+            ``topk_tail_kl`` on the heads' logits of the action rows.
     """
 
     top_m: int | None

@@ -6,14 +6,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from lopd.config import Config
 from lopd.loss import segment_mean
 from lopd.methods.base import MethodBase, MethodContext
 from lopd.methods.groups import group_advantages, group_rollouts, ppo_clip_loss
 from lopd.methods.rows import student_action_hidden
-from lopd.rollout.batch import ActionRows, lm_head, lm_logits
+from lopd.rollout.batch import ActionRows, lm_head, lm_head_logprobs
 from lopd.types import Trajectory
 
 __all__ = ["GRPOMethod"]
@@ -73,8 +72,7 @@ class GRPOMethod(MethodBase):
         models = self.models
         where = ActionRows.of(trajectories, models.device)
         h = student_action_hidden(models, trajectories, where)
-        logits = lm_logits(lm_head(models.student), h).float() / self.tau
-        logp = -nn.functional.cross_entropy(logits, where.targets, reduction="none")
+        logp = lm_head_logprobs(lm_head(models.student), h, where.targets, self.tau)
         adv = torch.tensor([t.info["advantage"] for t in trajectories], device=models.device)
         per_token = ppo_clip_loss(logp, logp.detach(), adv[where.batch], self.clip_eps)
         b = len(trajectories)

@@ -68,7 +68,7 @@ from lopd.methods.text_teacher import (
     build_text_teacher_sequence,
     text_teacher_hidden,
 )
-from lopd.rollout.batch import ActionRows, lm_head, lm_logits
+from lopd.rollout.batch import ActionRows, lm_head, lm_head_logprobs
 from lopd.types import Task, Trajectory
 
 __all__ = ["SkillSDMethod", "importance_weighted_reverse_kl", "sampled_logprobs"]
@@ -100,9 +100,9 @@ def importance_weighted_reverse_kl(
 def sampled_logprobs(
     head: nn.Module, h: torch.Tensor, targets: torch.Tensor, tau: float
 ) -> torch.Tensor:
-    """``log softmax(head(h) / tau)[targets]``, ``[N]`` float32 (``h``: ``[N, d]``)."""
-    logits = lm_logits(head, h).float() / tau
-    return -nn.functional.cross_entropy(logits, targets, reduction="none")
+    """``log softmax(head(h) / tau)[targets]``, ``[N]`` float32 (``h``: ``[N, d]``), from the
+    fused LM-head kernel: no ``[N, V]`` logits (:func:`~lopd.rollout.batch.lm_head_logprobs`)."""
+    return lm_head_logprobs(head, h, targets, tau)
 
 
 class SkillSDMethod(MethodBase):

@@ -2,7 +2,8 @@
 
 A trajectory's supervised tokens are its *action* tokens (``action_mask``). Their rows are found
 once per micro-batch (:class:`ActionRows`), so the LM heads and the distillation kernels run on
-those ``N`` rows alone, never on ``[B, L, V]`` logits.
+those ``N`` rows alone, never on ``[B, L, V]`` logits; their log-probabilities come from the fused
+LM-head kernel (:func:`lm_head_logprobs`), never from ``[N, V]`` logits either.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from torch import nn
 
 from lopd.parallel.distributed import is_sharded
 from lopd.parallel.fsdp import full_weight
+from lopd.parallel.precision import autocast_cast
 from lopd.types import Trajectory
+from lopd_kernels.fused_linear_logprob import fused_linear_logprob
 
-__all__ = ["ActionRows", "action_rows", "lm_head", "lm_logits", "pad_batch"]
+__all__ = ["ActionRows", "action_rows", "lm_head", "lm_head_logprobs", "pad_batch"]
 
 
 def pad_batch(
@@ -85,8 +88,29 @@ def lm_head(model: nn.Module) -> nn.Module:
     return head
 
 
-def lm_logits(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """``head(h)``, ``[N, V]``; a sharded frozen head is gathered first (:func:`full_weight`)."""
-    if is_sharded(head.weight):
-        return nn.functional.linear(h, full_weight(head), getattr(head, "bias", None))
-    return head(h)
+def lm_head_logprobs(
+    head: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """``log softmax(head(h) / temperature)[targets]``, ``[N]`` float32, without ``[N, V]``
+    logits (:func:`lopd_kernels.fused_linear_logprob`; gradients reach ``h`` and the head).
+
+    Under autocast the kernel reads the operands in the autocast dtype, as an autocast ``head(h)``
+    would (autocast does not cast a custom op's inputs); a sharded frozen head is gathered first
+    (:func:`full_weight`).
+
+    Args:
+        head: the LM head (``nn.Linear``-like: ``weight [V, d]``, optional ``bias``).
+        h: ``[N, d]`` final hidden states.
+        targets: ``[N]`` token ids (``-100``: no target, log-prob 0).
+        temperature: the logits are divided by it.
+    """
+    weight = full_weight(head) if is_sharded(head.weight) else head.weight
+    bias = getattr(head, "bias", None)
+    operands = autocast_cast(h, weight) if bias is None else autocast_cast(h, weight, bias)
+    return fused_linear_logprob(
+        operands[0],
+        operands[1],
+        targets,
+        bias=None if bias is None else operands[2],
+        temperature=temperature,
+    ).logprob

@@ -20,6 +20,10 @@ training step, final evaluation, final save) :class:`MemoryAccount` writes one l
   heap pages mapped, so the resident set stays at its high-water mark after a phase ends).
 * ``runtime``: the resident set before any model was loaded (interpreter, torch, transformers).
 
+What a step's LM head adds on top of weights, gradients, optimizer and activations is predicted by
+:func:`lm_head_bytes`: the fused kernels' bounded working set (the ``lopd_kernels`` block plan),
+or the three float32 ``[N, V]`` tensors of the materialized path, for any token count.
+
 Whatever the profile flag, the trainer releases freed memory at every phase boundary
 (:func:`release_memory`: ``gc``, ``malloc_trim`` on glibc, ``torch.cuda.empty_cache``), so the
 resident set of one phase does not carry the peak of the previous one.
@@ -40,7 +44,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MemoryAccount", "release_memory", "resident_bytes", "tensor_bytes"]
+from lopd_kernels.fused_linear_logprob_chunked import workspace_bytes
+
+__all__ = ["MemoryAccount", "lm_head_bytes", "release_memory", "resident_bytes", "tensor_bytes"]
 
 _GLIBC: Any = None
 
@@ -107,6 +113,45 @@ def tensor_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) 
         seen.add(key)
         total += storage.nbytes()
     return total
+
+
+def lm_head_bytes(
+    tokens: int,
+    vocab: int,
+    hidden: int,
+    dtype: torch.dtype = torch.float32,
+    device_type: str = "cpu",
+    *,
+    fused: bool = True,
+    head_grad: bool = True,
+    hidden_grad: bool = True,
+) -> int:
+    """Transient bytes of scoring ``tokens`` rows through an LM head, forward and backward (token
+    log-probabilities: the cold start's NLL, GRPO's and Skill-SD's ratios).
+
+    ``fused``: :func:`lopd_kernels.fused_linear_logprob`'s working set
+    (:func:`lopd_kernels.fused_linear_logprob_chunked.workspace_bytes`; a frozen head whose hidden
+    states need a gradient takes the gradient projection), plus its ``[N]`` float32 outputs.
+    Otherwise the materialized ``cross_entropy(head(h).float())``: the float32 logits, their log
+    softmax (saved for the backward) and the logits' gradient, three float32 ``[N, V]`` tensors
+    (and a 16-bit copy of the logits for a half-precision head).
+
+    Args:
+        tokens: rows scored (action tokens of a micro-batch).
+        vocab, hidden: the head's ``[V, d]``.
+        dtype: the head's compute dtype.
+        device_type: ``"cpu"`` or ``"cuda"`` (the block budget differs).
+        fused: the fused kernel (what the trainer uses) or the materialized path.
+        head_grad: the head is trained; hidden_grad: the hidden states need a gradient.
+    """
+    if not fused:
+        half = 2 if dtype in (torch.bfloat16, torch.float16) else 0
+        return tokens * vocab * (3 * 4 + half)
+    projection = hidden_grad and not head_grad
+    work = workspace_bytes(
+        tokens, vocab, hidden, dtype, device_type, head_grad=head_grad, projection=projection
+    )
+    return work + 3 * 4 * tokens
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer | None) -> Iterator[torch.Tensor]:

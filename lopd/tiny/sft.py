@@ -23,12 +23,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from lopd.envs.base import parse_tool_calls
+from lopd.rollout.batch import lm_head_logprobs
 from lopd.tiny.data import Demonstration, action_spans, turn_excerpt
+from lopd_kernels.hf import decoder_of
 
-__all__ = ["collate", "lm_loss", "sft", "shared_prefix_len"]
+__all__ = ["collate", "greedy_hits", "lm_loss", "sft", "shared_prefix_len"]
 
 
 def collate(
@@ -98,12 +101,13 @@ def lm_loss(
 
     if weights is None:
         weights = (labels != -100).float()
+    decoder = decoder_of(model)
     p = shared_prefix_len(ids, attn, labels)
     if ids.shape[0] == 1 or p < min_prefix:
         p = 0
-        logits = model(input_ids=ids, attention_mask=attn).logits
+        hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state
     else:
-        prefix = model.model(input_ids=ids[:1, :p], use_cache=True).past_key_values
+        prefix = decoder(input_ids=ids[:1, :p], use_cache=True).past_key_values
         cache = DynamicCache()
         b = ids.shape[0]
         for i, layer in enumerate(prefix.layers):
@@ -114,20 +118,50 @@ def lm_loss(
             # transformers >= 5.2x renames ``past_key_values`` to ``cache``; the old name keeps
             # working across the supported range (>= 4.51), so it is the one passed.
             warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
-            logits = model(input_ids=ids[:, p:], attention_mask=attn, past_key_values=cache).logits
-    # logits[:, j] (position p + j) predicts the token at p + j + 1.
+            hidden = decoder(
+                input_ids=ids[:, p:], attention_mask=attn, past_key_values=cache
+            ).last_hidden_state
+    # hidden[:, j] (position p + j) predicts the token at p + j + 1; only the labelled rows go
+    # through the LM head, by the fused kernel (no [B, L, V] logits).
     target = labels[:, p + 1 :]
     w = weights[:, p + 1 :]
-    pred = logits[:, :-1].float()
-    ce = torch.nn.functional.cross_entropy(
-        pred.transpose(1, 2), target, ignore_index=-100, reduction="none"
-    )
+    rows = target != -100
+    h = hidden[:, :-1][rows]
+    head = model.get_output_embeddings()
+    ce = -lm_head_logprobs(head, h, target[rows])
     if stats is not None:
         # Teacher-forced greedy accuracy on the action tokens (weight 1): a cheap learning curve.
-        act = w == 1.0
-        stats["correct"] = stats.get("correct", 0) + int((pred.argmax(-1) == target)[act].sum())
+        act = w[rows] == 1.0
+        stats["correct"] = stats.get("correct", 0) + greedy_hits(head, h[act], target[rows][act])
         stats["actions"] = stats.get("actions", 0) + int(act.sum())
-    return (ce * w).sum()
+    return (ce * w[rows]).sum()
+
+
+def greedy_hits(head: Any, h: torch.Tensor, targets: torch.Tensor) -> int:
+    """How many rows of ``h`` (``[N, d]``) have ``targets`` (``[N]``) as their arg-max token.
+
+    No gradient. The logits are formed ``[R, Vb]`` (at most 1,024 x 8,192) at a time, an arg-max
+    running over vocabulary blocks, so no tensor has a vocabulary-sized axis; ties go to the lowest
+    id, as
+    ``argmax`` over the whole row gives them."""
+    weight, bias = head.weight, getattr(head, "bias", None)
+    vocab = weight.shape[0]
+    rows = min(max(1, h.shape[0]), 1024)
+    block = min(8192, max(1, (32 << 20) // (4 * rows)))
+    hits = 0
+    with torch.no_grad():
+        for start in range(0, h.shape[0], rows):
+            x = h[start : start + rows].to(weight.dtype)
+            best = torch.full((x.shape[0],), -math.inf, dtype=torch.float32, device=x.device)
+            arg = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+            for v0 in range(0, vocab, block):
+                b = None if bias is None else bias[v0 : v0 + block]
+                top, idx = F.linear(x, weight[v0 : v0 + block], b).float().max(-1)
+                better = top > best  # strict: an equal later block does not displace the first
+                best = torch.where(better, top, best)
+                arg = torch.where(better, idx + v0, arg)
+            hits += int((arg == targets[start : start + rows]).sum())
+    return hits
 
 
 def _micro_batches(demos: list[Demonstration], parts: int) -> list[list[Demonstration]]:
