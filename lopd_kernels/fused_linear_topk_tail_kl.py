@@ -38,7 +38,6 @@ from lopd_kernels.fused_linear_topk_tail_kl_chunked import auto_chunk_rows, chun
 from lopd_kernels.topk_tail_kl import (
     TopKTailKLOutput,
     kernel_option_refusal,
-    refuse_options,
     support_size,
     teacher_topk_mass,
     topk_tail_kl_reference,
@@ -123,10 +122,8 @@ def _forward(impl: str, args: tuple, chunk_size: int, tail_proj: list[bool]) -> 
         # triton is optional (machines without it run the chunked path): imported lazily.
         from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_fwd_triton
 
-        *head, divergence, _beta, support, ignore_index = args
-        refuse_options("fused_triton", divergence, support if head[7] else "teacher")
         empty = args[0].new_empty(0, dtype=torch.float32)
-        out = fused_linear_fwd_triton(*head, divergence == "reverse", ignore_index)
+        out = fused_linear_fwd_triton(*args)
         return (*out, empty, empty.clone())
     return chunked_fwd(*args, chunk_size, (tail_proj[0], tail_proj[1]))
 
@@ -138,9 +135,8 @@ def _backward_grads(
         # triton is optional (machines without it run the chunked path): imported lazily.
         from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_bwd_triton
 
-        temperature, divergence, _beta, support, ignore_index = scalars
-        refuse_options("fused_triton", divergence, support if args[10].shape[1] else "teacher")
-        scalars = (temperature, divergence == "reverse", ignore_index)
+        temperature, divergence, beta, _support, ignore_index = scalars
+        scalars = (temperature, divergence, beta, ignore_index)
         return fused_linear_bwd_triton(*args, *scalars, tuple(needs), shared)
     return chunked_bwd(*args, *projs, *scalars, chunk_size, tuple(needs), shared)
 
