@@ -353,8 +353,7 @@ def fused_linear_topk_tail_kl(
         backend: ``"auto"`` (the chunked path; float64 inputs: the reference), ``"torch"``
             (the materialized reference), ``"cpu"``/``"cuda"`` (chunked: vendor GEMMs + the
             ``topk_tail_kl`` kernels per token chunk, or their PyTorch twins for options a
-            kernel lacks) or ``"triton"`` (the fully fused kernel; ``support="teacher"`` and the
-            KLs only so far).
+            kernel lacks) or ``"triton"`` (the fully fused kernel, every option).
         chunk_size: token rows per chunk of the chunked path; ``None`` picks it from the free
             memory (:func:`auto_chunk_rows`).
 
