@@ -38,6 +38,7 @@ from lopd_kernels.fused_linear_topk_tail_kl_chunked import auto_chunk_rows, chun
 from lopd_kernels.topk_tail_kl import (
     TopKTailKLOutput,
     kernel_option_refusal,
+    refuse_options,
     support_size,
     teacher_topk_mass,
     topk_tail_kl_reference,
@@ -122,6 +123,8 @@ def _forward(impl: str, args: tuple, chunk_size: int, tail_proj: list[bool]) -> 
         # triton is optional (machines without it run the chunked path): imported lazily.
         from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_fwd_triton
 
+        *head, divergence, _beta, support, _ignore_index = args
+        refuse_options("fused_triton", divergence, support if head[7] else "teacher")
         empty = args[0].new_empty(0, dtype=torch.float32)
         out = fused_linear_fwd_triton(*args)
         return (*out, empty, empty.clone())
@@ -135,7 +138,8 @@ def _backward_grads(
         # triton is optional (machines without it run the chunked path): imported lazily.
         from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_bwd_triton
 
-        temperature, divergence, beta, _support, ignore_index = scalars
+        temperature, divergence, beta, support, ignore_index = scalars
+        refuse_options("fused_triton", divergence, support if args[10].shape[1] else "teacher")
         scalars = (temperature, divergence, beta, ignore_index)
         return fused_linear_bwd_triton(*args, *scalars, tuple(needs), shared)
     return chunked_bwd(*args, *projs, *scalars, chunk_size, tuple(needs), shared)

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from lopd_kernels._backend import (
+    BackendUnavailableError,
     OpBackends,
     compiled_unavailable,
     triton_import_error,
@@ -325,6 +326,18 @@ def _triton_launchers():
     return topk_tail_kl_fwd_triton, topk_tail_kl_bwd_triton
 
 
+def refuse_options(impl: str, divergence: str, support: str) -> None:
+    """Raises :class:`BackendUnavailableError` when kernel ``impl`` (a key of
+    ``TOPK_KERNEL_SUPPORTS``) lacks the options: the op itself refuses them (the public
+    functions never send them: their resolvers know)."""
+    reason = kernel_option_refusal(impl, divergence, support)
+    if reason is not None:
+        name = "triton" if impl == "fused_triton" else impl
+        raise BackendUnavailableError(
+            f"{OP}: backend={name!r} {reason}; backend='auto' picks an implementation that has it"
+        )
+
+
 def _triton_fwd(
     student_logits: Tensor,
     teacher_logits: Tensor,
@@ -337,6 +350,7 @@ def _triton_fwd(
     ignore_index: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Triton forward as an opaque op (same contract as ``lopd::topk_tail_kl_cpu_fwd``)."""
+    refuse_options("triton", divergence, support if top_m else "teacher")
     fwd, _ = _triton_launchers()
     vocab = student_logits.shape[-1]
     if target_ids.is_cuda:
@@ -373,6 +387,7 @@ def _triton_bwd(
     teacher_requires_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     """Triton backward as an opaque op (same contract as ``lopd::topk_tail_kl_cpu_bwd``)."""
+    refuse_options("triton", divergence, "teacher")
     _, bwd = _triton_launchers()
     return bwd(
         grad_kl.contiguous(), grad_student_logprob.contiguous(),

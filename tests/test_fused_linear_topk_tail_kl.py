@@ -472,6 +472,8 @@ TRITON_CASES = [
 # support x divergence on the fused Triton kernel: (support, divergence, beta, top_m, dtype).
 TRITON_OPTIONS = [
     ("student", "reverse", None, 5, torch.float32),
+    ("student", "forward", None, 4, torch.float32),
+    ("union", "reverse", None, 4, torch.bfloat16),
     ("student", "jsd", 0.25, 4, torch.bfloat16),
     ("union", "forward", None, 5, torch.float32),
     ("union", "jsd", 0.5, 6, torch.float32),
