@@ -17,6 +17,13 @@ Variants (``--variant``), each forward and backward timed apart, with peak memor
 * ``liger_fused_linear_jsd``: Liger's ``LigerFusedLinearJSD(jsd_beta=1)`` (reverse KL over the
   full vocabulary, student gradient only), when the package is importable.
 
+Options: the LOPD fused variants (``chunked``, ``triton``) are also timed with ``--options``
+(default ``student``, ``union``, ``jsd``: ``support="student"``, ``support="union"``,
+``divergence="jsd", beta=0.5``) in the first gradient setting, the switch's default kernels only,
+each a record of its own (``shapes["support"]``, ``["divergence"]``, ``["beta"]``) checked
+against the float64 reference like the teacher's (the union's ``topk_ids`` too), with
+``time_vs_teacher``: its median over the teacher's reverse KL's in the same process.
+
 All LOPD variants backpropagate ``sum(kl) + sum(privilege) + sum(student_logprob)`` into both
 hidden states (and the student head under ``student-head``). Two gradient settings, each its own
 records (``shapes["grads"]``): ``frozen-heads`` (LoRA student, frozen teacher: the hidden states
@@ -44,6 +51,12 @@ SIZES = {"full": (8192, 4096, 151_936, 20), "tiny": (6, 16, 70, 4)}
 CHECK_ROWS = 16
 # The chunked path's switch (lopd_kernels/kernel_variants.py): v1, the previous path, and v2.
 CHUNKED_SWITCH = "fused_linear_topk_tail_kl.chunked"
+# --options: (support, divergence, beta) of each case timed after the teacher's reverse KL.
+OPTIONS = {
+    "student": ("student", "reverse", None),
+    "union": ("union", "reverse", None),
+    "jsd": ("teacher", "jsd", 0.5),
+}
 # bf16 inputs (tests/utils.py's bf16 row): |out - ref| <= ATOL + RTOL * |ref|.
 RTOL, ATOL = 2e-2, 8e-3
 
@@ -64,8 +77,10 @@ def _lopd_sum(out) -> torch.Tensor:
     return out.kl.sum() + out.privilege.sum() + out.student_logprob.sum()
 
 
-def variant_fns(name: str, lk, hs, ws, ht, wt, a, m: int, device: torch.device):
-    """``(forward, backward, check(out) -> dict)`` of one variant."""
+def variant_fns(name: str, lk, hs, ws, ht, wt, a, m: int, device: torch.device, opts=None):
+    """``(forward, backward, check(out) -> dict)`` of one variant (``opts``: support / divergence
+    / beta of a LOPD fused variant)."""
+    opts = opts or {}
     if name == "materialized":
         fwd = lambda: lk.topk_tail_kl(hs @ ws.T, ht @ wt.T, a, top_m=m)
         return (
@@ -75,11 +90,13 @@ def variant_fns(name: str, lk, hs, ws, ht, wt, a, m: int, device: torch.device):
         )
     if name in ("chunked", "triton"):
         backend = name if name == "triton" else ("cuda" if device.type == "cuda" else "cpu")
-        fwd = lambda: lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=m, backend=backend)
+        fwd = lambda: lk.fused_linear_topk_tail_kl(
+            hs, ws, ht, wt, a, top_m=m, backend=backend, **opts
+        )
         return (
             fwd,
             lambda out: _lopd_sum(out).backward(),
-            lambda out: check_rows(lk, out.kl, hs, ws, ht, wt, a, m),
+            lambda out: check_rows(lk, out.kl, hs, ws, ht, wt, a, m, ids=out.topk_ids, **opts),
         )
     if name == "trl_chunked_divergence":
         from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
@@ -100,24 +117,32 @@ def variant_fns(name: str, lk, hs, ws, ht, wt, a, m: int, device: torch.device):
     raise ValueError(f"unknown variant {name!r}")
 
 
-def check_rows(lk, kl, hs, ws, ht, wt, a, top_m: int | None, rounded_logits=False) -> dict:
+def check_rows(
+    lk, kl, hs, ws, ht, wt, a, top_m: int | None, rounded_logits=False, ids=None, **opts
+) -> dict:
     """``kl`` of the first rows against the float64 reference on the same (rounded) inputs;
     ``rounded_logits``: on the logits rounded to the inputs' dtype, as the materialized path
-    forms them (its own rounding is not an error of the kernel)."""
+    forms them (its own rounding is not an error of the kernel); ``ids``: the support's ids,
+    compared too where given; ``opts``: support / divergence / beta."""
     r = min(CHECK_ROWS, a.shape[0])
     with torch.no_grad():
         if rounded_logits:
             s, t = (hs[:r] @ ws.T).double(), (ht[:r] @ wt.T).double()
-            ref = lk.topk_tail_kl_reference(s, t, a[:r], top_m=top_m).kl
+            ref = lk.topk_tail_kl_reference(s, t, a[:r], top_m=top_m, **opts)
         else:
             ref = lk.fused_linear_topk_tail_kl_reference(
-                hs[:r].double(), ws.double(), ht[:r].double(), wt.double(), a[:r], top_m=top_m
-            ).kl
-    diff = (kl.detach()[:r].double() - ref).abs()
-    return {
-        "max_err_kl": float(diff.max()),
-        "check_ok": bool((diff <= ATOL + RTOL * ref.abs()).all()),
-    }
+                hs[:r].double(), ws.double(), ht[:r].double(), wt.double(), a[:r], top_m=top_m,
+                **opts,
+            )  # fmt: skip
+    diff = (kl.detach()[:r].double() - ref.kl).abs()
+    ok = bool((diff <= ATOL + RTOL * ref.kl.abs()).all())
+    out = {"max_err_kl": float(diff.max())}
+    if ids is not None and opts:
+        # The selection is exact on the fp32 logits both form (ties aside: none at these sizes).
+        out["ids_match"] = bool(torch.equal(ids[:r], ref.topk_ids))
+        ok = ok and out["ids_match"]
+    out["check_ok"] = ok
+    return out
 
 
 def bench_setting(args, lk, rec, device, setting: str) -> None:
@@ -125,20 +150,33 @@ def bench_setting(args, lk, rec, device, setting: str) -> None:
     process (one record each: ``chunked`` for the switch's default, ``chunked[<v>]`` for the
     others), each within half of ``--budget-s``."""
     if args.variant != "chunked":
-        _bench_one(args, lk, rec, device, setting, args.variant, args.budget_s, {})
-        return
-    from lopd_kernels.kernel_variants import SWITCHES, use_variant
+        teacher_r = _bench_one(args, lk, rec, device, setting, args.variant, args.budget_s, {})
+    else:
+        from lopd_kernels.kernel_variants import SWITCHES, use_variant
 
-    sw = SWITCHES[CHUNKED_SWITCH]
-    for kv in sw.choices:
-        with use_variant(CHUNKED_SWITCH, kv):
-            label = "chunked" if kv == sw.default else f"chunked[{kv}]"
-            budget = args.budget_s / len(sw.choices)
-            _bench_one(args, lk, rec, device, setting, label, budget, {CHUNKED_SWITCH: kv})
-        gc.free_cuda(device)
+        sw = SWITCHES[CHUNKED_SWITCH]
+        for kv in sw.choices:
+            with use_variant(CHUNKED_SWITCH, kv):
+                label = "chunked" if kv == sw.default else f"chunked[{kv}]"
+                budget = args.budget_s / len(sw.choices)
+                r = _bench_one(args, lk, rec, device, setting, label, budget, {CHUNKED_SWITCH: kv})
+                teacher_r = r if kv == sw.default else None
+            gc.free_cuda(device)
+    if args.variant in ("chunked", "triton") and setting == args.settings.split(",")[0]:
+        for key in filter(None, args.options.split(",")):
+            support, divergence, beta = OPTIONS[key]
+            opts = {"support": support, "divergence": divergence, "beta": beta}
+            _bench_one(args, lk, rec, device, setting, args.variant, args.budget_s, {},
+                       opts=opts, baseline=teacher_r)  # fmt: skip
+            gc.free_cuda(device)
 
 
-def _bench_one(args, lk, rec, device, setting: str, label: str, budget_s: float, kv) -> None:
+def _bench_one(
+    args, lk, rec, device, setting: str, label: str, budget_s: float, kv, *, opts=None,
+    baseline=None,
+):  # fmt: skip
+    """One variant in one gradient setting (``opts``: support / divergence / beta); returns
+    the timings (``baseline``: the teacher's reverse KL's, for ``time_vs_teacher``)."""
     n, d, v, m = SIZES[args.size]
     dtype = torch.bfloat16
     hs, ws, ht, wt, a = make_inputs(n, d, v, device, dtype)
@@ -147,7 +185,7 @@ def _bench_one(args, lk, rec, device, setting: str, label: str, budget_s: float,
     hs.requires_grad_(True)
     ht.requires_grad_(lopd)  # the peers give the student a gradient only
     ws.requires_grad_(head_grad)
-    fwd, bwd, check = variant_fns(args.variant, lk, hs, ws, ht, wt, a, m, device)
+    fwd, bwd, check = variant_fns(args.variant, lk, hs, ws, ht, wt, a, m, device, opts)
 
     def clear() -> None:
         hs.grad = ht.grad = ws.grad = None
@@ -173,13 +211,17 @@ def _bench_one(args, lk, rec, device, setting: str, label: str, budget_s: float,
     grad_bytes = hs.numel() * 2 + (ht.numel() * 2 if lopd else 0) + (ws.numel() * 2 * head_grad)
     peak = None if r["peak_bytes"] is None else max(0, r["peak_bytes"] - grad_bytes)
     shapes = {"N": n, "d": d, "V": v, "M": m if lopd else "full", "dtype": "bfloat16",
-              "grads": setting}  # fmt: skip
+              "grads": setting, **(opts or {})}  # fmt: skip
     for pas in ("fwd", "bwd", "fwd+bwd"):
+        if baseline:
+            extra["time_vs_teacher"] = r[pas] / baseline[pas]
         rec.add("fused_linear_topk_tail_kl", label, {**shapes, "pass": pas}, r[pas],
                 peak if pas == "fwd+bwd" else None, reps=r["reps"], grad_bytes=grad_bytes,
                 peak_allocated_bytes=r["peak_bytes"], **extra)  # fmt: skip
     if extra.get("check_ok") is False:
-        raise AssertionError(f"{label} {setting}: wrong against the reference: {extra}")
+        raise AssertionError(f"{label} {setting} {opts or ''}: wrong against the reference: "
+                             f"{extra}")  # fmt: skip
+    return r
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated")
     parser.add_argument(
         "--budget-s", type=float, default=8.0, help="fewer reps when one call is this slow"
+    )
+    parser.add_argument(
+        "--options",
+        default=",".join(OPTIONS),
+        help="chunked / triton: option cases timed in the first gradient setting "
+        f"(comma-separated of {', '.join(OPTIONS)}; empty: none)",
     )
     args, device = gc.parse_args(parser, argv, reps=5)
     if device is None:

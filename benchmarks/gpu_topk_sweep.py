@@ -42,10 +42,10 @@ def sweep_teacher(args, rec, device, teacher: str) -> bool:
     s, t = s.detach(), t.detach()
     elt = s.element_size()
     copy = gc.copy_gbps(s)
-    fwd_args = (s, t, a, m, 1.0, True, -100)
+    fwd_args = (s, t, a, m, 1.0, "reverse", 1.0, "teacher", -100)
     kl, _slp, _tlp, ids, lse, blp = topk_tail_kl_fwd_triton(*fwd_args)
     ones = torch.ones(n, device=device)
-    bwd_args = (ones, ones, ones, s, t, a, ids, kl, lse, blp, 1.0, True, -100, True, True)
+    bwd_args = (ones, ones, ones, s, t, a, ids, kl, lse, blp, 1.0, "reverse", 1.0, -100, True, True)
     shapes = {"N": n, "V": v, "M": m, "dtype": "bfloat16", "teacher": teacher}
     ok = True
     for pas, configs, launch, args_, nbytes in (

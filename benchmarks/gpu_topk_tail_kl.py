@@ -12,6 +12,14 @@ Variants (``--variant``):
   sides (the eager loss a TRL user runs), same backward;
 * ``torch_topk``: ``torch.topk(t, M)`` alone, forward only: the floor for "find the top-M".
 
+Options: after the default kernels of ``triton`` / ``cuda`` with the teacher's top-M and the
+reverse KL, the same backend with ``--options`` (default: ``student``, ``union`` and ``jsd``:
+``support="student"``, ``support="union"``, ``divergence="jsd", beta=0.5``), each a record of
+its own (``shapes["support"]``, ``shapes["divergence"]``, ``shapes["beta"]``), checked against
+the float64 reference like the teacher's, with ``time_vs_teacher``: its median over the
+teacher's reverse KL's in the same process. An option the backend has no kernel for is skipped
+with a line saying so (``lopd_kernels/_constants.py``).
+
 Two teachers, each a record of its own (``shapes["teacher"]``): ``iid`` (i.i.d. normal logits,
 the top-M scattered over the vocabulary: the most work for a running top-M) and ``zipf`` (logits
 falling as ``-1.5 ln(1 + id)`` plus unit noise, as in frequency-ordered BPE vocabularies: the
@@ -47,6 +55,12 @@ TEACHERS = ("iid", "zipf")
 ZIPF_SLOPE = 1.5
 CHECK_ROWS = 32
 SIZES = {"full": (8192, 151_936, 20), "tiny": (4, 160, 4)}
+# --options: (support, divergence, beta) of each case timed after the teacher's reverse KL.
+OPTIONS = {
+    "student": ("student", "reverse", None),
+    "union": ("union", "reverse", None),
+    "jsd": ("teacher", "jsd", 0.5),
+}
 
 
 def make_inputs(n: int, v: int, teacher: str, device: torch.device, dtype: torch.dtype, seed=0):
@@ -68,8 +82,8 @@ def make_inputs(n: int, v: int, teacher: str, device: torch.device, dtype: torch
     return s, t, a
 
 
-def _lopd_forward(lk, backend: str, s, t, a, m):
-    return lambda: lk.topk_tail_kl(s, t, a, top_m=m, backend=backend)
+def _lopd_forward(lk, backend: str, s, t, a, m, opts=None):
+    return lambda: lk.topk_tail_kl(s, t, a, top_m=m, backend=backend, **(opts or {}))
 
 
 def _sum_backward(out) -> None:
@@ -96,12 +110,13 @@ def _trl_forward(s, t, a, m):
     return forward, backward
 
 
-def check_rows(lk, out, s, t, a, m: int) -> dict[str, float | bool]:
-    """Outputs and gradients of the first rows against the float64 reference on those rows."""
+def check_rows(lk, out, s, t, a, m: int, opts=None) -> dict[str, float | bool]:
+    """Outputs and gradients of the first rows against the float64 reference on those rows
+    (``opts``: the call's support / divergence / beta)."""
     r = min(CHECK_ROWS, a.shape[0])
     s64 = s.detach()[:r].double().requires_grad_(True)
     t64 = t.detach()[:r].double().requires_grad_(True)
-    ref = lk.topk_tail_kl_reference(s64, t64, a[:r], top_m=m)
+    ref = lk.topk_tail_kl_reference(s64, t64, a[:r], top_m=m, **(opts or {}))
     _sum_backward(ref)
     err = {
         f"max_err_{name}": float((getattr(out, name)[:r].double() - getattr(ref, name)).abs().max())
@@ -151,11 +166,14 @@ def bench_teacher(args, lk, rec, device, teacher: str) -> None:
         # others).
         switch = SWITCHES[FWD_SWITCHES[args.variant]]
         name = FWD_SWITCHES[args.variant]
+        timed = {}
         for kv in args.fwd_variants.split(",") if args.fwd_variants else switch.choices:
             with use_variant(name, kv):
                 label = backend if kv == switch.default else f"{backend}[{kv}]"
-                _time_lopd(args, lk, rec, device, (s, t, a), m, base_shapes, copy, backend,
-                           label, {name: kv})  # fmt: skip
+                timed[kv] = _time_lopd(args, lk, rec, device, (s, t, a), m, base_shapes, copy,
+                                       backend, label, {name: kv})  # fmt: skip
+        _time_options(args, lk, rec, device, (s, t, a), m, base_shapes, copy, backend,
+                      timed.get(switch.default))  # fmt: skip
         return
     if args.variant == "torch_reference":
         backend = "torch_reference"
@@ -167,23 +185,50 @@ def bench_teacher(args, lk, rec, device, teacher: str) -> None:
     _record(args, rec, device, (s, t), forward, backward, base_shapes, copy, backend, extra)
 
 
-def _time_lopd(args, lk, rec, device, inputs, m, base_shapes, copy, backend, label, variants):
-    """Checks one LOPD backend (as the kernel switches now select) against the float64 reference
-    on the first rows, then times it and records it as ``label``."""
+def _time_options(args, lk, rec, device, inputs, m, base_shapes, copy, backend, teacher_r):
+    """The ``--options`` cases on ``backend``'s default kernels, each checked and recorded with
+    its options in the shapes and its time over the teacher's reverse KL's (``teacher_r``)."""
+    from lopd_kernels.bucket_math import op_divergence
+    from lopd_kernels.topk_tail_kl import kernel_option_refusal
+
+    for key in filter(None, args.options.split(",")):
+        support, divergence, beta = OPTIONS[key]
+        reason = kernel_option_refusal(backend, op_divergence(divergence, beta)[0], support)
+        if reason is not None:
+            print(f"topk_tail_kl {backend} {key}: skipped, the backend {reason}", flush=True)
+            continue
+        opts = {"support": support, "divergence": divergence, "beta": beta}
+        shapes = {**base_shapes, "support": support, "divergence": divergence, "beta": beta}
+        _time_lopd(args, lk, rec, device, inputs, m, shapes, copy, backend, backend, None,
+                   opts=opts, baseline=teacher_r)  # fmt: skip
+
+
+def _time_lopd(
+    args, lk, rec, device, inputs, m, base_shapes, copy, backend, label, variants, *, opts=None,
+    baseline=None,
+):  # fmt: skip
+    """Checks one LOPD backend (as the kernel switches now select; ``opts``: support /
+    divergence / beta) against the float64 reference on the first rows, then times it and
+    records it as ``label``; returns the timings."""
     s, t, a = inputs
-    forward, backward = _lopd_forward(lk, backend, s, t, a, m), _sum_backward
+    forward, backward = _lopd_forward(lk, backend, s, t, a, m, opts), _sum_backward
     s.grad = t.grad = None
     out = forward()
     backward(out)
-    extra = check_rows(lk, out, s, t, a, m)
+    extra = check_rows(lk, out, s, t, a, m, opts)
     extra["teacher_topk_mass"] = float(out.teacher_topk_mass.mean())
+    if opts and opts["support"] == "union":
+        extra["mean_support_size"] = float(out.support_size.float().mean())
     if variants:
         extra["kernel_variants"] = variants
     del out
-    _record(args, rec, device, (s, t), forward, backward, base_shapes, copy, label, extra)
+    return _record(args, rec, device, (s, t), forward, backward, base_shapes, copy, label, extra,
+                   baseline)  # fmt: skip
 
 
-def _record(args, rec, device, logits, forward, backward, base_shapes, copy, backend, extra):
+def _record(
+    args, rec, device, logits, forward, backward, base_shapes, copy, backend, extra, baseline=None
+):  # fmt: skip
     s, t = logits
     n, v = s.shape
     elt = s.element_size()
@@ -197,11 +242,14 @@ def _record(args, rec, device, logits, forward, backward, base_shapes, copy, bac
     passes = (("fwd", 2), ("bwd", 4), ("fwd+bwd", 6))
     for name, tensors in passes:
         fields = gc.bandwidth_fields(tensors * n * v * elt, r[name], copy)
+        if baseline:
+            fields["time_vs_teacher"] = r[name] / baseline[name]
         rec.add("topk_tail_kl", backend, {**base_shapes, "pass": name}, r[name],
                 peak if name == "fwd+bwd" else None, **fields, **extra)  # fmt: skip
     if extra and not extra.get("check_ok", True):
         teacher = base_shapes["teacher"]
         raise AssertionError(f"{backend} {teacher}: wrong against the float64 reference: {extra}")
+    return r
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         help="--variant triton / cuda: the forward kernels to time (switches "
         f"{', '.join(FWD_SWITCHES.values())}, lopd_kernels/kernel_variants.py), "
         "comma-separated; default: every variant",
+    )
+    parser.add_argument(
+        "--options",
+        default=",".join(OPTIONS),
+        help="--variant triton / cuda: option cases timed after the teacher's reverse KL "
+        f"(comma-separated of {', '.join(OPTIONS)}; empty: none)",
     )
     args, device = gc.parse_args(parser, argv, reps=10)
     if device is None:

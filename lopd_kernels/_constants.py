@@ -35,10 +35,10 @@ SUPPORTS = ("teacher", "student", "union")
 TOPK_KERNEL_SUPPORTS = {
     "cpu": SUPPORTS,
     "cuda": ("teacher",),
-    "triton": ("teacher",),
-    "fused_triton": ("teacher",),
+    "triton": SUPPORTS,
+    "fused_triton": SUPPORTS,
 }
-TOPK_KERNEL_JSD = {"cpu": True, "cuda": False, "triton": False, "fused_triton": False}
+TOPK_KERNEL_JSD = {"cpu": True, "cuda": False, "triton": True, "fused_triton": True}
 
 #: ``reduction=`` values of the loss modules.
 REDUCTIONS = ("none", "mean", "sum")

@@ -123,10 +123,10 @@ def _forward(impl: str, args: tuple, chunk_size: int, tail_proj: list[bool]) -> 
         # triton is optional (machines without it run the chunked path): imported lazily.
         from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_fwd_triton
 
-        *head, divergence, _beta, support, ignore_index = args
+        *head, divergence, _beta, support, _ignore_index = args
         refuse_options("fused_triton", divergence, support if head[7] else "teacher")
         empty = args[0].new_empty(0, dtype=torch.float32)
-        out = fused_linear_fwd_triton(*head, divergence == "reverse", ignore_index)
+        out = fused_linear_fwd_triton(*args)
         return (*out, empty, empty.clone())
     return chunked_fwd(*args, chunk_size, (tail_proj[0], tail_proj[1]))
 
@@ -138,9 +138,9 @@ def _backward_grads(
         # triton is optional (machines without it run the chunked path): imported lazily.
         from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_bwd_triton
 
-        temperature, divergence, _beta, support, ignore_index = scalars
+        temperature, divergence, beta, support, ignore_index = scalars
         refuse_options("fused_triton", divergence, support if args[10].shape[1] else "teacher")
-        scalars = (temperature, divergence == "reverse", ignore_index)
+        scalars = (temperature, divergence, beta, ignore_index)
         return fused_linear_bwd_triton(*args, *scalars, tuple(needs), shared)
     return chunked_bwd(*args, *projs, *scalars, chunk_size, tuple(needs), shared)
 
@@ -357,8 +357,7 @@ def fused_linear_topk_tail_kl(
         backend: ``"auto"`` (the chunked path; float64 inputs: the reference), ``"torch"``
             (the materialized reference), ``"cpu"``/``"cuda"`` (chunked: vendor GEMMs + the
             ``topk_tail_kl`` kernels per token chunk, or their PyTorch twins for options a
-            kernel lacks) or ``"triton"`` (the fully fused kernel; ``support="teacher"`` and the
-            KLs only so far).
+            kernel lacks) or ``"triton"`` (the fully fused kernel, every option).
         chunk_size: token rows per chunk of the chunked path; ``None`` picks it from the free
             memory (:func:`auto_chunk_rows`).
 

@@ -364,7 +364,7 @@ def _triton_fwd(
     # The launcher reads strided rows in place (it copies only a non-dense vocabulary axis).
     return fwd(
         student_logits, teacher_logits, target_ids.contiguous(), top_m, temperature,
-        divergence == "reverse", ignore_index,
+        divergence, beta, support, ignore_index,
     )  # fmt: skip
 
 
@@ -393,7 +393,7 @@ def _triton_bwd(
         grad_kl.contiguous(), grad_student_logprob.contiguous(),
         grad_teacher_logprob.contiguous(), student_logits, teacher_logits,
         target_ids.contiguous(), topk_ids.contiguous(), kl.contiguous(), lse.contiguous(),
-        bucket_logp.contiguous(), temperature, divergence == "reverse", ignore_index,
+        bucket_logp.contiguous(), temperature, divergence, beta, ignore_index,
         student_requires_grad, teacher_requires_grad,
     )  # fmt: skip
 

@@ -420,10 +420,15 @@ def test_validation(mutate, kw, match):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("impl", "tail_proj"), [("cpu", False), ("cpu", True), ("triton", False)])
-def test_opcheck(impl, tail_proj):
+@pytest.mark.parametrize(
+    ("impl", "tail_proj", "options"),
+    [("cpu", False, None), ("cpu", True, None), ("triton", False, None),
+     ("triton", False, ("union", "jsd", 0.5)), ("triton", False, ("student", "forward", 0.0))],
+)  # fmt: skip
+def test_opcheck(impl, tail_proj, options):
     if impl == "triton" and not lk._backend.triton_available():
         pytest.skip("Triton cannot run here (no CUDA device and TRITON_INTERPRET unset)")
+    support, divergence, beta = options or ("teacher", "reverse", 1.0)
     inputs, target = make_inputs(6, 16, 37, bias=True, seed=11)
     device = TRITON_DEVICE if impl == "triton" else "cpu"
     inputs, target = to_device(inputs, target, device)
@@ -431,7 +436,7 @@ def test_opcheck(impl, tail_proj):
     args = (
         leaves["student_hidden"], leaves["student_weight"], leaves["student_bias"],
         leaves["teacher_hidden"], leaves["teacher_weight"], leaves["teacher_bias"],
-        target, 4, 0.9, "reverse", 1.0, "teacher", -100, 2, [tail_proj, tail_proj],
+        target, 4, 0.9, divergence, beta, support, -100, 2, [tail_proj, tail_proj],
     )  # fmt: skip
     tests = ("test_schema", "test_autograd_registration", "test_faketensor")
     fwd_op = getattr(torch.ops.lopd, f"fused_linear_topk_tail_kl_{impl}_fwd").default
@@ -441,7 +446,7 @@ def test_opcheck(impl, tail_proj):
     grads = [torch.randn(6).to(device) for _ in range(3)]
     bwd_args = (
         *grads, *(x.detach() for x in args[:7]), ids, kl.detach(), lse, bucket, proj_s, proj_t,
-        0.9, "reverse", 1.0, "teacher", -100, 2, [True, True, False, True, False, True], False,
+        0.9, divergence, beta, support, -100, 2, [True, True, False, True, False, True], False,
     )  # fmt: skip
     torch.library.opcheck(
         getattr(torch.ops.lopd, f"fused_linear_topk_tail_kl_{impl}_bwd").default,
@@ -464,6 +469,20 @@ TRITON_CASES = [
     (12, 16, 40, 4, 0.8, "reverse", True, False, torch.bfloat16),
 ]
 
+# support x divergence on the fused Triton kernel: (support, divergence, beta, top_m, dtype).
+TRITON_OPTIONS = [
+    ("student", "reverse", None, 5, torch.float32),
+    ("student", "forward", None, 4, torch.float32),
+    ("union", "reverse", None, 4, torch.bfloat16),
+    ("student", "jsd", 0.25, 4, torch.bfloat16),
+    ("union", "forward", None, 5, torch.float32),
+    ("union", "jsd", 0.5, 6, torch.float32),
+    ("union", "jsd", 0.9, 3, torch.bfloat16),
+    ("teacher", "jsd", 0.5, 5, torch.float32),
+    ("teacher", "jsd", 0.5, None, torch.float32),
+    ("teacher", "jsd", 0.25, None, torch.bfloat16),
+]
+
 
 @pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_interpret()),
@@ -475,6 +494,42 @@ def test_triton_matches_reference(case):
     inputs, target = make_inputs(n, d, vocab, dtype, bias=bias, tied=tied, seed=12)
     inputs, target = to_device(inputs, target, TRITON_DEVICE)
     check(inputs, target, "triton", dtype, top_m=top_m, temperature=temp, divergence=div)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() or triton_interpret()),
+    reason="Triton needs a CUDA device or TRITON_INTERPRET=1",
+)
+@pytest.mark.parametrize("case", TRITON_OPTIONS, ids=lambda c: "-".join(map(str, c)))
+def test_triton_every_support_and_divergence(case):
+    """The fused kernel with the student's / the union's support (two running sets per
+    vocabulary split; the splits' candidate lists merged in PyTorch) and the JSD (the full
+    vocabulary's second pass over the tiles, forward and backward), all gradients."""
+    support, div, beta, top_m, dtype = case
+    inputs, target = make_inputs(11, 16, 45, dtype, bias=True, seed=23)
+    inputs, target = to_device(inputs, target, TRITON_DEVICE)
+    out, _ = check(inputs, target, "triton", dtype, top_m=top_m, temperature=0.8,
+                   divergence=div, beta=beta, support=support)  # fmt: skip
+    if top_m is not None:
+        assert out.topk_ids.shape[-1] == (2 * top_m if support == "union" else top_m)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() or triton_interpret()),
+    reason="Triton needs a CUDA device or TRITON_INTERPRET=1",
+)
+def test_triton_union_frozen_heads_and_masked_vocab():
+    """The union with frozen heads (hidden-state gradients only) and -inf logits in some
+    tiles: padding slots, and candidates the two sets share across splits."""
+    inputs, target = make_inputs(9, 16, 41, bias=True, seed=14)
+    inputs["student_bias"][:5] = -math.inf
+    inputs["teacher_bias"][30:33] = -math.inf
+    target = torch.where((target >= 0) & (target < 5), target + 5, target)
+    target = torch.where((target >= 30) & (target < 33), target - 10, target)
+    inputs, target = to_device(inputs, target, TRITON_DEVICE)
+    requires = {"student_hidden", "teacher_hidden"}
+    check(inputs, target, "triton", torch.float32, requires=requires, top_m=4, support="union",
+          divergence="jsd", beta=0.4)  # fmt: skip
 
 
 @pytest.mark.skipif(
@@ -669,7 +724,7 @@ def arg_type(name):
         return "*i64"
     if name in INTS or name.startswith("stride"):
         return "i32"
-    return "fp32" if name == "inv_temp" else "*fp32"
+    return "fp32" if name in ("inv_temp", "beta", "log_1mb", "log_b") else "*fp32"
 
 compile_for = functools.partial(
     compile_kernel,
@@ -679,11 +734,15 @@ compile_for = functools.partial(
 )
 
 tiles = dict(BLOCK_N=64, BLOCK_V=128, BLOCK_D=128, PRECISION="tf32", UPCAST=False)
-compile_for(k._fwd_kernel, M=20, M_PAD=32, FULL=False, REVERSE=True, HAS_BS=True, HAS_BT=False,
-            **tiles)
-compile_for(k._bwd_kernel, M=20, FULL=False, REVERSE=True, HAS_BS=True, HAS_BT=False,
-            NEED_S=True, NEED_T=True, NEED_DHS=True, NEED_DWS=True, NEED_DBS=True,
-            NEED_DHT=True, NEED_DWT=False, NEED_DBT=False, **tiles)
+for support in (0, 2):  # the teacher's top-M, the union (two running sets)
+    compile_for(k._fwd_kernel, M=20, M_PAD=32, FULL=False, DIV=0, SUPPORT=support,
+                SETS=1 + (support == 2), HAS_BS=True, HAS_BT=False, **tiles)
+needs = dict(NEED_S=True, NEED_T=True, NEED_DHS=True, NEED_DWS=True, NEED_DBS=True,
+             NEED_DHT=True, NEED_DWT=False, NEED_DBT=False)
+compile_for(k._bwd_kernel, M=20, FULL=False, DIV=0, HAS_BS=True, HAS_BT=False, **needs, **tiles)
+# The full-vocabulary JSD: its second pass, and the backward's per-entry factors.
+compile_for(k._jsd_full_kernel, HAS_BS=True, HAS_BT=False, **tiles)
+compile_for(k._bwd_kernel, M=1, FULL=True, DIV=2, HAS_BS=True, HAS_BT=False, **needs, **tiles)
 print("compiled")
 """
 

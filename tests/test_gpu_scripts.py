@@ -106,6 +106,14 @@ def test_every_benchmark_wrote_its_records(dry_run):
     assert len({b for b, p in sweep if p == "fwd"}) >= 2 and any(p == "bwd" for _, p in sweep)
     grads = {r["shapes"]["grads"] for r in records if r["op"] == "fused_linear_topk_tail_kl"}
     assert grads == {"frozen-heads", "student-head"}
+    # The support / JSD cases, each checked against the reference like the teacher's (check_ok
+    # above) and timed against it.
+    options = {(r["op"], r["backend"], r["shapes"]["support"], r["shapes"]["divergence"])
+               for r in records if "support" in r["shapes"] and "time_vs_teacher" in r}  # fmt: skip
+    cases = (("student", "reverse"), ("union", "reverse"), ("teacher", "jsd"))
+    want = {("topk_tail_kl", b, *c) for b in ("triton", "cpu") for c in cases}
+    want |= {("fused_linear_topk_tail_kl", b, *c) for b in ("chunked", "triton") for c in cases}
+    assert want <= options, sorted(want - options)
 
 
 def test_test_selections_hold_the_gpu_tests_of_every_op(dry_run):
@@ -163,10 +171,13 @@ def test_results_merge_into_the_results_format(dry_run, tmp_path):
     keys = [(r["backend"], json.dumps(r["shapes"], sort_keys=True)) for r in rows]
     assert len(keys) == len(set(keys))
     assert all(r["commit"] != "unknown" for r in rows)
+    # The peers' baselines are the teacher's reverse KL; the option cases carry time_vs_teacher.
+    teacher = [r for r in rows if r["backend"] == "triton" and "support" not in r["shapes"]]
     if HAS_TRL:
-        assert all("speedup_vs_trl_eager" in r for r in rows if r["backend"] == "triton")
+        assert teacher and all("speedup_vs_trl_eager" in r for r in teacher)
     fused = json.loads((tmp_path / "gpu_fused_linear_topk_tail_kl.json").read_text())
-    assert all("time_ratio" in r for r in fused if r["backend"] == "triton")
+    fused = [r for r in fused if r["backend"] == "triton" and "support" not in r["shapes"]]
+    assert fused and all("time_ratio" in r for r in fused)
     report = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), str(tmp_path)],
                             capture_output=True, text=True, check=True)  # fmt: skip
     assert "gpu_topk_tail_kl" in report.stdout and "torch_reference" in report.stdout

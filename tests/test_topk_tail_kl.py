@@ -460,11 +460,11 @@ def test_trl_oracle(divergence):
 # --------------------------------------------------------------------------------- custom ops
 
 
-def _opcheck_samples(fwd, top_m, device="cpu"):
+def _opcheck_samples(fwd, top_m, device="cpu", support="teacher", divergence="reverse", beta=1.0):
     s, t, target = (x.to(device) for x in make_inputs(3, 37, ignore_rows=(1,), pad=2, seed=9))
     s.requires_grad_(True)
     t.requires_grad_(True)
-    fwd_args = (s, t, target, top_m, 0.9, "reverse", 1.0, "teacher", -100)
+    fwd_args = (s, t, target, top_m, 0.9, divergence, beta, support, -100)
     kl, _slp, _tlp, ids, lse, bucket = fwd(
         *(x.detach() if torch.is_tensor(x) else x for x in fwd_args)
     )
@@ -481,8 +481,8 @@ def _opcheck_samples(fwd, top_m, device="cpu"):
         lse,
         bucket,
         0.9,
-        "reverse",
-        1.0,
+        divergence,
+        beta,
         -100,
         True,
         True,
@@ -501,8 +501,16 @@ def test_opcheck_cpp(top_m):
 
 
 @requires_triton
-def test_opcheck_triton():
-    fwd_args, bwd_args = _opcheck_samples(torch.ops.lopd.topk_tail_kl_triton_fwd, 5, TRITON_DEVICE)
+@pytest.mark.parametrize(
+    ("top_m", "support", "divergence", "beta"),
+    [(5, "teacher", "reverse", 1.0), (5, "union", "jsd", 0.5), (4, "student", "forward", 0.0),
+     (0, "union", "jsd", 0.25)],
+)  # fmt: skip
+def test_opcheck_triton(top_m, support, divergence, beta):
+    """The Triton ops' schema, fakes (the union's [N, 2M] ids) and autograd, every option."""
+    fwd_args, bwd_args = _opcheck_samples(
+        torch.ops.lopd.topk_tail_kl_triton_fwd, top_m, TRITON_DEVICE, support, divergence, beta
+    )
     torch.library.opcheck(torch.ops.lopd.topk_tail_kl_triton_fwd, fwd_args)
     torch.library.opcheck(torch.ops.lopd.topk_tail_kl_triton_bwd, bwd_args)
 

@@ -34,6 +34,13 @@ from lopd_kernels.triton.topk_tail_kl import (  # noqa: E402
 
 IGNORE = -100
 
+
+def kl_args(reverse: bool) -> tuple[str, float, str]:
+    """The forward launcher's ``(divergence, beta, support)`` of one of the two KLs over the
+    teacher's top-M."""
+    return ("reverse", 1.0, "teacher") if reverse else ("forward", 0.0, "teacher")
+
+
 pytestmark = [
     pytest.mark.skipif(
         not (torch.cuda.is_available() or triton_interpret()),
@@ -142,7 +149,7 @@ def _run_and_check(
     # Small blocks and 4 warps for the interpreter; None: the launchers' GPU defaults.
     warps = None if block_v is None else 4
     out = topk_tail_kl_fwd_triton(
-        s, t, target, top_m, temperature, reverse, IGNORE,
+        s, t, target, top_m, temperature, *kl_args(reverse), IGNORE,
         block_v=block_v, num_warps=warps, bulk_min=bulk_min,
     )  # fmt: skip
     kl, slp, tlp, ids, lse, blp = out
@@ -176,7 +183,8 @@ def _run_and_check(
     loss.backward()
     gs, gt = topk_tail_kl_bwd_triton(
         u_kl, u_ls, u_lt, s, t, target, ids, kl, lse, blp,
-        temperature, reverse, IGNORE, grads[0], grads[1], block_v=block_v, num_warps=warps,
+        temperature, *kl_args(reverse)[:2], IGNORE, grads[0], grads[1], block_v=block_v,
+        num_warps=warps,
     )  # fmt: skip
     for side, (g, x, x64) in enumerate(((gs, s, s64), (gt, t, t64))):
         name = ("grad_student", "grad_teacher")[side]
@@ -251,13 +259,15 @@ def test_all_ignored_rows_are_zero():
     t = torch.randn(3, 97, generator=gen).to(DEVICE)
     target = torch.full((3,), IGNORE, dtype=torch.int64, device=DEVICE)
     for m in (20, 0):
-        out = topk_tail_kl_fwd_triton(s, t, target, m, 0.7, True, IGNORE, block_v=32, num_warps=4)
+        out = topk_tail_kl_fwd_triton(
+            s, t, target, m, 0.7, *kl_args(True), IGNORE, block_v=32, num_warps=4
+        )
         for x in out:
             assert not x.any(), "every output of an ignored row is 0"
         ones = torch.ones(3, device=DEVICE)
         gs, gt = topk_tail_kl_bwd_triton(
             ones, ones, ones, s, t, target, *out[3:4], out[0], out[4], out[5],
-            0.7, True, IGNORE, True, True, block_v=32, num_warps=4,
+            0.7, "reverse", 1.0, IGNORE, True, True, block_v=32, num_warps=4,
         )  # fmt: skip
         assert not gs.any() and not gt.any(), "ignored rows get 0 gradient"
 
@@ -298,8 +308,9 @@ def test_tiny_tail_is_exact(reverse, fwd_variant):
     s = torch.randn(n, v, generator=gen)
     target = torch.tensor([int(top[0]), 5])
     out = topk_tail_kl_fwd_triton(
-        s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), m, 1.0, reverse, IGNORE, block_v=64
-    )
+        s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), m, 1.0, *kl_args(reverse), IGNORE,
+        block_v=64,
+    )  # fmt: skip
     lq_tail = out[5][:, 1, m].cpu().double()
     expected = _oracle(s.double(), t.double(), target, m, 1.0, reverse)[5][:, 1, m]
     assert (expected < -60).all(), "the test needs a tail far below float32 epsilon"
@@ -355,7 +366,7 @@ def test_strided_rows_and_no_out_of_bounds_reads(m, fwd_variant):
 def test_empty_batch():
     s = torch.zeros(0, 10, device=DEVICE)
     target = torch.zeros(0, dtype=torch.int64, device=DEVICE)
-    out = topk_tail_kl_fwd_triton(s, s, target, 4, 1.0, True, IGNORE)
+    out = topk_tail_kl_fwd_triton(s, s, target, 4, 1.0, *kl_args(True), IGNORE)
     shapes = [tuple(x.shape) for x in out]
     assert shapes == [(0,), (0,), (0,), (0, 4), (0, 2), (0, 2, 5)]
 
@@ -414,6 +425,10 @@ def test_public_api_backend_triton(top_m, divergence):
         ({"student_logits": torch.zeros(97)}, ValueError, "student_logits"),
         ({"target_ids": torch.zeros(3, dtype=torch.int32)}, TypeError, "target_ids"),
         ({"target_ids": torch.zeros(4, dtype=torch.int64)}, ValueError, "target_ids"),
+        ({"divergence": "js"}, ValueError, "divergence"),
+        ({"divergence": "jsd", "beta": 1.5}, ValueError, "beta"),
+        ({"divergence": "jsd", "beta": float("nan")}, ValueError, "beta"),
+        ({"support": "both"}, ValueError, "support"),
     ],
 )
 def test_bad_input(kwargs, exc, match):
@@ -423,7 +438,9 @@ def test_bad_input(kwargs, exc, match):
         "target_ids": torch.zeros(3, dtype=torch.int64),
         "top_m": 20,
         "temperature": 1.0,
-        "reverse": True,
+        "divergence": "reverse",
+        "beta": 1.0,
+        "support": "teacher",
         "ignore_index": IGNORE,
     }
     args.update(kwargs)
@@ -439,10 +456,10 @@ def test_kernel_variant_switch_is_validated(monkeypatch):
     env = SWITCHES[FWD_SWITCH].env
     monkeypatch.setenv(env, "v9")
     with pytest.raises(ValueError, match=env):
-        topk_tail_kl_fwd_triton(x, x, tgt, 4, 1.0, True, IGNORE, block_v=16, num_warps=4)
+        topk_tail_kl_fwd_triton(x, x, tgt, 4, 1.0, *kl_args(True), IGNORE, block_v=16, num_warps=4)
     monkeypatch.delenv(env)
     with pytest.raises(ValueError, match="variant must be one of"):
-        topk_tail_kl_fwd_triton(x, x, tgt, 4, 1.0, True, IGNORE, variant="v9")
+        topk_tail_kl_fwd_triton(x, x, tgt, 4, 1.0, *kl_args(True), IGNORE, variant="v9")
 
 
 def test_use_variant_restores_the_setting(monkeypatch):
@@ -460,7 +477,8 @@ def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = torch.zeros(2, 10)
     with pytest.raises(RuntimeError, match="CUDA tensors"):
-        topk_tail_kl_fwd_triton(x, x, torch.zeros(2, dtype=torch.int64), 4, 1.0, True, IGNORE)
+        tgt = torch.zeros(2, dtype=torch.int64)
+        topk_tail_kl_fwd_triton(x, x, tgt, 4, 1.0, *kl_args(True), IGNORE)
 
 
 # ------------------------------------------------------------------------------------------
@@ -474,6 +492,8 @@ from tests.triton_compile import compile_kernel
 import lopd_kernels.triton.topk_tail_kl as k
 import lopd_kernels.triton.topk_tail_kl_kernels_v2 as f
 
+FLOATS = ("scale2", "inv_t", "beta", "log_1mb", "log_b")
+
 def arg_type(name):
     if name in ("s_ptr", "t_ptr", "gs_ptr", "gt_ptr"):
         return "*bf16"
@@ -481,7 +501,7 @@ def arg_type(name):
         return "*i64"
     if name.endswith("_ptr"):
         return "*fp32"
-    return {"V": "i32", "scale2": "fp32", "inv_t": "fp32"}.get(name, "i64")
+    return "fp32" if name in FLOATS else {"V": "i32"}.get(name, "i64")
 
 def compile_for(fn, arch, **constexprs):
     compile_kernel(
@@ -489,18 +509,32 @@ def compile_for(fn, arch, **constexprs):
         **constexprs,
     )
 
+TEACHER_REV = dict(DIV=0, SUPPORT=0)
 for arch in (80, 90):
-    compile_for(k._fwd_topm_kernel, arch, M=20, MP=32, BLOCK_V=2048, REVERSE=True, BULK=False,
-                BULK_MIN=0)
-    compile_for(k._fwd_full_kernel, arch, BLOCK_V=4096, REVERSE=False)
+    compile_for(k._fwd_topm_kernel, arch, M=20, MP=32, K=20, BLOCK_V=2048, **TEACHER_REV,
+                BULK=False, BULK_MIN=0)
+    compile_for(k._fwd_full_kernel, arch, BLOCK_V=4096, DIV=1)
     for full in (False, True):
-        compile_for(k._bwd_kernel, arch, M=0 if full else 20, MP=32, BLOCK_V=2048,
-                    REVERSE=not full, FULL=full, GRAD_S=True, GRAD_T=True)
+        compile_for(k._bwd_kernel, arch, K=0 if full else 20, KP=32, BLOCK_V=2048,
+                    DIV=0 if full else 1, FULL=full, GRAD_S=True, GRAD_T=True)
     # Variant v2 of the top-M forward (lopd_kernels/kernel_variants.py).
-    compile_for(f._fwd_topm_fused_kernel, arch, M=20, MP=32, BLOCK_V=2048, REVERSE=True)
+    compile_for(f._fwd_topm_fused_kernel, arch, M=20, MP=32, K=20, BLOCK_V=2048, **TEACHER_REV)
 # The bitonic-merge path (small block: the network's size only changes compile time).
-compile_for(k._fwd_topm_kernel, 90, M=20, MP=32, BLOCK_V=256, REVERSE=False, BULK=True,
+compile_for(k._fwd_topm_kernel, 90, M=20, MP=32, K=20, BLOCK_V=256, DIV=1, SUPPORT=0, BULK=True,
             BULK_MIN=12)
+# The options: the union's two sets (v1, its merge, v2; the student's support is the teacher's
+# code with the rows swapped), the JSD (top-M: finalization and backward factors; full
+# vocabulary: the extra passes). The union's merge at a small size: compile time grows with
+# the network, the code is the same.
+compile_for(k._fwd_topm_kernel, 90, M=20, MP=32, K=40, BLOCK_V=2048, DIV=2, SUPPORT=2,
+            BULK=False, BULK_MIN=0)
+compile_for(k._fwd_topm_kernel, 90, M=8, MP=8, K=16, BLOCK_V=64, DIV=0, SUPPORT=2,
+            BULK=True, BULK_MIN=4)
+compile_for(f._fwd_topm_fused_kernel, 90, M=20, MP=32, K=40, BLOCK_V=2048, DIV=1, SUPPORT=2)
+compile_for(k._fwd_full_kernel, 90, BLOCK_V=4096, DIV=2)
+for full in (False, True):
+    compile_for(k._bwd_kernel, 90, K=0 if full else 40, KP=64, BLOCK_V=2048, DIV=2, FULL=full,
+                GRAD_S=True, GRAD_T=True)
 print("compiled")
 """
 

@@ -90,6 +90,7 @@ class TritonSpec:
 def _topk_types() -> dict:
     t = {n: "*bf16" for n in ("s_ptr", "t_ptr", "gs_ptr", "gt_ptr")}
     t.update({"tgt_ptr": "*i64", "ids_ptr": "*i64", "V": "i32", "scale2": "fp32", "inv_t": "fp32"})
+    t.update({n: "fp32" for n in ("beta", "log_1mb", "log_b")})
     for n in ("kl_ptr", "slp_ptr", "tlp_ptr", "lse_ptr", "blp_ptr", "gkl_ptr", "gsl_ptr"):
         t[n] = "*fp32"
     t["gtl_ptr"] = "*fp32"
@@ -99,6 +100,7 @@ def _topk_types() -> dict:
 def _fused_types() -> dict:
     t = {n: "*bf16" for n in ("HS", "WS", "BS", "HT", "WT", "BT")}
     t.update({"TGT": "*i32", "TOP_I": "*i32", "IDS": "*i64", "inv_temp": "fp32"})
+    t.update({n: "fp32" for n in ("beta", "log_1mb", "log_b")})
     t.update({n: "i32" for n in ("N", "V", "DS", "DT", "split_len")})
     t.update({f"stride_{n}": "i32" for n in ("hs", "ws", "ht", "wt", "h", "w")})
     return t  # every other argument: an fp32 pointer
@@ -116,27 +118,35 @@ def triton_specs() -> list[TritonSpec]:
     from lopd_kernels.triton import topk_tail_kl as tk
 
     k = "lopd_kernels.triton.topk_tail_kl_kernels"
-    m20 = {"M": 20, "MP": 32}
+    kb = "lopd_kernels.triton.topk_tail_kl_kernels_bwd"
+    m20 = {"M": 20, "MP": 32, "K": 20}
+    teacher = {"DIV": 0, "SUPPORT": 0}  # reverse KL over the teacher's top-M
     specs = [
         TritonSpec(
             "topk_tail_kl fwd top-M", k, "_fwd_topm_kernel", _topk_types(),
-            {**m20, "BLOCK_V": tk._FWD_BLOCK_V, "REVERSE": True, "BULK": False, "BULK_MIN": 0},
+            {**m20, "BLOCK_V": tk._FWD_BLOCK_V, **teacher, "BULK": False, "BULK_MIN": 0},
+            tk._FWD_WARPS, tk._FWD_BLOCK_V, 4, aligned_ints=("V",),
+        ),
+        TritonSpec(
+            "topk_tail_kl fwd top-M union jsd", k, "_fwd_topm_kernel", _topk_types(),
+            {**m20, "K": 40, "BLOCK_V": tk._FWD_BLOCK_V, "DIV": 2, "SUPPORT": 2, "BULK": False,
+             "BULK_MIN": 0},
             tk._FWD_WARPS, tk._FWD_BLOCK_V, 4, aligned_ints=("V",),
         ),
         TritonSpec(
             "topk_tail_kl fwd full", k, "_fwd_full_kernel", _topk_types(),
-            {"BLOCK_V": tk._FULL_BLOCK_V, "REVERSE": True}, tk._FWD_WARPS, tk._FULL_BLOCK_V, 4,
+            {"BLOCK_V": tk._FULL_BLOCK_V, "DIV": 0}, tk._FWD_WARPS, tk._FULL_BLOCK_V, 4,
             aligned_ints=("V",),
         ),
         TritonSpec(
-            "topk_tail_kl bwd top-M", k, "_bwd_kernel", _topk_types(),
-            {**m20, "BLOCK_V": tk._BWD_BLOCK_V, "REVERSE": True, "FULL": False, "GRAD_S": True,
-             "GRAD_T": True},
+            "topk_tail_kl bwd top-M", kb, "_bwd_kernel", _topk_types(),
+            {"K": 20, "KP": 32, "BLOCK_V": tk._BWD_BLOCK_V, "DIV": 0, "FULL": False,
+             "GRAD_S": True, "GRAD_T": True},
             tk._BWD_WARPS, tk._BWD_BLOCK_V, 4, aligned_ints=("V",),
         ),
         TritonSpec(
-            "topk_tail_kl bwd full", k, "_bwd_kernel", _topk_types(),
-            {"M": 0, "MP": 32, "BLOCK_V": tk._BWD_BLOCK_V, "REVERSE": True, "FULL": True,
+            "topk_tail_kl bwd full", kb, "_bwd_kernel", _topk_types(),
+            {"K": 0, "KP": 32, "BLOCK_V": tk._BWD_BLOCK_V, "DIV": 0, "FULL": True,
              "GRAD_S": True, "GRAD_T": True},
             tk._BWD_WARPS, tk._BWD_BLOCK_V, 4, aligned_ints=("V",),
         ),
@@ -144,12 +154,13 @@ def triton_specs() -> list[TritonSpec]:
     specs += _variant_specs()
     f = "lopd_kernels.triton.fused_linear_topk_tail_kl_kernels"
     tiles = {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_D": 128, "PRECISION": "tf32", "UPCAST": False}
-    flags = {"M": 20, "FULL": False, "REVERSE": True, "HAS_BS": False, "HAS_BT": False}
+    flags = {"M": 20, "FULL": False, "DIV": 0, "HAS_BS": False, "HAS_BT": False}
     need = ("S", "T", "DHS", "DWS", "DBS", "DHT", "DWT", "DBT")
     specs += [
         TritonSpec("fused_linear fwd", f, "_fwd_kernel", _fused_types(),
-                   {**flags, "M_PAD": 32, **tiles}, 8, default_type="*fp32"),
-        TritonSpec("fused_linear bwd", f, "_bwd_kernel", _fused_types(),
+                   {**flags, "M_PAD": 32, "SUPPORT": 0, "SETS": 1, **tiles}, 8,
+                   default_type="*fp32"),
+        TritonSpec("fused_linear bwd", f + "_bwd", "_bwd_kernel", _fused_types(),
                    {**flags, **{f"NEED_{n}": n in ("S", "T", "DHS", "DWS") for n in need},
                     **tiles}, 8, default_type="*fp32"),
     ]  # fmt: skip
@@ -177,7 +188,8 @@ def _variant_specs() -> list[TritonSpec]:
         TritonSpec(
             "topk_tail_kl fwd top-M v2", "lopd_kernels.triton.topk_tail_kl_kernels_v2",
             "_fwd_topm_fused_kernel", _topk_types(),
-            {"M": 20, "MP": 32, "BLOCK_V": tk._FWD_BLOCK_V, "REVERSE": True}, tk._FWD_WARPS,
+            {"M": 20, "MP": 32, "K": 20, "BLOCK_V": tk._FWD_BLOCK_V, "DIV": 0, "SUPPORT": 0},
+            tk._FWD_WARPS,
             tk._FWD_BLOCK_V, 4, aligned_ints=("V",), options={"maxnreg": tk._FWD_V2_MAXNREG},
         ),
     ]  # fmt: skip

@@ -1,4 +1,5 @@
-"""Triton kernels of the fused LM head + top-M/tail KL: the device code (launchers:
+"""Triton kernels of the fused LM head + top-M/tail divergence: the forward device code (the
+backward: ``lopd_kernels/triton/fused_linear_topk_tail_kl_kernels_bwd.py``; launchers:
 ``lopd_kernels/triton/fused_linear_topk_tail_kl.py``; the op:
 :mod:`lopd_kernels.fused_linear_topk_tail_kl`; the maths: ``docs/math.md``).
 
@@ -26,6 +27,20 @@ tail, which is again exact. Splitting the vocabulary keeps the GPU busy when ``N
 ``top_m`` = full vocabulary (``FULL``) the kernel instead accumulates the log-sum-exps and the
 softmax-weighted mean of ``s - t`` (reverse) or ``t - s`` (forward), which is the full KL.
 
+Supports (``SUPPORT``): the student's top-M is the same merge keyed on the student tile (the
+roles swapped; the candidates keep their teacher / student value slots). The union keeps both
+running sets in the same pass over the tiles (the teacher's merged first, then the student's):
+an entry joins the tails only once it is in neither. An evicted entry's membership in the other
+set needs no search: a set is exactly the top-M (by value, ties to the lower id) of the split's
+entries seen so far, so the test is a comparison with that set's M-th entry
+(:func:`_set_floor`, :func:`_in_set`). Each split then writes both candidate lists;
+``_merge_splits`` selects both global top-Ms and folds every other candidate into the tail once.
+Cost over the teacher's support: the second set's registers and merges (at most twice the merge
+work, tile GEMMs unchanged). The JSD (``DIV == 2``) is finalized from the K + 1 bucket masses;
+over the full vocabulary it needs both normalizers inside every term, so a second pass
+(:func:`_jsd_full_kernel`, the logit tiles recomputed) sums ``KL(P || M)`` and ``KL(Q || M)``
+once the log-sum-exps are known.
+
 Backward (:func:`_bwd_kernel`), grid ``(token blocks, vocabulary tiles)``: each program recomputes
 its logit tile, forms ``ds = (S * c_s[b(j)] + u_ls 1[j = a]) / T`` and the teacher's twin from
 per-row bucket coefficients (PyTorch, O(N * M), ``bucket_coefs``), and accumulates
@@ -50,6 +65,7 @@ import triton
 import triton.language as tl
 
 from lopd_kernels.triton._common import NEG_BIG_C, dot
+from lopd_kernels.triton.topk_tail_kl_device import _jsd_log_mixture, _kl_to_mixture
 
 
 @triton.jit
@@ -107,6 +123,148 @@ def _lse_update(m, acc, x):
 
 
 @triton.jit
+def _set_floor(run_v, run_i, slots, M: tl.constexpr):
+    """The M-th entry of running sets ``[BLOCK_N, M_PAD]`` (value ``run_v``, id ``run_i``; -1:
+    empty): ``(value, id, full)`` per row, ``value`` clamped at NEG_BIG as the merge ranks
+    (ties: the highest id among the lowest values)."""
+    real = (slots[None, :] < M) & (run_i >= 0)
+    key = tl.where(real, tl.maximum(run_v, NEG_BIG_C), float("inf"))
+    kv = tl.min(key, axis=1)
+    kid = tl.max(tl.where(real & (key == kv[:, None]), run_i, -1), axis=1)
+    full = tl.sum(real.to(tl.int32), axis=1) == M
+    return kv, kid, full
+
+
+@triton.jit
+def _in_set(val, idx, kv, kid, full):
+    """Whether entries ``(val, idx)`` ``[BLOCK_N, X]`` are in the running set whose floor is
+    ``_set_floor``'s ``(kv, kid, full)``: the set holds the top-M of the entries seen so far
+    (every one while not full)."""
+    c = tl.maximum(val, NEG_BIG_C)
+    above = (c > kv[:, None]) | ((c == kv[:, None]) & (idx <= kid[:, None]))
+    return (~full)[:, None] | above
+
+
+@triton.jit
+def _merge_tile(
+    run_k,
+    run_o,
+    run_i,
+    k_tile,
+    o_tile,
+    cols,
+    v0,
+    valid,
+    slots,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Merge a tile into a running top-M by M arg-max extractions over (running set u tile).
+
+    ``run_k``/``run_o``/``run_i`` ``[BLOCK_N, M_PAD]``: the set's ranking-side values, its other
+    side's values and its ids; ``k_tile``/``o_tile`` ``[BLOCK_N, BLOCK_V]``: the tile's (``-inf``
+    where not ``valid``). Returns the new set and ``(evicted, left)``: old members that left the
+    set, tile entries not taken into it.
+    """
+    avail_run = run_i >= 0
+    avail_tile = valid
+    new_k = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
+    new_o = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
+    new_i = tl.full((BLOCK_N, M_PAD), -1, tl.int32)
+    for k in range(M):
+        key_r = tl.where(avail_run, tl.maximum(run_k, NEG_BIG_C), float("-inf"))
+        key_c = tl.where(avail_tile, tl.maximum(k_tile, NEG_BIG_C), float("-inf"))
+        best_r = tl.max(key_r, axis=1)
+        best_c = tl.max(key_c, axis=1)
+        arg_r = tl.argmax(key_r, axis=1)
+        arg_c = tl.argmax(key_c, axis=1)
+        # Ties go to the running set: it holds the smaller vocabulary ids.
+        from_c = best_c > best_r
+        found = tl.maximum(best_r, best_c) > float("-inf")
+        hit_r = (slots[None, :] == arg_r[:, None]) & (~from_c & found)[:, None]
+        hit_c = (cols[None, :] - v0 == arg_c[:, None]) & (from_c & found)[:, None]
+        val_k = tl.where(
+            from_c,
+            tl.max(tl.where(hit_c, k_tile, float("-inf")), axis=1),
+            tl.max(tl.where(hit_r, run_k, float("-inf")), axis=1),
+        )
+        val_o = tl.where(
+            from_c,
+            tl.max(tl.where(hit_c, o_tile, float("-inf")), axis=1),
+            tl.max(tl.where(hit_r, run_o, float("-inf")), axis=1),
+        )
+        val_i = tl.where(
+            from_c,
+            tl.max(tl.where(hit_c, cols[None, :], -1), axis=1),
+            tl.max(tl.where(hit_r, run_i, -1), axis=1),
+        )
+        put = (slots[None, :] == k) & found[:, None]
+        new_k = tl.where(put, val_k[:, None], new_k)
+        new_o = tl.where(put, val_o[:, None], new_o)
+        new_i = tl.where(put, val_i[:, None], new_i)
+        avail_run = avail_run & ~hit_r
+        avail_tile = avail_tile & ~hit_c
+    return new_k, new_o, new_i, avail_run, avail_tile
+
+
+@triton.jit
+def _merge_needed(run_k, run_i, k_tile, row_mask, slots, M: tl.constexpr):
+    """Whether some row needs a merge: its set is not full yet, or the tile holds a value above
+    its current M-th (once full, almost no tile does)."""
+    kth = tl.min(tl.where(slots[None, :] < M, run_k, float("inf")), axis=1)
+    full = tl.min(tl.where(slots[None, :] < M, run_i, 0), axis=1) >= 0
+    need = tl.where(full, tl.max(k_tile, axis=1) > kth, row_mask)
+    return tl.max(need.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def _update_tile(
+    run_k,
+    run_o,
+    run_i,
+    k_tile,
+    o_tile,
+    cols,
+    v0,
+    valid,
+    row_mask,
+    slots,
+    m_k,
+    l_k,
+    m_o,
+    l_o,
+    o_kv,
+    o_kid,
+    o_full,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UNION: tl.constexpr,
+):
+    """Merge a tile into a running set where some row needs it and fold the set's evicted
+    entries into the tails ``(m_k, l_k)`` (ranking side), ``(m_o, l_o)`` (other side); with
+    ``UNION`` only those the other set (floor ``o_kv, o_kid, o_full``, :func:`_set_floor`) does
+    not hold. Returns ``(run_k, run_o, run_i, left, m_k, l_k, m_o, l_o)``, ``left``: the tile
+    entries not taken into the set."""
+    left = valid
+    need = _merge_needed(run_k, run_i, k_tile, row_mask, slots, M)
+    if need:
+        new_k, new_o, new_i, evicted, left = _merge_tile(
+            run_k, run_o, run_i, k_tile, o_tile, cols, v0, valid, slots, M, M_PAD, BLOCK_N
+        )
+        if UNION:
+            evicted = evicted & ~_in_set(run_o, run_i, o_kv, o_kid, o_full)
+        # Evicted running entries join the tail.
+        m_o, l_o = _lse_update(m_o, l_o, tl.where(evicted, run_o, float("-inf")))
+        m_k, l_k = _lse_update(m_k, l_k, tl.where(evicted, run_k, float("-inf")))
+        run_k = new_k
+        run_o = new_o
+        run_i = new_i
+    return run_k, run_o, run_i, left, m_k, l_k, m_o, l_o
+
+
+@triton.jit
 def _fwd_kernel(
     HS,
     WS,
@@ -132,7 +290,9 @@ def _fwd_kernel(
     M: tl.constexpr,
     M_PAD: tl.constexpr,
     FULL: tl.constexpr,
-    REVERSE: tl.constexpr,
+    DIV: tl.constexpr,  # FULL only: 0 reverse KL, 1 forward KL, 2 JSD (log-sum-exps only)
+    SUPPORT: tl.constexpr,  # 0 teacher, 1 student, 2 union
+    SETS: tl.constexpr,  # running sets: 2 for the union, else 1
     HAS_BS: tl.constexpr,
     HAS_BT: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -143,10 +303,12 @@ def _fwd_kernel(
 ):
     """One (token block, vocabulary split): local top-M candidates and tail statistics.
 
-    Writes ``TOP_T/TOP_S/TOP_I [N, splits, M_PAD]`` (teacher value, student value, id; id -1 for
-    an empty slot) and ``STATS [N, splits, 8]``: (max, sum) of the student's and the teacher's
+    Writes ``TOP_T/TOP_S/TOP_I [N, splits, W]`` (teacher value, student value, id; id -1 for
+    an empty slot; ``W = M_PAD``, or ``2 M_PAD`` for the union: the teacher's set, then the
+    student's) and ``STATS [N, splits, 8]``: (max, sum) of the student's and the teacher's
     tail, the target's student and teacher logits (0 when outside this split) and, with
-    ``FULL``, the weighted sum of ``s - t`` (reverse) or ``t - s`` (forward) at the tail max.
+    ``FULL`` and a KL, the weighted sum of ``s - t`` (reverse) or ``t - s`` (forward) at the
+    tail max.
     """
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -161,6 +323,11 @@ def _fwd_kernel(
     run_t = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
     run_s = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
     run_i = tl.full((BLOCK_N, M_PAD), -1, tl.int32)
+    if SUPPORT == 2:
+        # The union's second set: the student's top-M (student values, teacher values, ids).
+        run2_s = run_s
+        run2_t = run_t
+        run2_i = run_i
     m_s = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     l_s = tl.zeros((BLOCK_N,), tl.float32)
     m_t = tl.full((BLOCK_N,), float("-inf"), tl.float32)
@@ -188,7 +355,7 @@ def _fwd_kernel(
         tgt_t += tl.sum(tl.where(is_tgt, t, 0.0), axis=1)
         if FULL:
             # Full vocabulary: the "tail" is everything; w_acc carries sum exp(x - m) * diff.
-            if REVERSE:
+            if DIV == 0:
                 m_new = tl.maximum(m_s, tl.max(s, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 p = tl.exp(s - m_safe[:, None])
@@ -196,7 +363,7 @@ def _fwd_kernel(
                 w_acc = w_acc * tl.exp(m_s - m_safe) + tl.sum(diff, axis=1)
                 m_t, l_t = _lse_update(m_t, l_t, t)
                 m_s, l_s = _lse_update(m_s, l_s, s)
-            else:
+            elif DIV == 1:
                 m_new = tl.maximum(m_t, tl.max(t, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 q = tl.exp(t - m_safe[:, None])
@@ -204,68 +371,52 @@ def _fwd_kernel(
                 w_acc = w_acc * tl.exp(m_t - m_safe) + tl.sum(diff, axis=1)
                 m_s, l_s = _lse_update(m_s, l_s, s)
                 m_t, l_t = _lse_update(m_t, l_t, t)
+            else:
+                # The JSD: log-sum-exps here, its terms in _jsd_full_kernel once they are known.
+                m_s, l_s = _lse_update(m_s, l_s, s)
+                m_t, l_t = _lse_update(m_t, l_t, t)
         else:
-            avail_tile = valid
             # The running set is full once its last real slot holds an id; then only tiles with
-            # an entry above some row's current M-th teacher value need a merge.
-            kth = tl.min(tl.where(slots[None, :] < M, run_t, float("inf")), axis=1)
-            full = tl.min(tl.where(slots[None, :] < M, run_i, 0), axis=1) >= 0
-            need = tl.where(full, tl.max(t, axis=1) > kth, row_mask)
-            if tl.max(need.to(tl.int32), axis=0) > 0:
-                avail_run = run_i >= 0
-                new_t = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
-                new_s = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
-                new_i = tl.full((BLOCK_N, M_PAD), -1, tl.int32)
-                for k in range(M):
-                    key_r = tl.where(avail_run, tl.maximum(run_t, NEG_BIG_C), float("-inf"))
-                    key_c = tl.where(avail_tile, tl.maximum(t, NEG_BIG_C), float("-inf"))
-                    best_r = tl.max(key_r, axis=1)
-                    best_c = tl.max(key_c, axis=1)
-                    arg_r = tl.argmax(key_r, axis=1)
-                    arg_c = tl.argmax(key_c, axis=1)
-                    # Ties go to the running set: it holds the smaller vocabulary ids.
-                    from_c = best_c > best_r
-                    found = tl.maximum(best_r, best_c) > float("-inf")
-                    hit_r = (slots[None, :] == arg_r[:, None]) & (~from_c & found)[:, None]
-                    hit_c = (cols[None, :] - v0 == arg_c[:, None]) & (from_c & found)[:, None]
-                    val_t = tl.where(
-                        from_c,
-                        tl.max(tl.where(hit_c, t, float("-inf")), axis=1),
-                        tl.max(tl.where(hit_r, run_t, float("-inf")), axis=1),
-                    )
-                    val_s = tl.where(
-                        from_c,
-                        tl.max(tl.where(hit_c, s, float("-inf")), axis=1),
-                        tl.max(tl.where(hit_r, run_s, float("-inf")), axis=1),
-                    )
-                    val_i = tl.where(
-                        from_c,
-                        tl.max(tl.where(hit_c, cols[None, :], -1), axis=1),
-                        tl.max(tl.where(hit_r, run_i, -1), axis=1),
-                    )
-                    put = (slots[None, :] == k) & found[:, None]
-                    new_t = tl.where(put, val_t[:, None], new_t)
-                    new_s = tl.where(put, val_s[:, None], new_s)
-                    new_i = tl.where(put, val_i[:, None], new_i)
-                    avail_run = avail_run & ~hit_r
-                    avail_tile = avail_tile & ~hit_c
-                # Evicted running entries join the tail.
-                m_s, l_s = _lse_update(m_s, l_s, tl.where(avail_run, run_s, float("-inf")))
-                m_t, l_t = _lse_update(m_t, l_t, tl.where(avail_run, run_t, float("-inf")))
-                run_t = new_t
-                run_s = new_s
-                run_i = new_i
-            # Tile entries not taken into the running set join the tail.
-            m_s, l_s = _lse_update(m_s, l_s, tl.where(avail_tile, s, float("-inf")))
-            m_t, l_t = _lse_update(m_t, l_t, tl.where(avail_tile, t, float("-inf")))
+            # an entry above some row's current M-th value need a merge.
+            if SUPPORT == 1:
+                run_s, run_t, run_i, left, m_s, l_s, m_t, l_t = _update_tile(
+                    run_s, run_t, run_i, s, t, cols, v0, valid, row_mask, slots, m_s, l_s, m_t,
+                    l_t, m_s, run_i, row_mask, M, M_PAD, BLOCK_N, False,
+                )  # fmt: skip
+            elif SUPPORT == 2:
+                # The teacher's set first (against the student's set before this tile), then
+                # the student's (against the teacher's after it).
+                kv, kid, full = _set_floor(run2_s, run2_i, slots, M)
+                run_t, run_s, run_i, left, m_t, l_t, m_s, l_s = _update_tile(
+                    run_t, run_s, run_i, t, s, cols, v0, valid, row_mask, slots, m_t, l_t, m_s,
+                    l_s, kv, kid, full, M, M_PAD, BLOCK_N, True,
+                )  # fmt: skip
+                kv, kid, full = _set_floor(run_t, run_i, slots, M)
+                run2_s, run2_t, run2_i, left2, m_s, l_s, m_t, l_t = _update_tile(
+                    run2_s, run2_t, run2_i, s, t, cols, v0, valid, row_mask, slots, m_s, l_s,
+                    m_t, l_t, kv, kid, full, M, M_PAD, BLOCK_N, True,
+                )  # fmt: skip
+                left = left & left2
+            else:
+                run_t, run_s, run_i, left, m_t, l_t, m_s, l_s = _update_tile(
+                    run_t, run_s, run_i, t, s, cols, v0, valid, row_mask, slots, m_t, l_t, m_s,
+                    l_s, m_t, run_i, row_mask, M, M_PAD, BLOCK_N, False,
+                )  # fmt: skip
+            # Tile entries not taken into a running set join the tail.
+            m_s, l_s = _lse_update(m_s, l_s, tl.where(left, s, float("-inf")))
+            m_t, l_t = _lse_update(m_t, l_t, tl.where(left, t, float("-inf")))
 
     rows64 = rows.to(tl.int64)
-    base = (rows64 * n_splits + pid_s)[:, None] * M_PAD + slots[None, :]
+    base = (rows64 * n_splits + pid_s)[:, None] * (SETS * M_PAD) + slots[None, :]
     smask = row_mask[:, None] & (slots[None, :] < M_PAD)
     if not FULL:
         tl.store(TOP_T + base, run_t, mask=smask)
         tl.store(TOP_S + base, run_s, mask=smask)
         tl.store(TOP_I + base, run_i, mask=smask)
+        if SUPPORT == 2:
+            tl.store(TOP_T + M_PAD + base, run2_t, mask=smask)
+            tl.store(TOP_S + M_PAD + base, run2_s, mask=smask)
+            tl.store(TOP_I + M_PAD + base, run2_i, mask=smask)
     st = STATS + (rows64 * n_splits + pid_s) * 8
     tl.store(st + 0, m_s, mask=row_mask)
     tl.store(st + 1, l_s, mask=row_mask)
@@ -277,82 +428,15 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _bwd_side(
-    X,
-    H,
-    W,
-    DH,
-    DW,
-    DB,
-    rows,
-    row_mask,
-    cols,
-    col_mask,
-    D,
-    stride_h,
-    stride_w,
-    NEED_DH: tl.constexpr,
-    NEED_DW: tl.constexpr,
-    NEED_DB: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """Accumulate ``DH[rows] += X @ W[cols]``, ``DW[cols] += X^T @ H[rows]``, ``DB += sum X``."""
-    offs_d = tl.arange(0, BLOCK_D)
-    if NEED_DB:
-        tl.atomic_add(DB + cols, tl.sum(X, axis=0), mask=col_mask)
-    x_lp = X.to(W.dtype.element_ty)
-    for d0 in range(0, D, BLOCK_D):
-        dcols = d0 + offs_d
-        dm = dcols < D
-        if NEED_DH:
-            w = tl.load(
-                W + cols.to(tl.int64)[:, None] * stride_w + dcols[None, :],
-                mask=col_mask[:, None] & dm[None, :],
-                other=0.0,
-            )
-            part = dot(x_lp, w, PRECISION, UPCAST)
-            tl.atomic_add(
-                DH + rows.to(tl.int64)[:, None] * D + dcols[None, :],
-                part,
-                mask=row_mask[:, None] & dm[None, :],
-            )
-        if NEED_DW:
-            h = tl.load(
-                H + rows.to(tl.int64)[:, None] * stride_h + dcols[None, :],
-                mask=row_mask[:, None] & dm[None, :],
-                other=0.0,
-            )
-            part = dot(tl.trans(x_lp), h, PRECISION, UPCAST)
-            tl.atomic_add(
-                DW + cols.to(tl.int64)[:, None] * D + dcols[None, :],
-                part,
-                mask=col_mask[:, None] & dm[None, :],
-            )
-
-
-@triton.jit
-def _bwd_kernel(
+def _jsd_full_kernel(
     HS,
     WS,
     BS,
     HT,
     WT,
     BT,
-    TGT,
-    IDS,
-    ROWP,
-    COEF_S,
-    COEF_T,
-    DHS,
-    DWS,
-    DBS,
-    DHT,
-    DWT,
-    DBT,
+    LSE,
+    OUT,
     N,
     V,
     DS,
@@ -361,97 +445,51 @@ def _bwd_kernel(
     stride_ws,
     stride_ht,
     stride_wt,
+    split_len,
     inv_temp,
-    M: tl.constexpr,
-    FULL: tl.constexpr,
-    REVERSE: tl.constexpr,
+    log_1mb,
+    log_b,
     HAS_BS: tl.constexpr,
     HAS_BT: tl.constexpr,
-    NEED_S: tl.constexpr,
-    NEED_T: tl.constexpr,
-    NEED_DHS: tl.constexpr,
-    NEED_DWS: tl.constexpr,
-    NEED_DBS: tl.constexpr,
-    NEED_DHT: tl.constexpr,
-    NEED_DWT: tl.constexpr,
-    NEED_DBT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """One (token block, vocabulary tile) of the backward.
-
-    ``ROWP [N, 8]`` per row: lse_s, lse_t, u_ls, u_t (= u_priv + u_lt), and with ``FULL`` u_kl and
-    KL. ``COEF_S/COEF_T [N, M+1]``: the bucket coefficients (index M: the tail) such that
-    ``ds_j = (S_j * COEF_S[b(j)] + u_ls 1[j = a]) / T`` and the same for ``dt``.
-    """
+    """The full-vocabulary JSD's second pass, one (token block, vocabulary split): with the
+    rows' log-sum-exps ``LSE [N, 2]`` known, ``OUT [N, splits, 2]`` gets this split's shares of
+    ``K_P = sum_j S_j log(S_j / M_j)`` and ``K_Q = sum_j T_j log(T_j / M_j)``,
+    ``M_j = (1 - beta) S_j + beta T_j`` (the forward's ``JSD = beta K_Q + (1 - beta) K_P``; the
+    backward's per-entry factors need both)."""
     pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
+    pid_s = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = cols < V
-    valid = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)
-    tgt = tl.load(TGT + rows, mask=row_mask, other=-1)
-    is_tgt = cols[None, :] == tgt[:, None]
-    rp = ROWP + rows64 * 8
-    lse_s = tl.load(rp + 0, mask=row_mask, other=0.0)
-    lse_t = tl.load(rp + 1, mask=row_mask, other=0.0)
-    u_ls = tl.load(rp + 2, mask=row_mask, other=0.0)
-    u_t = tl.load(rp + 3, mask=row_mask, other=0.0)
-    s = _logit_tile(
-        HS, WS, BS, rows, row_mask, cols, col_mask, DS, stride_hs, stride_ws, inv_temp,
-        HAS_BS, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION, UPCAST,
-    )  # fmt: skip
-    t = _logit_tile(
-        HT, WT, BT, rows, row_mask, cols, col_mask, DT, stride_ht, stride_wt, inv_temp,
-        HAS_BT, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION, UPCAST,
-    )  # fmt: skip
-    log_s = s - lse_s[:, None]
-    log_t = t - lse_t[:, None]
-    p_s = tl.where(valid, tl.exp(log_s), 0.0)
-    p_t = tl.where(valid, tl.exp(log_t), 0.0)
-    if FULL:
-        u_kl = tl.load(rp + 4, mask=row_mask, other=0.0)
-        kl = tl.load(rp + 5, mask=row_mask, other=0.0)
-        g = log_s - log_t
-        fin = (p_s > 0) & (p_t > 0)
-        if REVERSE:
-            c_s = u_kl[:, None] * tl.where(fin, g - kl[:, None], 0.0) - u_ls[:, None]
-            c_t = u_kl[:, None] * tl.where(fin, 1.0 - tl.exp(g), 0.0) - u_t[:, None]
-        else:
-            c_s = u_kl[:, None] * tl.where(fin, 1.0 - tl.exp(-g), 0.0) - u_ls[:, None]
-            c_t = u_kl[:, None] * tl.where(fin, -g - kl[:, None], 0.0) - u_t[:, None]
-    else:
-        cp_s = COEF_S + rows64 * (M + 1)
-        cp_t = COEF_T + rows64 * (M + 1)
-        c_s = (
-            tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
-            + tl.load(cp_s + M, mask=row_mask, other=0.0)[:, None]
-        )
-        c_t = (
-            tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
-            + tl.load(cp_t + M, mask=row_mask, other=0.0)[:, None]
-        )
-        for k in range(M):
-            idk = tl.load(IDS + rows64 * M + k, mask=row_mask, other=-1)
-            hit = cols[None, :] == idk[:, None]
-            c_s = tl.where(hit, tl.load(cp_s + k, mask=row_mask, other=0.0)[:, None], c_s)
-            c_t = tl.where(hit, tl.load(cp_t + k, mask=row_mask, other=0.0)[:, None], c_t)
-    if NEED_S:
-        ds = p_s * c_s + tl.where(is_tgt, u_ls[:, None], 0.0)
-        ds = tl.where(valid, ds * inv_temp, 0.0)
-        _bwd_side(
-            ds, HS, WS, DHS, DWS, DBS, rows, row_mask, cols, col_mask, DS, stride_hs, stride_ws,
-            NEED_DHS, NEED_DWS, NEED_DBS, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION, UPCAST,
+    lse_s = tl.load(LSE + rows64 * 2, mask=row_mask, other=0.0)
+    lse_t = tl.load(LSE + rows64 * 2 + 1, mask=row_mask, other=0.0)
+    v_begin = pid_s * split_len
+    v_end = tl.minimum(v_begin + split_len, V)
+    k_p = tl.zeros((BLOCK_N,), tl.float32)
+    k_q = tl.zeros((BLOCK_N,), tl.float32)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_mask = cols < v_end
+        s = _logit_tile(
+            HS, WS, BS, rows, row_mask, cols, col_mask, DS, stride_hs, stride_ws, inv_temp,
+            HAS_BS, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION, UPCAST,
         )  # fmt: skip
-    if NEED_T:
-        dt = p_t * c_t + tl.where(is_tgt, u_t[:, None], 0.0)
-        dt = tl.where(valid, dt * inv_temp, 0.0)
-        _bwd_side(
-            dt, HT, WT, DHT, DWT, DBT, rows, row_mask, cols, col_mask, DT, stride_ht, stride_wt,
-            NEED_DHT, NEED_DWT, NEED_DBT, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION, UPCAST,
+        t = _logit_tile(
+            HT, WT, BT, rows, row_mask, cols, col_mask, DT, stride_ht, stride_wt, inv_temp,
+            HAS_BT, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION, UPCAST,
         )  # fmt: skip
+        valid = row_mask[:, None] & col_mask[None, :]
+        lp = tl.where(valid, s - lse_s[:, None], float("-inf"))
+        lq = tl.where(valid, t - lse_t[:, None], float("-inf"))
+        lm = _jsd_log_mixture(lp, lq, log_1mb, log_b)
+        k_p += tl.sum(_kl_to_mixture(lp, lm), axis=1)
+        k_q += tl.sum(_kl_to_mixture(lq, lm), axis=1)
+    out = OUT + (rows64 * tl.num_programs(1) + pid_s) * 2
+    tl.store(out, k_p, mask=row_mask)
+    tl.store(out + 1, k_q, mask=row_mask)

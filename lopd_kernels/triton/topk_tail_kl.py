@@ -5,7 +5,13 @@ The kernels and their design are ``lopd_kernels/triton/topk_tail_kl_kernels.py``
 :func:`topk_tail_kl_bwd_triton` as ``torch.ops.lopd.topk_tail_kl_triton_fwd`` / ``..._bwd`` and
 wires autograd.
 
-Limits: ``1 <= top_m <= min(V, 256)`` or ``top_m == 0``; ``V < 2**30``.
+Options: ``divergence`` ``"reverse"`` / ``"forward"`` / ``"jsd"`` with ``beta`` (at 0 / 1 the
+forward / reverse KL, as the C++ ops parse it), ``support`` ``"teacher"`` / ``"student"`` /
+``"union"`` (``topk_ids`` ``[N, 2M]`` with -1 padding); what each costs is in the kernels'
+docstring.
+
+Limits: ``1 <= top_m <= min(V, 256)`` or ``top_m == 0`` (the limit is on M: a union has 2M
+slots); ``V < 2**30``.
 Out-of-range targets (neither in ``[0, V)`` nor ``ignore_index``) are not validated here (that
 would sync the device; the public API validates): their log-probs come out NaN, loudly.
 """
@@ -22,7 +28,16 @@ from lopd_kernels._constants import KERNEL_DTYPES, TRITON_TOPK_MAX_TOP_M
 from lopd_kernels.kernel_variants import SWITCHES
 from lopd_kernels.kernel_variants import variant as selected_variant
 from lopd_kernels.triton._common import LOG2E
-from lopd_kernels.triton.topk_tail_kl_kernels import _bwd_kernel, _fwd_full_kernel, _fwd_topm_kernel
+from lopd_kernels.triton.topk_tail_kl_device import (
+    DIV_FORWARD,
+    DIV_JSD,
+    DIV_REVERSE,
+    SUPPORT_STUDENT,
+    SUPPORT_TEACHER,
+    SUPPORT_UNION,
+)
+from lopd_kernels.triton.topk_tail_kl_kernels import _fwd_full_kernel, _fwd_topm_kernel
+from lopd_kernels.triton.topk_tail_kl_kernels_bwd import _bwd_kernel
 from lopd_kernels.triton.topk_tail_kl_kernels_v2 import _fwd_topm_fused_kernel
 
 __all__ = ["MAX_TOP_M", "topk_tail_kl_bwd_triton", "topk_tail_kl_fwd_triton"]
@@ -143,6 +158,36 @@ def _check_common(
     return s, t, target_ids.contiguous()
 
 
+_SUPPORTS = {"teacher": SUPPORT_TEACHER, "student": SUPPORT_STUDENT, "union": SUPPORT_UNION}
+
+
+def divergence_args(divergence: str, beta: float) -> tuple[int, tuple[float, float, float]]:
+    """The kernels' ``DIV`` code and runtime ``(beta, log(1 - beta), log(beta))`` of an op's
+    ``divergence`` / ``beta``: ``"jsd"`` at ``beta`` 0 / 1 is the forward / reverse KL (as
+    ``checks::parse_divergence`` of the C++ ops has it); the KLs ignore ``beta``."""
+    if divergence == "reverse":
+        return DIV_REVERSE, (1.0, 0.0, 0.0)
+    if divergence == "forward":
+        return DIV_FORWARD, (0.0, 0.0, 0.0)
+    if divergence != "jsd":
+        raise ValueError(f"divergence must be 'reverse', 'forward' or 'jsd', got {divergence!r}")
+    if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):
+        raise ValueError(f"beta must be in [0, 1] for divergence='jsd', got {beta!r}")
+    if beta == 0.0:
+        return DIV_FORWARD, (0.0, 0.0, 0.0)
+    if beta == 1.0:
+        return DIV_REVERSE, (1.0, 0.0, 0.0)
+    beta = float(beta)
+    return DIV_JSD, (beta, math.log1p(-beta), math.log(beta))
+
+
+def support_code(support: str) -> int:
+    """The kernels' ``SUPPORT`` code of an op's ``support``."""
+    if support not in _SUPPORTS:
+        raise ValueError(f"support must be 'teacher', 'student' or 'union', got {support!r}")
+    return _SUPPORTS[support]
+
+
 def _register_width(top_m: int) -> int:
     """Power-of-two register width of the running top-M (>= 2: Triton's sort wants >= 2)."""
     return max(2, triton.next_power_of_2(top_m))
@@ -162,7 +207,9 @@ def topk_tail_kl_fwd_triton(
     target_ids: torch.Tensor,
     top_m: int,
     temperature: float,
-    reverse: bool,
+    divergence: str,
+    beta: float,
+    support: str,
     ignore_index: int,
     *,
     block_v: int | None = None,
@@ -179,7 +226,11 @@ def topk_tail_kl_fwd_triton(
         target_ids: [N] int64 sampled token ids, or ``ignore_index``.
         top_m: M in ``[1, min(V, 256)]``, or 0 for the full-vocabulary KL (no tail bucket).
         temperature: T > 0; logits are divided by T before everything.
-        reverse: KL(student || teacher) when True, KL(teacher || student) when False.
+        divergence, beta: ``"reverse"`` KL(student || teacher), ``"forward"`` KL(teacher ||
+            student), or ``"jsd"``: TRL's generalized JSD with ``0 < beta < 1`` (0 / 1: the
+            forward / reverse KL).
+        support: ``"teacher"``, ``"student"`` or ``"union"``: whose top-M ids are buckets
+            (ignored with ``top_m == 0``).
         ignore_index: rows with this target produce all-zero outputs.
         block_v: vocabulary block per loop step (power of two; raised to at least the
             power of two above ``top_m``; default tuned for GPUs).
@@ -192,10 +243,13 @@ def topk_tail_kl_fwd_triton(
             has no bitonic merge: with ``bulk_min >= 0`` the ``v1`` kernel runs.
 
     Returns:
-        ``(kl [N], student_logprob [N], teacher_logprob [N], topk_ids [N, M] int64,
-        lse [N, 2], bucket_logp [N, 2, M + 1])``, all float32 except ``topk_ids``.
-        ``topk_ids`` is ordered by descending teacher logit (ties: lower id first) and
-        ``bucket_logp[:, :, :M]`` follows that order; ``bucket_logp[:, :, M]`` is the tail.
+        ``(kl [N], student_logprob [N], teacher_logprob [N], topk_ids [N, K] int64,
+        lse [N, 2], bucket_logp [N, 2, K + 1])``, all float32 except ``topk_ids``; ``K = M``,
+        or ``2M`` for the union. ``topk_ids`` is ordered by descending teacher (student) logit
+        for the teacher's (student's) support, ties: lower id first; the union's are the
+        teacher's top-M, then the student's other top-M ids, then -1.
+        ``bucket_logp[:, :, :K]`` follows that order (-inf on both sides at a -1 slot);
+        ``bucket_logp[:, :, K]`` is the tail.
         With ``top_m == 0``, ``topk_ids`` is [N, 0] and ``bucket_logp`` [N, 2, 1] holds 0, 0:
         the single bucket is the whole vocabulary, of mass 1 on both sides.
     """
@@ -217,36 +271,39 @@ def topk_tail_kl_fwd_triton(
     elif variant not in SWITCHES[FWD_SWITCH].choices:
         raise ValueError(f"variant must be one of {SWITCHES[FWD_SWITCH].choices}, got {variant!r}")
     warps = num_warps or _FWD_WARPS
+    div, jsd = divergence_args(divergence, beta)
+    sup = support_code(support)
+    k = 2 * top_m if sup == SUPPORT_UNION else top_m
 
     dev = s.device
     kl = torch.empty(n, dtype=torch.float32, device=dev)
     slp = torch.empty(n, dtype=torch.float32, device=dev)
     tlp = torch.empty(n, dtype=torch.float32, device=dev)
-    ids = torch.empty(n, top_m, dtype=torch.int64, device=dev)
+    ids = torch.empty(n, k, dtype=torch.int64, device=dev)
     lse = torch.empty(n, 2, dtype=torch.float32, device=dev)
-    blp = torch.empty(n, 2, top_m + 1, dtype=torch.float32, device=dev)
+    blp = torch.empty(n, 2, k + 1, dtype=torch.float32, device=dev)
     if n == 0:
         return kl, slp, tlp, ids, lse, blp
 
     scale2 = _LOG2E_HOST / float(temperature)
     rows_per_item, s_item, s_row = _row_layout(s)
     _, t_item, t_row = _row_layout(t)
-    common = (v, rows_per_item, s_item, s_row, t_item, t_row, scale2, int(ignore_index))
+    common = (v, rows_per_item, s_item, s_row, t_item, t_row, scale2, int(ignore_index), *jsd)
     if top_m == 0:
         _fwd_full_kernel[(n,)](
             s, t, tgt, kl, slp, tlp, lse, blp, *common,
-            BLOCK_V=block_v, REVERSE=bool(reverse), num_warps=warps,
+            BLOCK_V=block_v, DIV=div, num_warps=warps,
         )  # fmt: skip
     elif variant == "v2" and bulk_min < 0:
         _fwd_topm_fused_kernel[(n,)](
             s, t, tgt, kl, slp, tlp, ids, lse, blp, *common,
-            M=top_m, MP=_register_width(top_m), BLOCK_V=block_v, REVERSE=bool(reverse),
+            M=top_m, MP=_register_width(top_m), K=k, BLOCK_V=block_v, DIV=div, SUPPORT=sup,
             num_warps=warps, maxnreg=_FWD_V2_MAXNREG,
         )  # fmt: skip
     else:
         _fwd_topm_kernel[(n,)](
             s, t, tgt, kl, slp, tlp, ids, lse, blp, *common,
-            M=top_m, MP=_register_width(top_m), BLOCK_V=block_v, REVERSE=bool(reverse),
+            M=top_m, MP=_register_width(top_m), K=k, BLOCK_V=block_v, DIV=div, SUPPORT=sup,
             BULK=bulk_min >= 0, BULK_MIN=max(bulk_min, 0), num_warps=warps,
         )  # fmt: skip
     return kl, slp, tlp, ids, lse, blp
@@ -264,7 +321,8 @@ def topk_tail_kl_bwd_triton(
     lse: torch.Tensor,
     bucket_logp: torch.Tensor,
     temperature: float,
-    reverse: bool,
+    divergence: str,
+    beta: float,
     ignore_index: int,
     student_requires_grad: bool,
     teacher_requires_grad: bool,
@@ -278,8 +336,9 @@ def topk_tail_kl_bwd_triton(
         grad_kl, grad_student_logprob, grad_teacher_logprob: [N] upstream gradients (any float
             dtype, used in float32); the teacher one already includes the privilege's.
         student_logits, teacher_logits, target_ids: the forward inputs.
-        topk_ids, kl, lse, bucket_logp: the forward outputs ([N, M], [N], [N, 2], [N, 2, M+1]).
-        temperature, reverse, ignore_index: as in the forward.
+        topk_ids, kl, lse, bucket_logp: the forward outputs ([N, K], [N], [N, 2], [N, 2, K+1]);
+            the support is read from ``topk_ids`` (-1 slots: a union's padding, skipped).
+        temperature, divergence, beta, ignore_index: as in the forward.
         student_requires_grad, teacher_requires_grad: which gradients to compute.
         block_v, num_warps: launch tuning, as in the forward.
 
@@ -294,13 +353,17 @@ def topk_tail_kl_bwd_triton(
         raise ValueError(
             f"topk_ids must be int64 [{n}, M], got {topk_ids.dtype} {tuple(topk_ids.shape)}"
         )
-    top_m = topk_ids.shape[1]
-    if top_m > min(v, MAX_TOP_M):
-        raise ValueError(f"topk_ids has M={top_m} columns; the triton backend needs M <= V, 256")
-    if bucket_logp.shape != (n, 2, top_m + 1):
+    k = topk_ids.shape[1]
+    if k > 2 * min(v, MAX_TOP_M):
         raise ValueError(
-            f"bucket_logp must have shape ({n}, 2, {top_m + 1}), got {tuple(bucket_logp.shape)}"
+            f"topk_ids has K={k} columns; the triton backend needs K <= 2 * min(V, {MAX_TOP_M}) "
+            "(M, or 2M for a union)"
         )
+    if bucket_logp.shape != (n, 2, k + 1):
+        raise ValueError(
+            f"bucket_logp must have shape ({n}, 2, {k + 1}), got {tuple(bucket_logp.shape)}"
+        )
+    div, jsd = divergence_args(divergence, beta)
     if lse.shape != (n, 2):
         raise ValueError(f"lse must have shape ({n}, 2), got {tuple(lse.shape)}")
     gkl = _check_rows("grad_kl", grad_kl, n, dev)
@@ -331,9 +394,9 @@ def topk_tail_kl_bwd_triton(
     _bwd_kernel[(n,)](
         gkl, gsl, gtl, s, t, tgt, ids, kl, lse, blp, gs_arg, gt_arg,
         v, rows_per_item, s_item, s_row, t_item, t_row, v, v,
-        _LOG2E_HOST / float(temperature), 1.0 / float(temperature), int(ignore_index),
-        M=top_m, MP=_register_width(top_m), BLOCK_V=block_v, REVERSE=bool(reverse),
-        FULL=top_m == 0, GRAD_S=bool(student_requires_grad),
+        _LOG2E_HOST / float(temperature), 1.0 / float(temperature), int(ignore_index), *jsd,
+        K=k, KP=_register_width(k), BLOCK_V=block_v, DIV=div,
+        FULL=k == 0, GRAD_S=bool(student_requires_grad),
         GRAD_T=bool(teacher_requires_grad), num_warps=num_warps or _BWD_WARPS,
     )  # fmt: skip
     return gs, gt

@@ -18,8 +18,11 @@ changes is the work per block:
   student logit from one tuple arg-max reduction ``(key, s)``, the evicted one's is read from
   the register vector.
 
-Only the sequential-insert path exists here (no bitonic merge); the launcher runs ``v1`` where
-the merge is enabled (``top_m > 64`` by default).
+The supports are v1's (student: the roles of the rows swapped; union: two running sets, each
+with its other side's logits in registers, an entry folded into the tails once it is in
+neither), and so is the finalization (``_finish_topm``). Only the sequential-insert path exists
+here (no bitonic merge); the launcher runs ``v1`` where the merge is enabled (``top_m > 64`` by
+default).
 """
 
 from __future__ import annotations
@@ -27,25 +30,52 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lopd_kernels.triton.topk_tail_kl_kernels import (
+from lopd_kernels.triton.topk_tail_kl_device import (
     _KEY_EMPTY,
     _KEY_PAD,
-    _LN2,
     _key_index,
     _key_value,
-    _kl_terms,
-    _lse_fold,
     _lse_fold_scalar,
     _safe_ref,
     _sortable_key,
 )
+from lopd_kernels.triton.topk_tail_kl_kernels import _finish_topm, _zero_row
 
 
 @triton.jit
 def _argmax_key(ka, sa, kb, sb):
-    """The (key, student logit) pair with the larger key (keys are unique but for EMPTY)."""
+    """The (key, other-side logit) pair with the larger key (keys are unique but for EMPTY)."""
     take_a = ka > kb
     return tl.where(take_a, ka, kb), tl.where(take_a, sa, sb)
+
+
+@triton.jit
+def _insert_set(top, top_o, thr, key, o, slot, scale2, ma, la, mo, lo, thr_o, UNION: tl.constexpr):
+    """Sequential inserts of a block's candidates into a running top-M (v1's ``_update_set``
+    without the merge): ``top_o`` holds the other side's logits (float32, unscaled) of the set's
+    entries slot by slot, ``o`` the block's. Returns ``(top, top_o, thr, lowest, ma, la, mo,
+    lo)``."""
+    kmax, o_kmax = tl.reduce((key, o), 0, _argmax_key)
+    lowest = tl.full([], _KEY_PAD, tl.int64)
+    while kmax > thr:
+        hit = slot == tl.argmin(top, 0)
+        # The evicted entry (the old minimum) leaves for good; its other-side logit is in
+        # registers. Nothing is evicted while slots are EMPTY.
+        evicted = thr != _KEY_EMPTY
+        e_o = tl.max(tl.where(hit, top_o, float("-inf")), 0)
+        if UNION:
+            # Held by the other set: not in the tails yet (v1's _update_set).
+            evicted = evicted & (_sortable_key(e_o, _key_index(thr)) < thr_o)
+        e_o = tl.where(evicted, e_o, float("-inf"))
+        e_a = tl.where(evicted, _key_value(thr), float("-inf"))
+        mo, lo = _lse_fold_scalar(mo, lo, e_o * scale2)
+        ma, la = _lse_fold_scalar(ma, la, e_a * scale2)
+        top = tl.where(hit, kmax, top)
+        top_o = tl.where(hit, o_kmax, top_o)
+        thr = tl.min(top, 0)
+        lowest = kmax
+        kmax, o_kmax = tl.reduce((tl.where(key < kmax, key, _KEY_EMPTY), o), 0, _argmax_key)
+    return top, top_o, thr, lowest, ma, la, mo, lo
 
 
 @triton.jit
@@ -56,9 +86,9 @@ def _fwd_topm_fused_kernel(
     kl_ptr,  # [N] fp32 out
     slp_ptr,  # [N] fp32 out
     tlp_ptr,  # [N] fp32 out
-    ids_ptr,  # [N, M] int64 out: teacher top-M ids, by descending teacher logit
+    ids_ptr,  # [N, K] int64 out: the support's ids (order: docs/math.md), -1 padding
     lse_ptr,  # [N, 2] fp32 out
-    blp_ptr,  # [N, 2, M + 1] fp32 out: log P_b, log Q_b; b = M is the tail
+    blp_ptr,  # [N, 2, K + 1] fp32 out: log P_b, log Q_b; b = K is the tail
     V,
     L,  # rows per batch item ([B, L, V] inputs; else N), as in v1
     stride_sb,
@@ -67,36 +97,38 @@ def _fwd_topm_fused_kernel(
     stride_t,
     scale2,  # log2(e) / T
     ignore_index,
+    beta,  # the JSD's beta, log(1 - beta), log(beta) (read with DIV == 2 only)
+    log_1mb,
+    log_b,
     M: tl.constexpr,
     MP: tl.constexpr,  # power of two >= max(M, 2)
+    K: tl.constexpr,  # M, or 2M for the union
     BLOCK_V: tl.constexpr,  # >= MP
-    REVERSE: tl.constexpr,
+    DIV: tl.constexpr,  # 0 reverse KL, 1 forward KL, 2 JSD
+    SUPPORT: tl.constexpr,  # 0 teacher, 1 student, 2 union
 ):
     row = tl.program_id(0).to(tl.int64)
     s_row = s_ptr + (row // L) * stride_sb + (row % L) * stride_s
     t_row = t_ptr + (row // L) * stride_tb + (row % L) * stride_t
-    ids_row = ids_ptr + row * M
-    blp_row = blp_ptr + row * (2 * (M + 1))
+    ids_row = ids_ptr + row * K
+    blp_row = blp_ptr + row * (2 * (K + 1))
     slot = tl.arange(0, MP)
     valid = slot < M
     tgt = tl.load(tgt_ptr + row)
 
     if tgt == ignore_index:
-        tl.store(kl_ptr + row, 0.0)
-        tl.store(slp_ptr + row, 0.0)
-        tl.store(tlp_ptr + row, 0.0)
-        tl.store(lse_ptr + row * 2 + tl.arange(0, 2), tl.zeros([2], tl.float32))
-        tl.store(ids_row + slot, tl.zeros([MP], tl.int64), mask=valid)
-        tl.store(blp_row + slot, tl.zeros([MP], tl.float32), mask=slot < M + 1)
-        tl.store(blp_row + (M + 1) + slot, tl.zeros([MP], tl.float32), mask=slot < M + 1)
-        tl.store(blp_row + M, 0.0)
-        tl.store(blp_row + (2 * M + 1), 0.0)
+        _zero_row(kl_ptr, slp_ptr, tlp_ptr, lse_ptr, ids_row, blp_row, row, slot, valid, M, MP, K)
     else:
         top = tl.where(valid, tl.full([MP], _KEY_EMPTY, tl.int64), _KEY_PAD)
-        # Student logits (float32, unscaled) of the running top-M, slot by slot.
-        top_s = tl.full([MP], float("-inf"), tl.float32)
+        # The other side's logits (float32, unscaled) of the running top-M, slot by slot.
+        top_o = tl.full([MP], float("-inf"), tl.float32)
         thr = tl.min(top, 0)
         thr_val = tl.full([], float("-inf"), tl.float32)
+        top2 = top  # the union's second set: the student's keys, its teacher logits
+        if SUPPORT == 2:
+            top2_o = top_o
+            thr2 = thr
+            thr2_val = thr_val
         ms = tl.full([], float("-inf"), tl.float32)
         ls = tl.zeros([], tl.float32)
         mt = tl.full([], float("-inf"), tl.float32)
@@ -116,29 +148,38 @@ def _fwd_topm_fused_kernel(
             # block in one shared-memory exchange (two barriers), where a tuple tl.reduce
             # exchanges each operand separately (three).
             s_max, t_max = tl.split(tl.max(tl.join(s, t), 0))
-            if t_max >= thr_val:
-                key = tl.where(inb, _sortable_key(t, offs), _KEY_EMPTY)
-                kmax, s_kmax = tl.reduce((key, s), 0, _argmax_key)
-                lowest = tl.full([], _KEY_PAD, tl.int64)
-                while kmax > thr:
-                    hit = slot == tl.argmin(top, 0)
-                    # The evicted entry (the old minimum) leaves for good; its student logit
-                    # is in registers. Nothing is evicted while slots are EMPTY.
-                    evicted = thr != _KEY_EMPTY
-                    e_s = tl.max(tl.where(hit, top_s, float("-inf")), 0)
-                    e_s = tl.where(evicted, e_s, float("-inf"))
-                    e_t = tl.where(evicted, _key_value(thr), float("-inf"))
-                    ms, ls = _lse_fold_scalar(ms, ls, e_s * scale2)
-                    mt, lt = _lse_fold_scalar(mt, lt, e_t * scale2)
-                    top = tl.where(hit, kmax, top)
-                    top_s = tl.where(hit, s_kmax, top_s)
-                    thr = tl.min(top, 0)
-                    lowest = kmax
-                    kmax, s_kmax = tl.reduce(
-                        (tl.where(key < kmax, key, _KEY_EMPTY), s), 0, _argmax_key
+            if SUPPORT == 1:
+                go = s_max >= thr_val
+            elif SUPPORT == 2:
+                go = (t_max >= thr_val) | (s_max >= thr2_val)
+            else:
+                go = t_max >= thr_val
+            if go:
+                if SUPPORT == 1:
+                    key = tl.where(inb, _sortable_key(s, offs), _KEY_EMPTY)
+                    top, top_o, thr, lowest, ms, ls, mt, lt = _insert_set(
+                        top, top_o, thr, key, t, slot, scale2, ms, ls, mt, lt, thr, False
                     )
+                    in_tail = key < lowest
+                elif SUPPORT == 2:
+                    # The teacher's set first, then the student's (as in v1).
+                    key = tl.where(inb, _sortable_key(t, offs), _KEY_EMPTY)
+                    key2 = tl.where(inb, _sortable_key(s, offs), _KEY_EMPTY)
+                    top, top_o, thr, lowest, mt, lt, ms, ls = _insert_set(
+                        top, top_o, thr, key, s, slot, scale2, mt, lt, ms, ls, thr2, True
+                    )
+                    top2, top2_o, thr2, lowest2, ms, ls, mt, lt = _insert_set(
+                        top2, top2_o, thr2, key2, t, slot, scale2, ms, ls, mt, lt, thr, True
+                    )
+                    thr2_val = tl.where(thr2 == _KEY_EMPTY, float("-inf"), _key_value(thr2))
+                    in_tail = (key < lowest) & (key2 < lowest2)
+                else:
+                    key = tl.where(inb, _sortable_key(t, offs), _KEY_EMPTY)
+                    top, top_o, thr, lowest, mt, lt, ms, ls = _insert_set(
+                        top, top_o, thr, key, s, slot, scale2, mt, lt, ms, ls, thr, False
+                    )
+                    in_tail = key < lowest
                 thr_val = tl.where(thr == _KEY_EMPTY, float("-inf"), _key_value(thr))
-                in_tail = key < lowest
                 ys = tl.where(in_tail, s * scale2, float("-inf"))
                 yt = tl.where(in_tail, t * scale2, float("-inf"))
                 ys_max, yt_max = tl.split(tl.max(tl.join(ys, yt), 0))
@@ -159,41 +200,9 @@ def _fwd_topm_fused_kernel(
             ms = ms_new
             mt = mt_new
 
-        # Finalization as in v1: sort the top-M, gather its M student logits once per row.
-        top = tl.sort(tl.where(valid, top, _KEY_EMPTY), descending=True)
-        ids = tl.where(valid, _key_index(top), 0)
-        yt_top = tl.where(valid, _key_value(top), float("-inf")) * scale2
-        ys_top = tl.load(s_row + ids, mask=valid, other=float("-inf")).to(tl.float32) * scale2
-        tail_ref_s = _safe_ref(ms)
-        tail_ref_t = _safe_ref(mt)
-        tail_log_s = tl.log2(ls)
-        tail_log_t = tl.log2(lt)
-        ms, ls = _lse_fold(ms, ls, ys_top)
-        mt, lt = _lse_fold(mt, lt, yt_top)
-        ref_s = _safe_ref(ms)
-        ref_t = _safe_ref(mt)
-        log_ls = tl.log2(ls)
-        log_lt = tl.log2(lt)
-
-        lp = ((ys_top - ref_s) - log_ls) * _LN2
-        lq = ((yt_top - ref_t) - log_lt) * _LN2
-        lp_tail = ((tail_ref_s - ref_s) + (tail_log_s - log_ls)) * _LN2
-        lq_tail = ((tail_ref_t - ref_t) + (tail_log_t - log_lt)) * _LN2
-        if REVERSE:
-            kl = tl.sum(_kl_terms(lp, lq), 0) + _kl_terms(lp_tail, lq_tail)
-        else:
-            kl = tl.sum(_kl_terms(lq, lp), 0) + _kl_terms(lq_tail, lp_tail)
-
-        tgt_ok = (tgt >= 0) & (tgt < V)
-        s_a = tl.load(s_row + tgt, mask=tgt_ok, other=float("nan")).to(tl.float32)
-        t_a = tl.load(t_row + tgt, mask=tgt_ok, other=float("nan")).to(tl.float32)
-        tl.store(kl_ptr + row, kl)
-        tl.store(slp_ptr + row, ((s_a * scale2 - ref_s) - log_ls) * _LN2)
-        tl.store(tlp_ptr + row, ((t_a * scale2 - ref_t) - log_lt) * _LN2)
-        tl.store(lse_ptr + row * 2, (ref_s + log_ls) * _LN2)
-        tl.store(lse_ptr + row * 2 + 1, (ref_t + log_lt) * _LN2)
-        tl.store(ids_row + slot, ids.to(tl.int64), mask=valid)
-        tl.store(blp_row + slot, lp, mask=valid)
-        tl.store(blp_row + M, lp_tail)
-        tl.store(blp_row + (M + 1) + slot, lq, mask=valid)
-        tl.store(blp_row + (2 * M + 1), lq_tail)
+        # Finalization as in v1: sort the set(s), gather the other side's M logits once per row.
+        _finish_topm(
+            s_row, t_row, tgt, V, scale2, ms, ls, mt, lt, top, top2, thr, row, kl_ptr, slp_ptr,
+            tlp_ptr, ids_row, lse_ptr, blp_row, slot, valid, beta, log_1mb, log_b, M, K, DIV,
+            SUPPORT,
+        )  # fmt: skip
