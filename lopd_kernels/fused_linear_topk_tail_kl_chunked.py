@@ -53,12 +53,14 @@ __all__ = ["auto_chunk_rows", "chunked_bwd", "chunked_fwd", "epilogue_kernels", 
 #: lopd_kernels/kernel_variants.py.
 CHUNKED_SWITCH = "fused_linear_topk_tail_kl.chunked"
 
-# Working-set cap for the chunked path's [C, V] blocks. 256 MiB is C ~ 220 rows of a 152k
-# vocabulary per live block pair: CPU GEMMs of that height run within ~20% of their large-M
-# throughput (~100 rows are ~35% slower, measured on 2 cores), and it keeps the op ~1/20 of the
-# materialized logits at N = 2048. On a GPU 512 MiB is ~440 rows of fp32 logits per block pair,
-# a ~0.5 TFLOP GEMM at d = 4096: large enough for cuBLAS to run near peak.
-_CHUNK_BUDGET_CAP = {"cpu": 256 << 20, "cuda": 512 << 20}
+# Working-set cap for the chunked path's [C, V] blocks. On CPU 384 MiB is C ~ 330 rows of a 152k
+# vocabulary per live block pair (balanced chunks: 296 rows at N = 2048). The chunk height is the
+# logit GEMM's M and the backward GEMMs' K, and each chunk re-reads W (and re-reads and rewrites
+# the [V, d] weight-gradient accumulator): at 216 rows (the former 256 MiB cap) the forward and
+# backward GEMMs ran ~25% slower than at 256-512 rows on 2 cores. 384 MiB keeps the op's extra
+# memory under ~1/10 of the materialized path's at N = 2048. On a GPU 512 MiB is ~440 rows of
+# fp32 logits per block pair, a ~0.5 TFLOP GEMM at d = 4096: large enough for cuBLAS.
+_CHUNK_BUDGET_CAP = {"cpu": 384 << 20, "cuda": 512 << 20}
 
 
 # GPU epilogue order per variant: v1 took the CUDA per-row kernels whenever the build had them;
@@ -144,7 +146,7 @@ def auto_chunk_rows(
 
     The chunk's working set is ``live_blocks`` float32 ``[C, V]`` blocks (forward: the two logit
     blocks; backward: logits and gradient of each side it recomputes), budgeted at a quarter of
-    the free memory and at most 256 MiB on CPU / 512 MiB on GPU (``_CHUNK_BUDGET_CAP``).
+    the free memory and at most 384 MiB on CPU / 512 MiB on GPU (``_CHUNK_BUDGET_CAP``).
 
     Args:
         vocab: ``V``, the LM-head rows.
@@ -153,7 +155,9 @@ def auto_chunk_rows(
         live_blocks: ``[C, V]`` float32 blocks alive at once.
 
     Returns:
-        ``C >= 1`` (a multiple of 8 when the budget allows one).
+        ``C >= 1`` (a multiple of 8 when the budget allows one). When ``n_rows`` takes several
+        chunks they are balanced: ``ceil(n_rows / chunks)`` rows each (8-aligned within the
+        budget), so that no last chunk is a short GEMM at a fraction of the others' throughput.
     """
     device = torch.device(device)
     cap = _CHUNK_BUDGET_CAP["cuda" if device.type == "cuda" else "cpu"]
@@ -161,7 +165,12 @@ def auto_chunk_rows(
     rows = budget // (max(live_blocks, 1) * max(vocab, 1) * 4)
     if rows >= 8:
         rows -= rows % 8
-    return int(max(1, min(rows, max(n_rows, 1))))
+    rows, n_rows = max(1, rows), max(n_rows, 1)
+    if n_rows <= rows:
+        return int(n_rows)
+    balanced = -(-n_rows // -(-n_rows // rows))
+    aligned = -(-balanced // 8) * 8
+    return int(aligned if aligned <= rows else balanced)
 
 
 def tail_probs_triton_ok(logits: Tensor) -> bool:
