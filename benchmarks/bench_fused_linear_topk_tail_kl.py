@@ -17,6 +17,10 @@ targets: fused <= 1/10 of materialized in memory, <= 1.3x in time).
 
     pytest benchmarks/bench_fused_linear_topk_tail_kl.py --benchmark-only -k "not trl"  # ~15 min
 
+``-k apart`` times forward and backward apart, fused and materialized alternating in one process,
+with both heads trained (``LOPD_BENCH_FL_APART_GRADS``) at d = 256 and 1,024
+(``LOPD_BENCH_FL_DS``), and records ``fwd_vs_materialized`` / ``bwd_vs_materialized``.
+
 ``-k variants`` times the chunked path's two variants (``LOPD_FUSED_LINEAR_CHUNKED=v1|v2``)
 against each other, interleaved, and records ``cpu[v1]`` / ``cpu[v2]``.
 
