@@ -58,8 +58,8 @@ CHUNKED_SWITCH = "fused_linear_topk_tail_kl.chunked"
 # logit GEMM's M and the backward GEMMs' K, and each chunk re-reads W (and re-reads and rewrites
 # the [V, d] weight-gradient accumulator): at 216 rows (the former 256 MiB cap) the forward and
 # backward GEMMs ran ~25% slower than at 256-512 rows on 2 cores. 384 MiB keeps the op's extra
-# memory near 1/10 of the materialized path's at N = 2048 (~380 MiB of blocks and state, by
-# count, against 4149 MiB measured at d = 1024). On a GPU 512 MiB is ~440 rows of
+# memory under 1/10 of the materialized path's at N = 2048 (351 MiB against 4457 MiB beyond
+# inputs and gradients, d = 256, both heads trained). On a GPU 512 MiB is ~440 rows of
 # fp32 logits per block pair, a ~0.5 TFLOP GEMM at d = 4096: large enough for cuBLAS.
 _CHUNK_BUDGET_CAP = {"cpu": 384 << 20, "cuda": 512 << 20}
 
