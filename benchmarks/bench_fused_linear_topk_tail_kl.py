@@ -17,6 +17,10 @@ targets: fused <= 1/10 of materialized in memory, <= 1.3x in time).
 
     pytest benchmarks/bench_fused_linear_topk_tail_kl.py --benchmark-only -k "not trl"  # ~15 min
 
+``-k apart`` times forward and backward apart, fused and materialized alternating in one process,
+with both heads trained (``LOPD_BENCH_FL_APART_GRADS``) at d = 256 and 1,024
+(``LOPD_BENCH_FL_DS``), and records ``fwd_vs_materialized`` / ``bwd_vs_materialized``.
+
 ``-k variants`` times the chunked path's two variants (``LOPD_FUSED_LINEAR_CHUNKED=v1|v2``)
 against each other, interleaved, and records ``cpu[v1]`` / ``cpu[v2]``.
 
@@ -59,19 +63,33 @@ SHAPES = {"N": N, "d": D, "V": V, "M": M, "dtype": "float32", "pass": "fwd+bwd",
 # the student head.
 GRAD_BYTES = (2 * N * D + (V * D if HEAD_GRAD else 0)) * 4
 
-# The same source runs in this process (timing) and in a fresh one (peak RSS).
-SETUP = f"""
+# Which leaves require grad, per gradient setting (LOPD_BENCH_FL_GRADS / the interleaved test).
+GRAD_SETTINGS = {
+    "student-head": ("True", "False"),  # h_s, W_s, h_t (a trained student, a frozen teacher head)
+    "frozen-heads": ("False", "False"),  # h_s, h_t (a LoRA student)
+    "both-heads": ("True", "True"),  # h_s, W_s, h_t, W_t
+}
+
+
+def setup_code(d: int, grads: str, dtype: str = "float32") -> str:
+    """The benchmark's inputs and runs at hidden size ``d`` (the same source runs in this process
+    for timing and in a fresh one for peak RSS); ``grads``: a key of ``GRAD_SETTINGS``."""
+    ws_grad, wt_grad = GRAD_SETTINGS[grads]
+    return f"""
 import torch
 import lopd_kernels as lk
 
-N, D, V, M = {N}, {D}, {V}, {M}
+N, D, V, M = {N}, {d}, {V}, {M}
 _g = torch.Generator().manual_seed(0)
 # In place only: a temporary as large as a head would raise the setup's RSS high-water mark
 # above what the measured call adds, hiding it.
-ws = torch.empty(V, D).normal_(generator=_g).mul_(D**-0.5).requires_grad_({HEAD_GRAD})
-wt = torch.empty(V, D).normal_(generator=_g).mul_(0.1 * D**-0.5).add_(ws.detach())
-hs = torch.empty(N, D).normal_(generator=_g).mul_(2).requires_grad_(True)
-ht = torch.empty(N, D).normal_(generator=_g).mul_(0.5).add_(hs.detach()).requires_grad_(True)
+ws = torch.empty(V, D, dtype=torch.{dtype}).normal_(generator=_g).mul_(D**-0.5)
+wt = torch.empty(V, D, dtype=torch.{dtype}).normal_(generator=_g).mul_(0.1 * D**-0.5).add_(ws)
+ws.requires_grad_({ws_grad})
+wt.requires_grad_({wt_grad})
+hs = torch.empty(N, D, dtype=torch.{dtype}).normal_(generator=_g).mul_(2).requires_grad_(True)
+ht = torch.empty(N, D, dtype=torch.{dtype}).normal_(generator=_g).mul_(0.5).add_(hs.detach())
+ht.requires_grad_(True)
 a = torch.randint(0, V, (N,), generator=_g)
 
 
@@ -79,17 +97,24 @@ def loss(out):
     return out.kl.sum() + out.privilege.sum() + out.student_logprob.sum()
 
 
+def fwd_materialized():
+    return loss(lk.topk_tail_kl(hs @ ws.T, ht @ wt.T, a, top_m=M))
+
+
+def fwd_fused():
+    return loss(lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=M, backend="cpu"))
+
+
 def run_materialized():
-    out = lk.topk_tail_kl(hs @ ws.T, ht @ wt.T, a, top_m=M)
-    loss(out).backward()
+    fwd_materialized().backward()
 
 
 def run_fused():
-    loss(lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=M, backend="cpu")).backward()
+    fwd_fused().backward()
 
 
 def clear_grads():
-    hs.grad = ws.grad = ht.grad = None
+    hs.grad = ws.grad = ht.grad = wt.grad = None
 
 
 # Lazy initialization (extension, thread pools) on a tiny problem, outside the measurement.
@@ -99,6 +124,9 @@ _a = torch.randint(0, 64, (4,))
 loss(lk.topk_tail_kl(_x @ _w.T, _x @ _w.T, _a, top_m=4)).backward()
 loss(lk.fused_linear_topk_tail_kl(_x, _w, _x, _w.detach(), _a, top_m=4, backend="cpu")).backward()
 """
+
+
+SETUP = setup_code(D, "student-head" if HEAD_GRAD else "frozen-heads")
 
 RUNS = {"materialized": "run_materialized()", "fused": "run_fused()"}
 
@@ -202,6 +230,110 @@ def test_fused_linear_topk_tail_kl_fwd_bwd(benchmark, peak_extra, env, variant):
     record("fused_linear_topk_tail_kl", backend, SHAPES, median, extra, **fields)
     print(f"\n{variant}: {median:.2f} s, peak RSS beyond inputs/params/grads "
           f"{extra / 2**20:.0f} MiB", fields)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward and backward apart, interleaved with the materialized path (-k apart)
+# ---------------------------------------------------------------------------------------------
+
+# Hidden sizes, gradient setting and dtype of test_fwd_bwd_apart (one record pair per d).
+APART_DS = [int(x) for x in os.environ.get("LOPD_BENCH_FL_DS", "256,1024").split(",")]
+APART_GRADS = os.environ.get("LOPD_BENCH_FL_APART_GRADS", "both-heads")
+APART_DTYPE = os.environ.get("LOPD_BENCH_FL_DTYPE", "float32")
+APART_REPS = int(os.environ.get("LOPD_BENCH_FL_APART_REPS", "3"))
+APART_VARIANTS = ("materialized", "fused")
+_GRAD_NAMES = {"student-head": "h_s, W_s, h_t", "frozen-heads": "h_s, h_t",
+               "both-heads": "h_s, W_s, h_t, W_t"}  # fmt: skip
+
+
+def _cpu_isa() -> str:
+    """The instruction set of the C++ kernels here (``LOPD_CPU_ISA`` caps it)."""
+    try:
+        # The extension is optional (the epilogue falls back to PyTorch without it).
+        from lopd_kernels import _C
+
+        return _C.cpu_isa()
+    except ImportError:
+        return "none"
+
+
+def _grad_bytes(d: int, grads: str, itemsize: int) -> int:
+    """What the caller holds after the backward: the gradients of the leaves."""
+    heads = GRAD_SETTINGS[grads].count("True")
+    return (2 * N * d + heads * V * d) * itemsize
+
+
+@pytest.mark.parametrize("d", APART_DS)
+def test_fwd_bwd_apart(benchmark, d):
+    """Forward and backward timed apart, the fused op and the materialized path alternating in
+    one process (a cold first call each, then ``APART_REPS`` warm rounds, alternating which goes
+    first), so that the shared machine's load hits both alike; peak RSS in fresh processes.
+
+    The ISA of the C++ kernels and of ATen's vectorized ops is the process's:
+    ``LOPD_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2`` measures an AVX2 machine's code paths (MKL's
+    GEMMs pick their own on AMD CPUs, see docs/kernels.md#benchmarks).
+    """
+    import statistics
+    import time
+
+    import torch
+
+    code = setup_code(d, APART_GRADS, APART_DTYPE)
+    itemsize = torch.empty(0, dtype=getattr(torch, APART_DTYPE)).element_size()
+    extra = {}
+    for variant in APART_VARIANTS:
+        before, peak = peak_rss_bytes(code, f"run_{variant}()\n", threads=THREADS)
+        extra[variant] = max(0, peak - before - _grad_bytes(d, APART_GRADS, itemsize))
+    times: dict[str, dict[str, list[float]]] = {v: {"fwd": [], "bwd": []} for v in APART_VARIANTS}
+    first: dict[str, float] = {}
+    with torch_threads(THREADS):
+        ns: dict = {}
+        exec(code, ns)
+
+        def one(variant: str) -> tuple[float, float]:
+            ns["clear_grads"]()
+            t0 = time.perf_counter()
+            loss = ns[f"fwd_{variant}"]()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            return t1 - t0, t2 - t1
+
+        def rounds() -> None:
+            for variant in APART_VARIANTS:
+                first[variant] = sum(one(variant))
+            for i in range(APART_REPS):
+                for variant in APART_VARIANTS[:: 1 if i % 2 else -1]:
+                    f, b = one(variant)
+                    times[variant]["fwd"].append(f)
+                    times[variant]["bwd"].append(b)
+            ns["clear_grads"]()
+
+        benchmark.group = f"fused_linear_topk_tail_kl fwd/bwd apart N={N} V={V} M={M}"
+        benchmark.pedantic(rounds, rounds=1, iterations=1)
+    med = {v: {k: statistics.median(x) for k, x in t.items()} for v, t in times.items()}
+    shapes = {"N": N, "d": d, "V": V, "M": M, "dtype": APART_DTYPE, "pass": "fwd, bwd apart",
+              "grads": _GRAD_NAMES[APART_GRADS], "isa": _cpu_isa(),
+              "aten_isa": torch.backends.cpu.get_cpu_capability().lower()}  # fmt: skip
+    base = med["materialized"]
+    for variant in APART_VARIANTS:
+        m = med[variant]
+        fields = {"threads": THREADS, "fwd_s": m["fwd"], "bwd_s": m["bwd"],
+                  "calls_fwd_s": times[variant]["fwd"], "calls_bwd_s": times[variant]["bwd"],
+                  "first_call_s": first[variant]}  # fmt: skip
+        if variant == "fused":
+            fields["time_vs_materialized"] = (m["fwd"] + m["bwd"]) / (base["fwd"] + base["bwd"])
+            fields["fwd_vs_materialized"] = m["fwd"] / base["fwd"]
+            fields["bwd_vs_materialized"] = m["bwd"] / base["bwd"]
+            fields["first_call_vs_materialized"] = first["fused"] / first["materialized"]
+            fields["memory_vs_materialized"] = extra["fused"] / max(1, extra["materialized"])
+        backend = "cpu" if variant == "fused" else variant
+        record("fused_linear_topk_tail_kl", backend, shapes, m["fwd"] + m["bwd"], extra[variant],
+               **fields)  # fmt: skip
+        print(f"\n{variant} d={d}: fwd {m['fwd']:.2f} s, bwd {m['bwd']:.2f} s, first call "
+              f"{first[variant]:.2f} s, peak RSS beyond inputs/params/grads "
+              f"{extra[variant] / 2**20:.0f} MiB", {k: v for k, v in fields.items()
+                                                    if not k.startswith("calls")})  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

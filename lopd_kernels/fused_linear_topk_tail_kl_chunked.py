@@ -27,6 +27,7 @@ operands are :mod:`lopd_kernels.gemm_f32`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -52,12 +53,15 @@ __all__ = ["auto_chunk_rows", "chunked_bwd", "chunked_fwd", "epilogue_kernels", 
 #: lopd_kernels/kernel_variants.py.
 CHUNKED_SWITCH = "fused_linear_topk_tail_kl.chunked"
 
-# Working-set cap for the chunked path's [C, V] blocks. 256 MiB is C ~ 220 rows of a 152k
-# vocabulary per live block pair: CPU GEMMs of that height run within ~20% of their large-M
-# throughput (~100 rows are ~35% slower, measured on 2 cores), and it keeps the op ~1/20 of the
-# materialized logits at N = 2048. On a GPU 512 MiB is ~440 rows of fp32 logits per block pair,
-# a ~0.5 TFLOP GEMM at d = 4096: large enough for cuBLAS to run near peak.
-_CHUNK_BUDGET_CAP = {"cpu": 256 << 20, "cuda": 512 << 20}
+# Working-set cap for the chunked path's [C, V] blocks. On CPU 384 MiB is C ~ 330 rows of a 152k
+# vocabulary per live block pair (balanced chunks: 296 rows at N = 2048). The chunk height is the
+# logit GEMM's M and the backward GEMMs' K, and each chunk re-reads W (and re-reads and rewrites
+# the [V, d] weight-gradient accumulator): at 216 rows (the former 256 MiB cap) the forward and
+# backward GEMMs ran ~25% slower than at 256-512 rows on 2 cores. 384 MiB keeps the op's extra
+# memory under 1/10 of the materialized path's at N = 2048 (351 MiB against 4457 MiB beyond
+# inputs and gradients, d = 256, both heads trained). On a GPU 512 MiB is ~440 rows of
+# fp32 logits per block pair, a ~0.5 TFLOP GEMM at d = 4096: large enough for cuBLAS.
+_CHUNK_BUDGET_CAP = {"cpu": 384 << 20, "cuda": 512 << 20}
 
 
 # GPU epilogue order per variant: v1 took the CUDA per-row kernels whenever the build had them;
@@ -143,7 +147,7 @@ def auto_chunk_rows(
 
     The chunk's working set is ``live_blocks`` float32 ``[C, V]`` blocks (forward: the two logit
     blocks; backward: logits and gradient of each side it recomputes), budgeted at a quarter of
-    the free memory and at most 256 MiB on CPU / 512 MiB on GPU (``_CHUNK_BUDGET_CAP``).
+    the free memory and at most 384 MiB on CPU / 512 MiB on GPU (``_CHUNK_BUDGET_CAP``).
 
     Args:
         vocab: ``V``, the LM-head rows.
@@ -152,7 +156,9 @@ def auto_chunk_rows(
         live_blocks: ``[C, V]`` float32 blocks alive at once.
 
     Returns:
-        ``C >= 1`` (a multiple of 8 when the budget allows one).
+        ``C >= 1`` (a multiple of 8 when the budget allows one). When ``n_rows`` takes several
+        chunks they are balanced: ``ceil(n_rows / chunks)`` rows each (8-aligned within the
+        budget), so that no last chunk is a short GEMM at a fraction of the others' throughput.
     """
     device = torch.device(device)
     cap = _CHUNK_BUDGET_CAP["cuda" if device.type == "cuda" else "cpu"]
@@ -160,7 +166,12 @@ def auto_chunk_rows(
     rows = budget // (max(live_blocks, 1) * max(vocab, 1) * 4)
     if rows >= 8:
         rows -= rows % 8
-    return int(max(1, min(rows, max(n_rows, 1))))
+    rows, n_rows = max(1, rows), max(n_rows, 1)
+    if n_rows <= rows:
+        return int(n_rows)
+    balanced = -(-n_rows // -(-n_rows // rows))
+    aligned = -(-balanced // 8) * 8
+    return int(aligned if aligned <= rows else balanced)
 
 
 def tail_probs_triton_ok(logits: Tensor) -> bool:
@@ -198,17 +209,57 @@ def without_padding(ids: Tensor) -> Tensor:
     return ids if ids.shape[1] == 0 else torch.where(ids >= 0, ids, ids[:, :1])
 
 
-def _logits_block(h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    """``[C, V]`` float32 logits of one token chunk."""
-    out = gemm.matmul_f32(h, w.T)
+def _logits_block(h: Tensor, w: Tensor, b: Tensor | None, out: Tensor | None = None) -> Tensor:
+    """``[C, V]`` float32 logits of one token chunk, written into ``out`` (a reused block, see
+    :func:`_block_buffers`) when given. A GPU's half-precision GEMM writes a fresh block: its
+    caching allocator makes that free, and its float32-output GEMM has no ``out=``."""
+    if gemm.half_gemm(w):
+        out = None
+    logits = gemm.matmul_f32(h, w.T, out=out)
     if b is not None:
-        out += b.to(out.dtype)
-    return out
+        logits += b.to(logits.dtype)
+    return logits
+
+
+def _block_buffers(count: int, rows: int, vocab: int, like: Tensor) -> list[Tensor]:
+    """``count`` uninitialized float32 ``[rows, V]`` blocks, allocated once per call and reused
+    by every chunk (a shorter last chunk takes the first rows: still a contiguous view).
+
+    Why not a fresh block per chunk: on CPU a ``[C, V]`` block is far above glibc's mmap
+    threshold, so every new one is fresh pages the OS zeroes on first touch (page faults inside
+    the GEMM's stores); at C = 216, V = 152k that made the logit GEMM ~25% slower on 2 cores.
+    """
+    f32 = torch.float64 if like.dtype == torch.float64 else torch.float32
+    return [torch.empty(rows, vocab, dtype=f32, device=like.device) for _ in range(count)]
 
 
 def _chunks(n: int, chunk: int):
     for start in range(0, n, chunk):
         yield start, min(n, start + chunk)
+
+
+class _Rows:
+    """The rows with a real target, and per-chunk access to them.
+
+    When every row has a target (the common case) a chunk is a slice: inputs are views and
+    results are written in place, nothing is gathered or scattered.
+    """
+
+    def __init__(self, target: Tensor, ignore_index: int) -> None:
+        self.index = (target != ignore_index).nonzero().squeeze(-1)
+        self.n = self.index.numel()
+        self.dense = self.n == target.shape[0]
+
+    def take(self, x: Tensor, c0: int, c1: int) -> Tensor:
+        """Rows ``c0:c1`` (of the rows with a target) of ``x``."""
+        return x[c0:c1] if self.dense else x.index_select(0, self.index[c0:c1])
+
+    def put(self, dst: Tensor, c0: int, c1: int, src: Tensor) -> None:
+        """Writes ``src`` at rows ``c0:c1`` (of the rows with a target) of ``dst``."""
+        if self.dense:
+            dst[c0:c1].copy_(src)
+        else:
+            dst.index_copy_(0, self.index[c0:c1], src.to(dst.dtype))
 
 
 def chunked_fwd(
@@ -242,21 +293,20 @@ def chunked_fwd(
         kl.new_zeros(n, h.shape[1]) if flag and m > 0 else kl.new_empty(0)
         for flag, h in zip(tail_proj, (hs, ht))
     ]
-    rows = (target != ignore_index).nonzero().squeeze(-1)
-    n_valid = rows.numel()
-    if n_valid == 0:
+    rows = _Rows(target, ignore_index)
+    if rows.n == 0:
         return kl, lp_s, lp_t, ids, lse, bucket, *projs
     v2 = selected_variant(CHUNKED_SWITCH) == "v2"
     fwd, _ = epilogue_kernels(dev, m, divergence, support)
-    chunk = chunk_size or auto_chunk_rows(vocab, n_valid, dev, live_blocks=2)
-    for c0, c1 in _chunks(n_valid, chunk):
-        r = rows[c0:c1]
-        s = _logits_block(hs.index_select(0, r), ws, bs)
-        t = _logits_block(ht.index_select(0, r), wt, bt)
-        out = fwd(s, t, target.index_select(0, r), m, temperature, divergence, beta, support,
+    chunk = min(chunk_size or auto_chunk_rows(vocab, rows.n, dev, live_blocks=2), rows.n)
+    buf_s, buf_t = _block_buffers(2, chunk, vocab, hs)
+    for c0, c1 in _chunks(rows.n, chunk):
+        s = _logits_block(rows.take(hs, c0, c1), ws, bs, buf_s[: c1 - c0])
+        t = _logits_block(rows.take(ht, c0, c1), wt, bt, buf_t[: c1 - c0])
+        out = fwd(s, t, rows.take(target, c0, c1), m, temperature, divergence, beta, support,
                   ignore_index)  # fmt: skip
         for dst, src in zip((kl, lp_s, lp_t, ids, lse, bucket), out):
-            dst.index_copy_(0, r, src.to(dst.dtype))
+            rows.put(dst, c0, c1, src)
         # Tail projection sum_{j not in top-M} softmax_j W[j] ([C, d]): with it the backward
         # gets this side's dh from O(M) rows of W, without recomputing its logits (see
         # _hidden_grad_from_tail). In place: the logits are not needed any more.
@@ -270,7 +320,7 @@ def chunked_fwd(
             else:
                 probs = logits.div_(temperature).sub_(out[4][:, x : x + 1]).exp_()
                 probs.scatter_(1, support_ids, 0.0)
-            proj.index_copy_(0, r, gemm.matmul_f32(probs, w))
+            rows.put(proj, c0, c1, gemm.matmul_f32(probs, w))
             del probs
         del s, t
     return kl, lp_s, lp_t, ids, lse, bucket, *projs
@@ -313,6 +363,48 @@ def _hidden_grad_from_tail(
         out.index_copy_(0, rows[c0:c1], dh / temperature)
 
 
+class _Side(NamedTuple):
+    """One side whose logits the backward recomputes, and where its gradients go."""
+
+    x: int  # 0: student, 1: teacher (its slot in the per-row kernel's outputs)
+    h: Tensor  # [N, d] hidden states
+    w: Tensor  # [V, d] head
+    b: Tensor | None  # [V] bias
+    d_h: Tensor | None  # [N, d] float32 hidden-state gradient (None: not needed, or from the tail)
+    d_w: Tensor | None  # [V, d] float32 weight gradient, accumulated over chunks
+    d_b: Tensor | None  # [V] float32 bias gradient, accumulated over chunks
+
+
+def _accumulate_logit_grad(
+    grad: Tensor, h: Tensor, side: _Side, rows: _Rows, c0: int, c1: int, v2: bool, written: set
+) -> None:
+    """One chunk's logit gradient ``grad [C, V]`` into ``dh = grad @ W`` (rows ``c0:c1``),
+    ``dW += grad^T h`` and ``db += sum(grad)``; ``h`` is the chunk's ``[C, d]`` hidden states.
+    ``written``: ids of the ``dW`` buffers a product was written into already; the first product
+    into one (uninitialized until then, shared by both sides with one head) overwrites it."""
+    w = side.w
+    if side.d_b is not None:
+        side.d_b.add_(grad.sum(0))
+    # v2: the logit gradient cast once to the GEMM dtype, for both GEMMs (v1 cast it inside each
+    # matmul_f32 call: twice with a bf16 head on a GPU).
+    g = grad.to(w.dtype) if v2 and gemm.half_gemm(w) else grad
+    if side.d_h is not None:
+        if rows.dense:
+            gemm.matmul_f32(g, w, out=side.d_h[c0:c1])
+        else:
+            rows.put(side.d_h, c0, c1, gemm.matmul_f32(g, w))
+    if side.d_w is not None:
+        # dW[V, d] += ds^T [V, C] @ h [C, d]: one GEMM per chunk, fp32 accumulator; the first
+        # writes it (no zero fill of a [V, d] accumulator, nor its read in the first GEMM).
+        if id(side.d_w) not in written:
+            written.add(id(side.d_w))
+            gemm.matmul_f32(g.T, h, out=side.d_w)
+        elif v2:
+            gemm.accumulate_f32_(side.d_w, g.T, h)
+        else:
+            gemm.matmul_f32(g.T, h, out=side.d_w, accumulate=True)
+
+
 def chunked_bwd(
     grad_kl: Tensor,
     grad_slp: Tensor,
@@ -351,89 +443,72 @@ def chunked_bwd(
     f32 = torch.float64 if hs.dtype == torch.float64 else torch.float32
     d_hs = torch.zeros(hs.shape, dtype=f32, device=dev) if n_hs else None
     d_ht = torch.zeros(ht.shape, dtype=f32, device=dev) if n_ht else None
-    d_ws = torch.zeros(ws.shape, dtype=f32, device=dev) if n_ws else None
+    rows = _Rows(target, ignore_index)
+    # Weight gradients are written by the first chunk's GEMM (zeros without any chunk).
+    new_w = torch.empty if rows.n else torch.zeros
+    d_ws = new_w(ws.shape, dtype=f32, device=dev) if n_ws else None
     d_wt = d_ws if shared_weight and n_wt else None
     if n_wt and d_wt is None:
-        d_wt = torch.zeros(wt.shape, dtype=f32, device=dev)
+        d_wt = new_w(wt.shape, dtype=f32, device=dev)
     d_bs = torch.zeros(vocab, dtype=f32, device=dev) if n_bs else None
     d_bt = torch.zeros(vocab, dtype=f32, device=dev) if n_bt else None
-    rows = (target != ignore_index).nonzero().squeeze(-1)
     from_tail_s = bool(n_hs and proj_s.numel())
     from_tail_t = bool(n_ht and proj_t.numel())
-    if rows.numel() and (from_tail_s or from_tail_t):
-        tgt = target.index_select(0, rows)
-        b = bucket.index_select(0, rows)
-        u_ls = grad_slp.index_select(0, rows).float()
-        u_t = grad_tlp.index_select(0, rows).float()
-        u_kl = grad_kl.index_select(0, rows).float()
-        c_s, c_t = bucket_coefs(u_kl, kl.index_select(0, rows), b, divergence, beta, u_ls, u_t)
-        ids = topk_ids.index_select(0, rows)
+    if rows.n and (from_tail_s or from_tail_t):
+        r = rows.index
+        tgt = target.index_select(0, r)
+        b = bucket.index_select(0, r)
+        u_ls = grad_slp.index_select(0, r).float()
+        u_t = grad_tlp.index_select(0, r).float()
+        u_kl = grad_kl.index_select(0, r).float()
+        c_s, c_t = bucket_coefs(u_kl, kl.index_select(0, r), b, divergence, beta, u_ls, u_t)
+        ids = topk_ids.index_select(0, r)
         for flag, proj, w, x, coef, u, out in (
             (from_tail_s, proj_s, ws, 0, c_s, u_ls, d_hs),
             (from_tail_t, proj_t, wt, 1, c_t, u_t, d_ht),
         ):
             if flag:
-                p = proj.index_select(0, rows)
-                _hidden_grad_from_tail(p, w, rows, tgt, ids, b[:, x], coef, u, temperature, out)
+                p = proj.index_select(0, r)
+                _hidden_grad_from_tail(p, w, r, tgt, ids, b[:, x], coef, u, temperature, out)
     need_s = (n_hs and not from_tail_s) or n_ws or n_bs
     need_t = (n_ht and not from_tail_t) or n_wt or n_bt
-    if rows.numel() and (need_s or need_t):
+    if rows.n and (need_s or need_t):
         v2 = selected_variant(CHUNKED_SWITCH) == "v2"
         _, bwd = epilogue_kernels(dev, topk_ids.shape[1], divergence, support)
+        student = _Side(0, hs, ws, bs, None if from_tail_s else d_hs, d_ws, d_bs)
+        teacher = _Side(1, ht, wt, bt, None if from_tail_t else d_ht, d_wt, d_bt)
+        sides = [side for side, need in ((student, need_s), (teacher, need_t)) if need]
+        # With M > 0 a side's logit gradient reads only its own logits (the coupling through
+        # the KL is in the saved bucket log-masses): the sides take turns through one logit
+        # block (live: it and the kernel's gradient block), the kernel getting that side's
+        # block in the other's place too and never reading it. The full-vocabulary KL couples
+        # every entry: both logit blocks, then both gradients (4 live blocks).
         full_vocab = topk_ids.shape[1] == 0
-        sides = 2 if full_vocab else int(bool(need_s)) + int(bool(need_t))
-        # Per recomputed side: its logit block and its gradient block.
-        chunk = chunk_size or auto_chunk_rows(vocab, rows.numel(), dev, live_blocks=2 * sides)
-        for c0, c1 in _chunks(rows.numel(), chunk):
-            r = rows[c0:c1]
-            h_s, h_t = hs.index_select(0, r), ht.index_select(0, r)
-            # With M > 0 a side's logit gradient reads only its own logits (the coupling through
-            # the KL is in the saved bucket log-masses), so a side with nothing to compute is
-            # not recomputed: the kernel gets the other side's block in its place and never
-            # reads it. The full-vocabulary KL couples every entry: both are needed.
-            s = _logits_block(h_s, ws, bs) if need_s or full_vocab else None
-            t = _logits_block(h_t, wt, bt) if need_t or full_vocab else s
-            s = t if s is None else s
-            g_s, g_t = bwd(
-                grad_kl.index_select(0, r).float(),
-                grad_slp.index_select(0, r).float(),
-                grad_tlp.index_select(0, r).float(),
-                s,
-                t,
-                target.index_select(0, r),
-                topk_ids.index_select(0, r),
-                kl.index_select(0, r),
-                lse.index_select(0, r),
-                bucket.index_select(0, r),
-                temperature,
-                divergence,
-                beta,
-                ignore_index,
-                bool(need_s),
-                bool(need_t),
-            )
-            del s, t
-            for grad, h, w, d_h, d_w, d_b in (
-                (g_s, h_s, ws, None if from_tail_s else d_hs, d_ws, d_bs),
-                (g_t, h_t, wt, None if from_tail_t else d_ht, d_wt, d_bt),
-            ):
-                if grad.numel() == 0:
-                    continue
-                if d_b is not None:
-                    d_b += grad.sum(0)
-                # v2: the logit gradient cast once to the GEMM dtype, for both GEMMs (v1 cast it
-                # inside each matmul_f32 call: twice with a bf16 head on a GPU).
-                g = grad.to(w.dtype) if v2 and gemm.half_gemm(w) else grad
-                if d_h is not None:
-                    d_h.index_copy_(0, r, gemm.matmul_f32(g, w))
-                if d_w is not None:
-                    # dW[V, d] += ds^T [V, C] @ h [C, d]: one GEMM per chunk, fp32 accumulator.
-                    if v2:
-                        gemm.accumulate_f32_(d_w, g.T, h)
-                    else:
-                        gemm.matmul_f32(g.T, h, out=d_w, accumulate=True)
-                del g
-            del g_s, g_t
+        live = 4 if full_vocab else 2
+        chunk = min(chunk_size or auto_chunk_rows(vocab, rows.n, dev, live_blocks=live), rows.n)
+        bufs = _block_buffers(2 if full_vocab else 1, chunk, vocab, hs)
+        written: set[int] = set()
+        for c0, c1 in _chunks(rows.n, chunk):
+            c = c1 - c0
+            up = [rows.take(x, c0, c1).float() for x in (grad_kl, grad_slp, grad_tlp)]
+            saved = [rows.take(x, c0, c1) for x in (target, topk_ids, kl, lse, bucket)]
+            opts = (temperature, divergence, beta, ignore_index)
+            h = {side.x: rows.take(side.h, c0, c1) for side in sides}
+            if full_vocab:
+                s = _logits_block(rows.take(hs, c0, c1), ws, bs, bufs[0][:c])
+                t = _logits_block(rows.take(ht, c0, c1), wt, bt, bufs[1][:c])
+                grads = bwd(*up, s, t, *saved, *opts, bool(need_s), bool(need_t))
+                for side in sides:
+                    _accumulate_logit_grad(
+                        grads[side.x], h[side.x], side, rows, c0, c1, v2, written
+                    )
+                del grads
+                continue
+            for side in sides:
+                logits = _logits_block(h[side.x], side.w, side.b, bufs[0][:c])
+                grad = bwd(*up, logits, logits, *saved, *opts, side.x == 0, side.x == 1)[side.x]
+                _accumulate_logit_grad(grad, h[side.x], side, rows, c0, c1, v2, written)
+                del grad
     return [
         None if g is None else g.to(like.dtype)
         for g, like in (

@@ -316,8 +316,19 @@ def test_sharp_teacher_exact_tail():
     check(inputs, target, "cpu", torch.float32, top_m=10, temperature=0.5)
 
 
-def test_auto_chunk_rows():
-    assert auto_chunk_rows(151_936, 4096) == 104  # 256 MiB cap / (4 blocks x 4 B x V), 8-aligned
+def test_auto_chunk_rows(monkeypatch):
+    chunked = importlib.import_module("lopd_kernels.fused_linear_topk_tail_kl_chunked")
+    monkeypatch.setattr(chunked, "_free_memory_bytes", lambda device: 64 << 30)
+    # 384 MiB cap / (4 blocks x 4 B x V) = 165 rows, 8-aligned: 160; 26 chunks of 158 -> 160.
+    assert auto_chunk_rows(151_936, 4096) == 160
+    # 328 rows per chunk at most: 13 balanced chunks of 316 rows, 8-aligned: 320.
+    assert auto_chunk_rows(151_936, 4096, live_blocks=2) == 320
+    assert auto_chunk_rows(151_936, 2048, live_blocks=2) == 296  # 7 x 293
+    assert auto_chunk_rows(151_936, 400, live_blocks=2) == 200  # 2 x 200, not 328 + 72
+    assert auto_chunk_rows(151_936, 329, live_blocks=2) == 168  # 2 x 165, 8-aligned
+    assert auto_chunk_rows(151_936, 328, live_blocks=2) == 328
+    # A quarter of the free memory when that is below the cap.
+    monkeypatch.setattr(chunked, "_free_memory_bytes", lambda device: 1 << 30)
     assert auto_chunk_rows(151_936, 4096, live_blocks=2) == 216
     assert auto_chunk_rows(151_936, 5) == 5
     assert auto_chunk_rows(10**12, 100) == 1
