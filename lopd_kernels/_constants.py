@@ -34,11 +34,11 @@ SUPPORTS = ("teacher", "student", "union")
 #: adds it here.
 TOPK_KERNEL_SUPPORTS = {
     "cpu": SUPPORTS,
-    "cuda": ("teacher",),
+    "cuda": SUPPORTS,
     "triton": SUPPORTS,
     "fused_triton": SUPPORTS,
 }
-TOPK_KERNEL_JSD = {"cpu": True, "cuda": False, "triton": True, "fused_triton": True}
+TOPK_KERNEL_JSD = {"cpu": True, "cuda": True, "triton": True, "fused_triton": True}
 
 #: ``reduction=`` values of the loss modules.
 REDUCTIONS = ("none", "mean", "sum")

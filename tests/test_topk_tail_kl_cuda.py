@@ -279,6 +279,103 @@ def test_infinite_divergence_is_inf_not_nan(target):
     assert torch.all(out.kl == float("inf")), out.kl
 
 
+# ---------------------------------------------------------------------------- support / JSD
+# The whole option matrix (support x divergence x dtype, strided rows, masked rows, -inf) runs in
+# tests/test_topk_tail_kl_options.py on one tile of the default forward; these run what differs
+# per option in BOTH forward kernels (the autouse switch fixture): the student's selection and
+# the union's two selections over several tiles and compactions, M at the kernel's limit (a union
+# of 2 x 1024 ids), adversarial and tied rows, a union that covers the vocabulary, and the
+# full-vocabulary JSD's two passes over several tiles.
+
+OPTIONS = [("student", "reverse", None), ("student", "jsd", 0.3), ("union", "forward", None),
+           ("union", "jsd", 0.7)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("n", "v", "m"), [(3, 97, 1), (5, 5003, 20), (2, 4500, 600)])
+@pytest.mark.parametrize(("support", "divergence", "beta"), OPTIONS)
+def test_options_match_reference(target, n, v, m, support, divergence, beta):
+    s, t, tgt = make_inputs(n, v, seed=n + v + 1, pad=3)
+    kw = {"support": support, "divergence": divergence, "beta": beta, "temperature": 0.7}
+    check(target, s, t, tgt, top_m=m, **kw)
+
+
+@pytest.mark.parametrize("support", ["student", "union"])
+def test_options_sorted_adversarial_rows(target, support):
+    """Rows where every tile beats a running threshold: the teacher's selection at the end of
+    the row with the student's at its start (a union of 2M ids), and both at the end (every
+    tile compacts both buffers; the union is the teacher's M, then -1 padding)."""
+    v = 9000
+    t = torch.linspace(-5, 5, v).repeat(2, 1)
+    s = torch.stack([t[0].flip(-1) * 0.5, t[1] * 0.7])
+    check(target, s, t, torch.tensor([3, v - 2]), top_m=64, support=support)
+
+
+def test_union_at_the_limits(target):
+    """M = 1024 (the kernel's limit: 2 x 1024 slots) at V = 2048; a union covering the whole
+    vocabulary (an empty tail, -inf on both sides) at V = 7."""
+    s, t, tgt = make_inputs(2, 2048, seed=3)
+    check(target, s, t, tgt, top_m=1024, support="union", divergence="jsd", beta=0.5)
+    t = torch.arange(7.0).repeat(3, 1)
+    s = -t + torch.tensor([[0.0], [0.5], [1.0]])
+    out = op_for(target)(s, t, torch.tensor([0, 6, 3]), top_m=5, support="union")
+    assert (out.support_size == 7).all()
+    check(target, s, t, torch.tensor([0, 6, 3]), top_m=5, support="union")
+
+
+@pytest.mark.parametrize("support", ["student", "union"])
+def test_options_ties_select_lower_ids(target, support):
+    """Exact ties in both rows, overlapping: each selection breaks them to the lower id, and an
+    id in both appears once, at its teacher position."""
+    t = torch.zeros(2, 300)
+    t[:, 100:140] = 1.0
+    s = torch.zeros(2, 300)
+    s[:, 120:170] = 2.0
+    check(target, s, t, torch.tensor([120, 5]), top_m=25, support=support, divergence="jsd",
+          beta=0.5)  # fmt: skip
+
+
+@pytest.mark.parametrize("support", ["student", "union"])
+def test_options_threshold_edges(target, support):
+    """test_threshold_edges with the tiny, denormal and tied logits in the student's row (the
+    row the student's selection and the union's second one are built from)."""
+    g = torch.Generator().manual_seed(6)
+    v = 6000
+    s = torch.randn(3, v, generator=g)
+    tiny = torch.tensor([-1e-40, 0.0, 1e-40, -0.0, 1e-45, -1e-45, 2e-38, -2e-38])
+    s[0] = tiny[torch.randint(0, len(tiny), (v,), generator=g)]
+    s[1] = -5.0 - torch.rand(v, generator=g)
+    s[2] = torch.where(
+        torch.rand(v, generator=g) < 0.1, torch.tensor(1.5), torch.randn(v, generator=g)
+    )
+    t = torch.randn(3, v, generator=g)
+    check(target, s, t, torch.tensor([4003, 17, 5999]), top_m=24, support=support,
+          temperature=0.5)  # fmt: skip
+
+
+@pytest.mark.parametrize("beta", [0.25, 0.9])
+def test_full_vocabulary_jsd(target, beta):
+    """top_m=None with the JSD: both log-sum-exps, then the terms, over several tiles."""
+    s, t, tgt = make_inputs(3, 5003, seed=7, pad=11, ignore_rows=(1,))
+    s[2, :100] = -float("inf")
+    check(target, s, t, tgt, top_m=None, divergence="jsd", beta=beta, temperature=1.3)
+
+
+@pytest.mark.parametrize(
+    ("top_m", "support", "divergence", "beta"),
+    [(5, "union", "jsd", 0.3), (5, "student", "forward", 0.0), (0, "teacher", "jsd", 0.6)],
+)
+def test_opcheck_options(target, top_m, support, divergence, beta):
+    fwd, bwd, dev = raw_ops(target)
+    s, t, tgt = (x.to(dev) for x in make_inputs(3, 37, ignore_rows=(1,), pad=2, seed=9))
+    fwd_args = (s, t, tgt, top_m, 0.9, divergence, beta, support, -100)
+    kl, _slp, _tlp, ids, lse, bucket = fwd(*fwd_args)
+    assert ids.shape == (3, 2 * top_m if support == "union" else top_m)
+    g = [u.float().to(dev) for u in random_upstream(3)]
+    bwd_args = (*g[:3], s, t, tgt, ids, kl, lse, bucket, 0.9, divergence, beta, -100, True, True)
+    torch.library.opcheck(fwd, fwd_args)
+    torch.library.opcheck(bwd, bwd_args)
+
+
 @pytest.mark.skipif(EMU_UNAVAILABLE is not None, reason=str(EMU_UNAVAILABLE))
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_emulated_random_schedules(seed):
@@ -287,9 +384,11 @@ def test_emulated_random_schedules(seed):
     simt_emu.load()
     simt_emu.set_schedule_seed(seed)
     try:
-        for n, v, m in [(3, 97, 1), (2, 5003, 20), (2, 4500, 600)]:
+        for n, v, m, support in [(3, 97, 1, "teacher"), (2, 5003, 20, "teacher"),
+                                 (2, 4500, 600, "teacher"), (2, 5003, 20, "union"),
+                                 (2, 3000, 200, "student")]:  # fmt: skip
             s, t, tgt = make_inputs(n, v, seed=seed + v)
-            check("emulated", s, t, tgt, top_m=m)
+            check("emulated", s, t, tgt, top_m=m, support=support)
     finally:
         simt_emu.set_schedule_seed(0)
 

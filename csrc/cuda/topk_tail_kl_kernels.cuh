@@ -21,11 +21,27 @@
 //     non-adversarial rows the threshold settles after the first tiles, so the sort runs a handful
 //     of times per row and the kernel is bound by the logits' bytes;
 //   * at the end the per-thread tails are merged (warp shuffles, then shared memory) and thread 0
-//     finishes the row with topk_row_finalize.
+//     finishes the row with math::row_finalize (the KLs: topk_row_finalize, as before the options
+//     existed; the JSD: its terms over the same K + 1 bucket log-masses, no extra pass).
+// The options (docs/kernels.md, "CUDA"):
+//   * support="student": the same kernel instance with the rows' roles swapped (the launcher
+//     passes the teacher's row first and the student's second, FwdParams::swapped): the keys are
+//     built from the student's logits; the finalization maps the roles back;
+//   * support="union" (template flag kUnion, a kernel instance of its own): two candidate buffers
+//     and two thresholds in one pass, one on each row's keys. An entry joins the tails when
+//     neither buffer admits it; a compaction sorts both buffers and folds a dropped key only when
+//     the other selection does not hold it (a threshold compare on the other row's key, whose
+//     logit is re-read), so each entry is folded once, when it is out of both. Then the ids:
+//     the teacher's M, the student's others in student order, -1 padding to 2M. Twice the shared
+//     memory (64 KB), one more key compare per entry, both buffers sorted at each compaction;
+//   * full vocabulary (top_m == 0) with the JSD: two passes (both log-sum-exps, then the terms
+//     beta KL(Q || M) + (1 - beta) KL(P || M)).
 // Backward, one block per row, one streaming pass per tensor: every entry gets the tail formula
-// (its share of the tail mass times the tail's factor, math::bucket_grad_factors: bucket masses
-// times finite numbers, no P_b/Q_b ratios), then, after a barrier, the M selected entries and the
-// target are rewritten with their own factors.
+// (its share of the tail mass times the tail's factor, math::bucket_grad_factors_div: bucket
+// masses times finite numbers, no P_b/Q_b ratios; the JSD's need KL(P || M) and KL(Q || M) of the
+// row, O(K) from bucket_logp by math::jsd_mixture_kls), then, after a barrier, the K selected
+// entries (a union's -1 slots skipped) and the target are rewritten with their own factors. The
+// full-vocabulary JSD takes one more pass first (KL(P || M), KL(Q || M) over the row).
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -62,6 +78,12 @@ static_assert((kSortCap & (kSortCap - 1)) == 0 && kSortCap >= kBufCap, "sort siz
 // clear of the M selected keys at its start.
 static_assert(kBufCap / 2 >= kMaxTopM, "s_top must not overlap the selected keys");
 static_assert((kBufCap / 2) * 8 + 2 * kMaxTopM * 4 <= kSortCap * 8, "s_top/t_top must fit");
+// The union (support="union"): a second buffer of kSortCap keys (the student's candidates) and
+// its count and threshold after it. Its K = 2 M bucket logits per side fill the first buffer's
+// upper half; the student's selection is staged (s, t, whether new) in the second's.
+static_assert((kBufCap / 2) * 8 + 4 * kMaxTopM * 4 <= kSortCap * 8, "union s_top/t_top must fit");
+static_assert((kBufCap / 2) * 8 + 3 * kMaxTopM * 4 <= kSortCap * 8, "union staging must fit");
+constexpr size_t kUnionSmemBytes = 2 * kSortCap * sizeof(uint64_t) + 2 * sizeof(uint64_t);
 
 // ---- loading and storing 8 entries as fp32 -----------------------------------------------------
 
@@ -212,10 +234,75 @@ __device__ math::FullKLState block_merge_full(math::FullKLState st, math::FullKL
   return all;
 }
 
+// Sums a and b over the block; the sums are valid in all threads.
+__device__ void block_sum2(float& a, float& b, float2* scratch) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, off);
+    b += __shfl_xor_sync(0xffffffffu, b, off);
+  }
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = make_float2(a, b);
+  __syncthreads();
+  a = b = 0.0f;
+  for (int w = 0; w < kThreads / 32; ++w) {
+    a += scratch[w].x;
+    b += scratch[w].y;
+  }
+  __syncthreads();
+}
+
+// ---- the generalized JSD ---------------------------------------------------------------------------
+
+// KL(P || M) and KL(Q || M) of a full-vocabulary row (every entry its own bucket) from both rows
+// and their log-sum-exps, by the shared math (math::jsd_log_mixture, kl_to_mixture_term); valid
+// in all threads. The second pass of v1's full-vocabulary JSD forward, the first of the backward.
+template <typename TS, typename TT>
+__device__ void full_jsd_kls(const TS* s, const TT* t, int64_t V, float inv, float lse_s,
+                             float lse_t, float beta, bool aligned, float* k_p, float* k_q) {
+  __shared__ float2 scratch[kThreads / 32];
+  float kp = 0.0f, kq = 0.0f;
+  for (int64_t base = int64_t(threadIdx.x) * kVec; base < V; base += kTile) {
+    const int valid = valid_in(V, base);
+    float sv[kVec], tv[kVec];
+    load8(s + base, valid, aligned, sv);
+    load8(t + base, valid, aligned, tv);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      // Past the row: -inf on both sides, which adds 0.
+      const float ls = math::log_normalize(sv[i] * inv, lse_s);
+      const float lt = math::log_normalize(tv[i] * inv, lse_t);
+      const float lm = math::jsd_log_mixture(ls, lt, beta);
+      kp += math::kl_to_mixture_term(ls, lm);
+      kq += math::kl_to_mixture_term(lt, lm);
+    }
+  }
+  block_sum2(kp, kq, scratch);
+  *k_p = kp;
+  *k_q = kq;
+}
+
+// KL(P || M) and KL(Q || M) over a row's nb buckets (math::jsd_mixture_kls on a contiguous
+// slice per thread, then summed over the block); valid in all threads.
+__device__ void bucket_jsd_kls(const float* logp, const float* logq, int64_t nb, float beta,
+                               float* k_p, float* k_q) {
+  __shared__ float2 scratch[kThreads / 32];
+  const int64_t per = (nb + kThreads - 1) / kThreads;
+  const int64_t b0 = int64_t(threadIdx.x) * per;
+  const int64_t n = b0 < nb ? (nb - b0 < per ? nb - b0 : per) : 0;
+  float kp = 0.0f, kq = 0.0f;
+  math::jsd_mixture_kls(logp + b0, logq + b0, n, beta, &kp, &kq);
+  block_sum2(kp, kq, scratch);
+  *k_p = kp;
+  *k_q = kq;
+}
+
 // ---- forward ---------------------------------------------------------------------------------------
 
 struct FwdParams {
-  math::RowLayout s_layout, t_layout;  // where each logit row starts (strided rows in place)
+  // The kernel's two rows (s, t): the student's and the teacher's, or, with `swapped`
+  // (support="student"), the teacher's and the student's. The selection is always on t's logits;
+  // the outputs are always (student, teacher) (finalize_topm_row, write_target_logprobs).
+  math::RowLayout s_layout, t_layout;  // where each row starts (strided rows in place)
   const int64_t* target;
   float* kl;
   float* slp;
@@ -224,12 +311,135 @@ struct FwdParams {
   float* lse;
   float* bucket;
   int64_t n_rows, vocab, top_m, ignore_index;
+  int64_t width;  // K: ids per row (M; 2 M for the union; 0 for the full vocabulary)
   float inv;
-  bool reverse;
+  math::DivergenceSpec div;
+  bool swapped;
 };
 
-// Dynamic shared memory: kSortCap uint64 keys (top-M mode only).
+// The target's log-probabilities (one thread); s, t in the kernel's roles.
 template <typename TS, typename TT>
+__device__ __forceinline__ void write_target_logprobs(const FwdParams& p, int64_t row, int64_t tgt,
+                                                      const TS* s, const TT* t, float lse_s,
+                                                      float lse_t) {
+  if (!(tgt >= 0 && tgt < p.vocab)) {
+    p.slp[row] = p.tlp[row] = NAN;
+    return;
+  }
+  const float xs = to_float(s[tgt]) * p.inv;
+  const float xt = to_float(t[tgt]) * p.inv;
+  p.slp[row] = math::log_normalize(p.swapped ? xt : xs, lse_s);
+  p.tlp[row] = math::log_normalize(p.swapped ? xs : xt, lse_t);
+}
+
+// Thread 0 of a top-M row: the K + 1 buckets and the divergence (math::row_finalize: the KLs'
+// topk_row_finalize, or the JSD over the same buckets), the log-sum-exps and the target's
+// log-probabilities. s_top / t_top (the K selected entries' scaled logits, -inf at a union's
+// padding) and the tails are in the kernel's roles; with p.swapped they are mapped back here.
+template <typename TS, typename TT>
+__device__ __forceinline__ void finalize_topm_row(const FwdParams& p, int64_t row, int64_t tgt,
+                                                  const TS* s, const TT* t, const float* s_top,
+                                                  const float* t_top,
+                                                  const math::LseState& tail_s,
+                                                  const math::LseState& tail_t) {
+  const int64_t K = p.width;
+  const bool sw = p.swapped;
+  float* bucket = p.bucket + row * 2 * (K + 1);
+  float lse_s, lse_t;
+  p.kl[row] = math::row_finalize(sw ? t_top : s_top, sw ? s_top : t_top, K, sw ? tail_t : tail_s,
+                                 sw ? tail_s : tail_t, p.div, bucket, bucket + (K + 1), &lse_s,
+                                 &lse_t);
+  p.lse[2 * row] = lse_s;
+  p.lse[2 * row + 1] = lse_t;
+  write_target_logprobs(p, row, tgt, s, t, lse_s, lse_t);
+}
+
+// Full-vocabulary JSD row (v1): both log-sum-exps (a pass, math::lse_add per entry), then the
+// terms beta KL(Q || M) + (1 - beta) KL(P || M) (full_jsd_kls, a second pass). Whole block.
+template <typename TS, typename TT>
+__device__ void fwd_full_jsd_row(const FwdParams& p, int64_t row, int64_t tgt, const TS* s,
+                                 const TT* t, bool aligned, float* bucket) {
+  __shared__ float2 scratch[kThreads / 32];
+  const int64_t V = p.vocab;
+  const float inv = p.inv;
+  math::LseState st_s = math::lse_empty();
+  math::LseState st_t = math::lse_empty();
+  for (int64_t base = int64_t(threadIdx.x) * kVec; base < V; base += kTile) {
+    const int valid = valid_in(V, base);
+    float sv[kVec], tv[kVec];
+    load8(s + base, valid, aligned, sv);
+    load8(t + base, valid, aligned, tv);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      math::lse_add(st_s, sv[i] * inv);  // past the row: -inf, adds nothing
+      math::lse_add(st_t, tv[i] * inv);
+    }
+  }
+  const float lse_s = math::lse_value(block_merge(st_s, scratch));
+  const float lse_t = math::lse_value(block_merge(st_t, scratch));
+  const float beta = p.div.beta;
+  float k_p, k_q;
+  full_jsd_kls(s, t, V, inv, lse_s, lse_t, beta, aligned, &k_p, &k_q);
+  if (threadIdx.x == 0) {
+    p.kl[row] = beta * k_q + (1.0f - beta) * k_p;
+    p.lse[2 * row] = lse_s;
+    p.lse[2 * row + 1] = lse_t;
+    bucket[0] = bucket[1] = 0.0f;  // the single "bucket" has mass 1 on both sides
+    write_target_logprobs(p, row, tgt, s, t, lse_s, lse_t);
+  }
+}
+
+// The end of a union row (whole block): keys[0..M) and keys_s[0..M) are the teacher's and the
+// student's selections, best first (after the last compaction), tail_s / tail_t the block's merged
+// tails (natural logarithms). Writes ids [K = 2 M]: the teacher's M (teacher order), then the
+// student's ids that the teacher's selection does not hold (student order; an entry is held when
+// its teacher key reaches the teacher's M-th), then -1 with -inf logits on both sides; thread 0
+// then finalizes the row (finalize_topm_row). The K bucket logits per side go to the upper part of
+// the teacher's buffer; the student's selection is staged in the upper part of its own.
+template <typename TS, typename TT>
+__device__ void finish_union_row(uint64_t* keys, uint64_t* keys_s, const TS* s, const TT* t,
+                                 const math::LseState& tail_s, const math::LseState& tail_t,
+                                 const FwdParams& p, int64_t row, int64_t tgt) {
+  const int64_t M = p.top_m;
+  const int64_t K = p.width;
+  const float inv = p.inv;
+  float* s_top = reinterpret_cast<float*>(keys + kBufCap / 2);
+  float* t_top = s_top + K;
+  float* s_new = reinterpret_cast<float*>(keys_s + kBufCap / 2);
+  float* t_new = s_new + M;
+  int* is_new = reinterpret_cast<int*>(t_new + M);
+  const uint64_t thr_t = keys[M - 1];
+  for (int64_t i = threadIdx.x; i < M; i += blockDim.x) {
+    const int64_t idx = key_index(keys[i]);
+    p.ids[row * K + i] = idx;
+    t_top[i] = key_value(keys[i]);
+    s_top[i] = to_float(s[idx]) * inv;
+    const int64_t idx_s = key_index(keys_s[i]);
+    s_new[i] = key_value(keys_s[i]);
+    t_new[i] = to_float(t[idx_s]) * inv;
+    is_new[i] = make_key(t_new[i], idx_s) < thr_t;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  int64_t k = M;
+  for (int64_t i = 0; i < M; ++i) {
+    if (!is_new[i]) continue;
+    p.ids[row * K + k] = key_index(keys_s[i]);
+    s_top[k] = s_new[i];
+    t_top[k] = t_new[i];
+    ++k;
+  }
+  for (; k < K; ++k) {
+    p.ids[row * K + k] = -1;
+    s_top[k] = t_top[k] = -INFINITY;
+  }
+  finalize_topm_row(p, row, tgt, s, t, s_top, t_top, tail_s, tail_t);
+}
+
+// Dynamic shared memory: kSortCap uint64 keys (top-M mode; none for the full vocabulary), the
+// union (kUnion) kUnionSmemBytes: the teacher's buffer, the student's, then the student buffer's
+// count and threshold.
+template <typename TS, typename TT, bool kUnion = false>
 __global__ void __launch_bounds__(kThreads)
     topk_tail_kl_fwd_kernel(const TS* __restrict__ student, const TT* __restrict__ teacher,
                             FwdParams p) {
@@ -242,12 +452,13 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = blockIdx.x;
   const int64_t V = p.vocab;
   const int64_t M = p.top_m;
+  const int64_t K = p.width;
   const int64_t tgt = p.target[row];
-  float* bucket = p.bucket + row * 2 * (M + 1);
+  float* bucket = p.bucket + row * 2 * (K + 1);
   if (tgt == p.ignore_index) {
     // Every output of an ignored row is 0 and its logits are never read.
-    for (int64_t i = threadIdx.x; i < 2 * (M + 1); i += blockDim.x) bucket[i] = 0.0f;
-    for (int64_t i = threadIdx.x; i < M; i += blockDim.x) p.ids[row * M + i] = 0;
+    for (int64_t i = threadIdx.x; i < 2 * (K + 1); i += blockDim.x) bucket[i] = 0.0f;
+    for (int64_t i = threadIdx.x; i < K; i += blockDim.x) p.ids[row * K + i] = 0;
     if (threadIdx.x == 0) {
       p.kl[row] = p.slp[row] = p.tlp[row] = 0.0f;
       p.lse[2 * row] = p.lse[2 * row + 1] = 0.0f;
@@ -260,8 +471,13 @@ __global__ void __launch_bounds__(kThreads)
   const bool aligned = is_aligned16(s) && is_aligned16(t);
   const float inv = p.inv;
 
-  if (M == 0) {
+  if (!kUnion && M == 0) {
+    if (p.div.kind == math::kJsd) {
+      fwd_full_jsd_row(p, row, tgt, s, t, aligned, bucket);
+      return;
+    }
     // Full vocabulary: each entry is its own bucket; one merged online state per thread.
+    const bool reverse = p.div.kind == math::kReverse;
     math::FullKLState st = math::full_kl_empty();
     for (int64_t base = int64_t(threadIdx.x) * kVec; base < V; base += kTile) {
       const int valid = valid_in(V, base);
@@ -271,7 +487,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
         if (i < valid) {
-          if (p.reverse) {
+          if (reverse) {
             math::full_kl_add(st, sv[i] * inv, tv[i] * inv);
           } else {
             math::full_kl_add(st, tv[i] * inv, sv[i] * inv);
@@ -283,8 +499,8 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) {
       float lse_w, lse_o;
       const float kl = math::full_kl_finalize(st, &lse_w, &lse_o);
-      const float lse_s = p.reverse ? lse_w : lse_o;
-      const float lse_t = p.reverse ? lse_o : lse_w;
+      const float lse_s = reverse ? lse_w : lse_o;
+      const float lse_t = reverse ? lse_o : lse_w;
       p.kl[row] = kl;
       p.lse[2 * row] = lse_s;
       p.lse[2 * row + 1] = lse_t;
@@ -296,12 +512,19 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
 
-  // Top-M mode.
+  // Top-M mode. The union's student buffer, with its count and threshold after it.
+  [[maybe_unused]] uint64_t* keys_s = keys + kSortCap;
+  [[maybe_unused]] int* count_s = reinterpret_cast<int*>(keys + 2 * kSortCap);
+  [[maybe_unused]] uint64_t* threshold_s = keys + 2 * kSortCap + 1;
   math::LseState tail_s = math::lse_empty();
   math::LseState tail_t = math::lse_empty();
   if (threadIdx.x == 0) {
     count = 0;
     threshold = 0;  // below every real key: everything is a candidate until M are kept
+    if constexpr (kUnion) {
+      *count_s = 0;
+      *threshold_s = 0;
+    }
   }
   __syncthreads();
 
@@ -326,6 +549,52 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
   };
 
+  // The union's compaction: both buffers sorted, each keeps its best M. A key dropped from one
+  // buffer joins the tails only when the other selection does not hold its entry, which is a
+  // compare of the entry's key in the other row (its logit re-read) against that selection's
+  // threshold: the student's after this compaction for the teacher's dropped keys, the
+  // teacher's before it for the student's, so an entry dropped from both at once is folded once
+  // (on the teacher's side). A threshold of 0 (fewer than M kept) holds every entry seen.
+  auto compact_union = [&]() {
+    const int n = count;
+    const int n_s = *count_s;
+    block_sort_desc(keys, n);
+    block_sort_desc(keys_s, n_s);
+    const uint64_t thr_t_old = threshold;
+    const uint64_t thr_t_new = n >= M ? keys[M - 1] : thr_t_old;
+    const uint64_t thr_s_new = n_s >= M ? keys_s[M - 1] : *threshold_s;
+    for (int i = int(M) + threadIdx.x; i < n; i += blockDim.x) {
+      const uint64_t k = keys[i];
+      const int64_t idx = key_index(k);
+      const float ss = to_float(s[idx]) * inv;
+      if (make_key(ss, idx) < thr_s_new) {
+        math::lse_add(tail_t, key_value(k));
+        math::lse_add(tail_s, ss);
+      }
+    }
+    for (int i = int(M) + threadIdx.x; i < n_s; i += blockDim.x) {
+      const uint64_t k = keys_s[i];
+      const int64_t idx = key_index(k);
+      const float ts = to_float(t[idx]) * inv;
+      if (make_key(ts, idx) < thr_t_old) {
+        math::lse_add(tail_t, ts);
+        math::lse_add(tail_s, key_value(k));
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      if (n >= M) {
+        count = int(M);
+        threshold = thr_t_new;
+      }
+      if (n_s >= M) {
+        *count_s = int(M);
+        *threshold_s = thr_s_new;
+      }
+    }
+    __syncthreads();
+  };
+
   for (int64_t tile = 0; tile < V; tile += kTile) {
     // The block decides together whether to compact: every thread reads `count` and
     // `threshold`, then a barrier, and only then may a thread append (atomicAdd on `count`).
@@ -334,10 +603,20 @@ __global__ void __launch_bounds__(kThreads)
     // reports exactly that). The first compaction runs as soon as M candidates exist, so the
     // threshold is high from the second tile on and later tiles admit only a handful.
     const int n_candidates = count;
-    const bool compact_now =
-        n_candidates > kBufCap - kTile || (threshold == 0 && n_candidates >= M);
+    bool compact_now = n_candidates > kBufCap - kTile || (threshold == 0 && n_candidates >= M);
+    [[maybe_unused]] uint64_t thr_s = 0;
+    if constexpr (kUnion) {
+      const int n_s = *count_s;
+      thr_s = *threshold_s;
+      compact_now = compact_now || n_s > kBufCap - kTile || (thr_s == 0 && n_s >= M);
+    }
     __syncthreads();
-    if (compact_now) compact();
+    if constexpr (kUnion) {
+      if (compact_now) compact_union();
+      thr_s = *threshold_s;
+    } else {
+      if (compact_now) compact();
+    }
     const uint64_t thr = threshold;
     const int64_t base = tile + int64_t(threadIdx.x) * kVec;
     if (base < V) {
@@ -350,22 +629,44 @@ __global__ void __launch_bounds__(kThreads)
         if (i < valid) {
           const float ts = tv[i] * inv;
           const uint64_t key = make_key(ts, base + i);
-          if (key > thr) {
-            keys[atomicAdd(&count, 1)] = key;
+          if constexpr (kUnion) {
+            // A candidate of either selection, or a tail entry of both.
+            const float ss = sv[i] * inv;
+            const uint64_t key_s = make_key(ss, base + i);
+            const bool in_t = key > thr;
+            const bool in_s = key_s > thr_s;
+            if (in_t) keys[atomicAdd(&count, 1)] = key;
+            if (in_s) keys_s[atomicAdd(count_s, 1)] = key_s;
+            if (!in_t && !in_s) {
+              math::lse_add(tail_t, ts);
+              math::lse_add(tail_s, ss);
+            }
           } else {
-            math::lse_add(tail_t, ts);
-            math::lse_add(tail_s, sv[i] * inv);
+            if (key > thr) {
+              keys[atomicAdd(&count, 1)] = key;
+            } else {
+              math::lse_add(tail_t, ts);
+              math::lse_add(tail_s, sv[i] * inv);
+            }
           }
         }
       }
     }
     __syncthreads();
   }
-  compact();
+  if constexpr (kUnion) {
+    compact_union();
+  } else {
+    compact();
+  }
 
   tail_s = block_merge(tail_s, lse_scratch);
   tail_t = block_merge(tail_t, lse_scratch);
 
+  if constexpr (kUnion) {
+    finish_union_row(keys, keys_s, s, t, tail_s, tail_t, p, row, tgt);
+    return;
+  }
   // keys[0..M) are the selected entries, best first. Scaled logits of the selection go to the
   // (now free) upper part of the key buffer, reinterpreted as floats.
   float* s_top = reinterpret_cast<float*>(keys + kBufCap / 2);
@@ -377,16 +678,7 @@ __global__ void __launch_bounds__(kThreads)
     s_top[i] = to_float(s[idx]) * inv;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    float lse_s, lse_t;
-    p.kl[row] = math::topk_row_finalize(s_top, t_top, M, tail_s, tail_t, p.reverse, bucket,
-                                        bucket + (M + 1), &lse_s, &lse_t);
-    p.lse[2 * row] = lse_s;
-    p.lse[2 * row + 1] = lse_t;
-    const bool ok = tgt >= 0 && tgt < V;
-    p.slp[row] = ok ? math::log_normalize(to_float(s[tgt]) * inv, lse_s) : NAN;
-    p.tlp[row] = ok ? math::log_normalize(to_float(t[tgt]) * inv, lse_t) : NAN;
-  }
+  if (threadIdx.x == 0) finalize_topm_row(p, row, tgt, s, t, s_top, t_top, tail_s, tail_t);
 }
 
 // ---- backward --------------------------------------------------------------------------------------
@@ -401,16 +693,18 @@ struct BwdParams {
   const float* kl;
   const float* lse;
   const float* bucket;
-  int64_t vocab, top_m, ignore_index;
+  int64_t vocab;
+  int64_t top_m;  // K, the width of ids: M, or 2 M for a union (whose -1 slots are skipped)
+  int64_t ignore_index;
   float inv;
-  bool reverse;
+  math::DivergenceSpec div;
 };
 
 // One side (student or teacher) of a top-M row: x are that side's logits, k its bucket factors
 // (k[M] = tail, see math::bucket_grad_factors), tail_lse the log-sum-exp of that side's tail.
 // Streams the tail formula grad_j = exp(x_j / T - tail_lse) * k[M] / T over the whole row, then
-// rewrites the M selected entries (share 1: no logit read) and the target. Called by the whole
-// block.
+// rewrites the M selected entries (share 1: no logit read; a -1 slot, a union's padding, is
+// skipped) and the target. M here is K, the width of ids. Called by the whole block.
 template <typename T>
 __device__ void bwd_topk_side(const T* x, T* g, int64_t V, int64_t M, const int64_t* ids,
                               const float* k, float tail_lse, float u_lp, int64_t tgt, float inv,
@@ -431,6 +725,7 @@ __device__ void bwd_topk_side(const T* x, T* g, int64_t V, int64_t M, const int6
   for (int64_t i = threadIdx.x; i <= M; i += blockDim.x) {
     if (i < M) {
       const int64_t id = ids[i];
+      if (id < 0) continue;
       g[id] = from_float<T>(math::entry_grad(1.0f, k[i], u_lp, id == tgt, inv));
       continue;
     }
@@ -444,7 +739,35 @@ __device__ void bwd_topk_side(const T* x, T* g, int64_t V, int64_t M, const int6
   }
 }
 
-// Dynamic shared memory: 2 * (M + 1) floats of bucket factors.
+// Full-vocabulary JSD row: KL(P || M) and KL(Q || M) first (full_jsd_kls, a pass), then the
+// gradients (math::bucket_grad_factors_jsd per entry, every entry its own bucket). Whole block.
+template <typename TS, typename TT>
+__device__ void bwd_full_jsd_row(const TS* s, const TT* t, TS* gs, TT* gt, int64_t V, float lse_s,
+                                 float lse_t, float beta, float u_kl, float u_ls, float u_lt,
+                                 int64_t tgt, float inv, bool aligned) {
+  float k_p, k_q;
+  full_jsd_kls(s, t, V, inv, lse_s, lse_t, beta, aligned, &k_p, &k_q);
+  for (int64_t base = int64_t(threadIdx.x) * kVec; base < V; base += kTile) {
+    const int valid = valid_in(V, base);
+    float sv[kVec], tv[kVec], gsv[kVec], gtv[kVec];
+    load8(s + base, valid, aligned, sv);
+    load8(t + base, valid, aligned, tv);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      const float ls = math::log_normalize(sv[i] * inv, lse_s);
+      const float lt = math::log_normalize(tv[i] * inv, lse_t);
+      float ks, kt;
+      math::bucket_grad_factors_jsd(ls, lt, beta, k_p, k_q, u_kl, u_ls, u_lt, &ks, &kt);
+      const bool is_tgt = base + i == tgt;
+      gsv[i] = math::entry_grad(1.0f, ks, u_ls, is_tgt, inv);
+      gtv[i] = math::entry_grad(1.0f, kt, u_lt, is_tgt, inv);
+    }
+    if (gs != nullptr) store8(gs + base, valid, aligned, gsv);
+    if (gt != nullptr) store8(gt + base, valid, aligned, gtv);
+  }
+}
+
+// Dynamic shared memory: 2 * (K + 1) floats of bucket factors (K = p.top_m, the width of ids).
 template <typename TS, typename TT>
 __global__ void __launch_bounds__(kThreads)
     topk_tail_kl_bwd_kernel(const TS* __restrict__ student, const TT* __restrict__ teacher,
@@ -479,7 +802,13 @@ __global__ void __launch_bounds__(kThreads)
   const float u_lt = p.g_lt[row];
   const float inv = p.inv;
 
+  if (M == 0 && p.div.kind == math::kJsd) {
+    bwd_full_jsd_row(s, t, gs, gt, V, lse_s, lse_t, p.div.beta, u_kl, u_ls, u_lt, tgt, inv,
+                     aligned);
+    return;
+  }
   if (M == 0) {
+    const bool reverse = p.div.kind == math::kReverse;
     for (int64_t base = int64_t(threadIdx.x) * kVec; base < V; base += kTile) {
       const int valid = valid_in(V, base);
       float sv[kVec], tv[kVec], gsv[kVec], gtv[kVec];
@@ -490,7 +819,7 @@ __global__ void __launch_bounds__(kThreads)
         const float ls = math::log_normalize(sv[i] * inv, lse_s);
         const float lt = math::log_normalize(tv[i] * inv, lse_t);
         float ks, kt;
-        math::bucket_grad_factors(ls, lt, kl, p.reverse, u_kl, u_ls, u_lt, &ks, &kt);
+        math::bucket_grad_factors(ls, lt, kl, reverse, u_kl, u_ls, u_lt, &ks, &kt);
         const bool is_tgt = base + i == tgt;
         gsv[i] = math::entry_grad(1.0f, ks, u_ls, is_tgt, inv);
         gtv[i] = math::entry_grad(1.0f, kt, u_lt, is_tgt, inv);
@@ -505,8 +834,12 @@ __global__ void __launch_bounds__(kThreads)
   const float* logq = logp + (M + 1);
   float* ks = factors;
   float* kt = factors + (M + 1);
+  // The JSD's factors need KL(P || M) and KL(Q || M) of the row: O(K) from the buckets.
+  float k_p = 0.0f, k_q = 0.0f;
+  if (p.div.kind == math::kJsd) bucket_jsd_kls(logp, logq, M + 1, p.div.beta, &k_p, &k_q);
   for (int64_t b = threadIdx.x; b <= M; b += blockDim.x) {
-    math::bucket_grad_factors(logp[b], logq[b], kl, p.reverse, u_kl, u_ls, u_lt, &ks[b], &kt[b]);
+    math::bucket_grad_factors_div(logp[b], logq[b], kl, p.div, k_p, k_q, u_kl, u_ls, u_lt, &ks[b],
+                                  &kt[b]);
   }
   __syncthreads();
   const int64_t* ids = p.ids + row * M;

@@ -183,10 +183,10 @@ __device__ Lse2 block_merge2(Lse2 st, float2* scratch) {
 // and the next two steps: it is the previous kernel, unchanged for the GPU comparison.)
 __device__ __forceinline__ bool write_ignored_row(const FwdParams& p, int64_t row, int64_t tgt) {
   if (tgt != p.ignore_index) return false;
-  const int64_t M = p.top_m;
-  float* bucket = p.bucket + row * 2 * (M + 1);
-  for (int64_t i = threadIdx.x; i < 2 * (M + 1); i += blockDim.x) bucket[i] = 0.0f;
-  for (int64_t i = threadIdx.x; i < M; i += blockDim.x) p.ids[row * M + i] = 0;
+  const int64_t K = p.width;
+  float* bucket = p.bucket + row * 2 * (K + 1);
+  for (int64_t i = threadIdx.x; i < 2 * (K + 1); i += blockDim.x) bucket[i] = 0.0f;
+  for (int64_t i = threadIdx.x; i < K; i += blockDim.x) p.ids[row * K + i] = 0;
   if (threadIdx.x == 0) {
     p.kl[row] = p.slp[row] = p.tlp[row] = 0.0f;
     p.lse[2 * row] = p.lse[2 * row + 1] = 0.0f;
@@ -202,15 +202,14 @@ __device__ __forceinline__ void write_row(const FwdParams& p, int64_t row, int64
   p.kl[row] = kl;
   p.lse[2 * row] = lse_s;
   p.lse[2 * row + 1] = lse_t;
-  const bool ok = tgt >= 0 && tgt < p.vocab;
-  p.slp[row] = ok ? math::log_normalize(to_float(s[tgt]) * p.inv, lse_s) : NAN;
-  p.tlp[row] = ok ? math::log_normalize(to_float(t[tgt]) * p.inv, lse_t) : NAN;
+  write_target_logprobs(p, row, tgt, s, t, lse_s, lse_t);
 }
 
 // The end of a top-M row: keys[0..M) are the selected entries, best first; tail_s / tail_t the
-// block's merged tails (natural logarithms). Writes the ids, then (thread 0) the buckets and the
-// row's outputs. The selection's scaled logits go to the (now free) upper part of the key
-// buffer, reinterpreted as floats. Called by the whole block.
+// block's merged tails (natural logarithms), all in the kernel's roles (FwdParams::swapped).
+// Writes the ids, then (thread 0) the buckets and the row's outputs (finalize_topm_row). The
+// selection's scaled logits go to the (now free) upper part of the key buffer, reinterpreted as
+// floats. Called by the whole block.
 template <typename TS, typename TT>
 __device__ __forceinline__ void finish_topm_row(uint64_t* keys, const TS* s, const TT* t,
                                                 const math::LseState& tail_s,
@@ -226,13 +225,7 @@ __device__ __forceinline__ void finish_topm_row(uint64_t* keys, const TS* s, con
     s_top[i] = to_float(s[idx]) * p.inv;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    float* bucket = p.bucket + row * 2 * (M + 1);
-    float lse_s, lse_t;
-    const float kl = math::topk_row_finalize(s_top, t_top, M, tail_s, tail_t, p.reverse, bucket,
-                                             bucket + (M + 1), &lse_s, &lse_t);
-    write_row(p, row, tgt, s, t, kl, lse_s, lse_t);
-  }
+  if (threadIdx.x == 0) finalize_topm_row(p, row, tgt, s, t, s_top, t_top, tail_s, tail_t);
 }
 
 // ---- full vocabulary -----------------------------------------------------------------------------
@@ -317,6 +310,7 @@ __device__ void fwd_full_row_v2(const TS* s, const TT* t, bool aligned, const Fw
   __shared__ Full2 scratch[kThreads / 32];
   const int64_t V = p.vocab;
   const float c2 = p.inv * kLog2e;
+  const bool reverse = p.div.kind == math::kReverse;
   Full2 st = full2_empty();
   Raw8<TS> sa, sb;
   Raw8<TT> ta, tb;
@@ -335,7 +329,7 @@ __device__ void fwd_full_row_v2(const TS* s, const TT* t, bool aligned, const Fw
     float sv[kVec], tv[kVec];
     to_floats(s_raw, sv);
     to_floats(t_raw, tv);
-    if (p.reverse) {
+    if (reverse) {
       full2_add_chunk(st, sv, tv, c2);
     } else {
       full2_add_chunk(st, tv, sv, c2);
@@ -359,7 +353,7 @@ __device__ void fwd_full_row_v2(const TS* s, const TT* t, bool aligned, const Fw
     kl = st.a / st.sum_w * kLn2 - logf(st.sum_w) + logf(st.sum_o);
   }
   bucket[0] = bucket[1] = 0.0f;  // the single "bucket" has mass 1 on both sides
-  write_row(p, row, tgt, s, t, kl, p.reverse ? lse_w : lse_o, p.reverse ? lse_o : lse_w);
+  write_row(p, row, tgt, s, t, kl, reverse ? lse_w : lse_o, reverse ? lse_o : lse_w);
 }
 
 struct Tails2 {
@@ -405,6 +399,73 @@ __device__ __noinline__ Tails2 compact_v2(uint64_t* keys, int* count, uint64_t* 
   return tails;
 }
 
+// The union's compaction (support="union"; the rule: v1's compact_union in
+// topk_tail_kl_kernels.cuh): both buffers sorted, each keeps its best M, and a dropped key joins
+// the tails, in chunks of 8 per side as in compact_v2, only when the other selection does not
+// hold its entry (the entry's key in the other row, its logit re-read, below that selection's
+// threshold: the student's after this compaction for the teacher's dropped keys, the teacher's
+// before it for the student's). Not inlined: rare.
+template <typename TS, typename TT>
+__device__ __noinline__ Tails2 compact_union_v2(uint64_t* keys, uint64_t* keys_s, int* count,
+                                                int* count_s, uint64_t* threshold,
+                                                uint64_t* threshold_s, int64_t M, const TS* s,
+                                                const TT* t, float inv, Tails2 tails) {
+  const int n = *count;
+  const int n_s = *count_s;
+  block_sort_desc(keys, n);
+  block_sort_desc(keys_s, n_s);
+  const uint64_t thr_t_old = *threshold;
+  const uint64_t thr_t_new = n >= M ? keys[M - 1] : thr_t_old;
+  const uint64_t thr_s_new = n_s >= M ? keys_s[M - 1] : *threshold_s;
+  constexpr int kPer = kBufCap / kThreads;
+  static_assert(kPer % kVec == 0 && kPer * kThreads >= kBufCap, "every dropped key has a thread");
+#pragma unroll 1
+  for (int side = 0; side < 2; ++side) {
+    // side 0: the teacher's dropped keys (the other row: the student's); side 1: the student's.
+    const uint64_t* buf = side == 0 ? keys : keys_s;
+    const int nb = side == 0 ? n : n_s;
+    const uint64_t other_thr = side == 0 ? thr_s_new : thr_t_old;
+#pragma unroll 1
+    for (int c = 0; c < kPer; c += kVec) {
+      float y_own[kVec], y_other[kVec];
+      float m_own = -INFINITY, m_other = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const int i = int(M) + int(threadIdx.x) + (c + j) * kThreads;
+        float own = -INFINITY, other = -INFINITY;
+        if (i < nb) {
+          const uint64_t k = buf[i];
+          const int64_t idx = key_index(k);
+          const float x = side == 0 ? to_float(s[idx]) * inv : to_float(t[idx]) * inv;
+          if (make_key(x, idx) < other_thr) {
+            own = key_value(k);
+            other = x;
+          }
+        }
+        y_own[j] = own * kLog2e;
+        y_other[j] = other * kLog2e;
+        m_own = fmaxf(m_own, y_own[j]);
+        m_other = fmaxf(m_other, y_other[j]);
+      }
+      lse2_add_values(side == 0 ? tails.t : tails.s, y_own, m_own);
+      lse2_add_values(side == 0 ? tails.s : tails.t, y_other, m_other);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (n >= M) {
+      *count = int(M);
+      *threshold = thr_t_new;
+    }
+    if (n_s >= M) {
+      *count_s = int(M);
+      *threshold_s = thr_s_new;
+    }
+  }
+  __syncthreads();
+  return tails;
+}
+
 // Full-vocabulary mode (top_m == 0), a kernel of its own so that its registers do not count
 // against the top-M kernel's occupancy. No dynamic shared memory.
 template <typename TS, typename TT>
@@ -419,12 +480,98 @@ __global__ void __launch_bounds__(kThreads)
   fwd_full_row_v2(s, t, is_aligned16(s) && is_aligned16(t), p, row, tgt, p.bucket + row * 2);
 }
 
+// One entry's KL(P || M) and KL(Q || M) terms (natural logarithms) from its log-probabilities
+// ls, lt: math::jsd_log_mixture and kl_to_mixture_term with the exponentials on MUFU.EX2
+// (fast_exp2) and log1pf for the mixture. l1mb = log(1 - beta), lb = log(beta).
+__device__ __forceinline__ void jsd_terms_fast(float ls, float lt, float l1mb, float lb,
+                                               float& kp, float& kq) {
+  const float a = ls + l1mb;  // log (1 - beta) P_j
+  const float b = lt + lb;    // log beta Q_j
+  const float hi = fmaxf(a, b);
+  // log M_j = hi + log1p(e^(lo - hi)); NaN where both sides are -inf, whose terms are 0 below.
+  const float lm = hi + log1pf(fast_exp2((fminf(a, b) - hi) * kLog2e));
+  kp += ls == -INFINITY ? 0.0f : fast_exp2(ls * kLog2e) * (ls - lm);
+  kq += lt == -INFINITY ? 0.0f : fast_exp2(lt * kLog2e) * (lt - lm);
+}
+
+// Full vocabulary with the generalized JSD (top_m == 0, divergence="jsd"), a kernel of its own
+// (the KLs' keeps its registers). Its terms need both log-sum-exps, so two passes over the row:
+// the log-sum-exps in base 2 (lse2_add_chunk per side: one FFMA + MUFU.EX2 per entry and side),
+// then the terms (jsd_terms_fast: three MUFU.EX2 and a log1pf per entry). No dynamic shared
+// memory.
+template <typename TS, typename TT>
+__global__ void __launch_bounds__(kThreads)
+    topk_tail_kl_fwd_full_jsd_kernel_v2(const TS* __restrict__ student,
+                                        const TT* __restrict__ teacher, FwdParams p) {
+  __shared__ float2 scratch[kThreads / 32];
+  const int64_t row = blockIdx.x;
+  const int64_t tgt = p.target[row];
+  if (write_ignored_row(p, row, tgt)) return;
+  const TS* s = student + p.s_layout.offset(row);
+  const TT* t = teacher + p.t_layout.offset(row);
+  const bool aligned = is_aligned16(s) && is_aligned16(t);
+  const int64_t V = p.vocab;
+  const float inv = p.inv;
+  const float c2 = inv * kLog2e;
+  auto load = [&](int64_t base, float (&sv)[kVec], float (&tv)[kVec]) {
+    const int valid = valid_in(V, base);  // past the row: -inf (no mass, terms 0)
+    Raw8<TS> s_raw;
+    Raw8<TT> t_raw;
+    load_raw8(s + base, valid, aligned, s_raw);
+    load_raw8(t + base, valid, aligned, t_raw);
+    to_floats(s_raw, sv);
+    to_floats(t_raw, tv);
+  };
+  Lse2 st_s = lse2_empty();
+  Lse2 st_t = lse2_empty();
+  for (int64_t base = int64_t(threadIdx.x) * kVec; base < V; base += kTile) {
+    float sv[kVec], tv[kVec];
+    load(base, sv, tv);
+    float ms = sv[0], mt = tv[0];
+#pragma unroll
+    for (int i = 1; i < kVec; ++i) {
+      ms = fmaxf(ms, sv[i]);
+      mt = fmaxf(mt, tv[i]);
+    }
+    lse2_add_chunk(st_s, sv, ms, c2);
+    lse2_add_chunk(st_t, tv, mt, c2);
+  }
+  const float lse_s = lse2_value(block_merge2(st_s, scratch));
+  const float lse_t = lse2_value(block_merge2(st_t, scratch));
+  const float beta = p.div.beta;
+  const float l1mb = log1pf(-beta);
+  const float lb = logf(beta);
+  float kp = 0.0f, kq = 0.0f;
+  for (int64_t base = int64_t(threadIdx.x) * kVec; base < V; base += kTile) {
+    float sv[kVec], tv[kVec];
+    load(base, sv, tv);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      jsd_terms_fast(math::log_normalize(sv[i] * inv, lse_s),
+                     math::log_normalize(tv[i] * inv, lse_t), l1mb, lb, kp, kq);
+    }
+  }
+  block_sum2(kp, kq, scratch);
+  if (threadIdx.x != 0) return;
+  p.bucket[row * 2] = p.bucket[row * 2 + 1] = 0.0f;  // the single "bucket": mass 1 on both sides
+  write_row(p, row, tgt, s, t, beta * kq + (1.0f - beta) * kp, lse_s, lse_t);
+}
+
 // ---- top-M -----------------------------------------------------------------------------------------
 
 // top_m >= 1. Dynamic shared memory: kSortCap uint64 keys. Three blocks per SM (24 warps, up
 // to 85 registers): ptxas left to itself capped some instances at 64 registers with spills.
-template <typename TS, typename TT>
-__global__ void __launch_bounds__(kThreads)
+// support="student": the same instance, rows swapped by the launcher (FwdParams::swapped).
+// support="union" (kUnion): kUnionSmemBytes of dynamic shared memory (the student's buffer, its
+// count and threshold after the teacher's buffer); each entry is tested against both thresholds
+// (raw logits first, as for the teacher alone), a candidate of either selection is masked out of
+// both tails, and the compaction is compact_union_v2. Its launch bounds ask for 2 blocks per SM
+// (up to 128 registers; it takes 116-120): left to itself ptxas capped the float instance at 64
+// registers with spills, and at 3 blocks (80 registers) all but the bf16 one spill. 2 blocks is
+// also what sm_80's shared memory holds of its 64 KB. A minimum of 0 leaves the teacher's instances
+// exactly as they were (same registers and SASS as without the bound).
+template <typename TS, typename TT, bool kUnion = false>
+__global__ void __launch_bounds__(kThreads, kUnion ? 2 : 0)
     topk_tail_kl_fwd_kernel_v2(const TS* __restrict__ student, const TT* __restrict__ teacher,
                                FwdParams p) {
   LOPD_EXTERN_SHARED(uint64_t, keys);
@@ -448,14 +595,28 @@ __global__ void __launch_bounds__(kThreads)
   const float c2 = inv * kLog2e;
   Lse2 tail_s = lse2_empty();
   Lse2 tail_t = lse2_empty();
+  // The union's student buffer, with its count and threshold after it.
+  [[maybe_unused]] uint64_t* keys_s = keys + kSortCap;
+  [[maybe_unused]] int* count_s = reinterpret_cast<int*>(keys + 2 * kSortCap);
+  [[maybe_unused]] uint64_t* threshold_s = keys + 2 * kSortCap + 1;
   if (threadIdx.x == 0) {
     count = 0;
     threshold = 0;  // below every real key: everything is a candidate until M are kept
+    if constexpr (kUnion) {
+      *count_s = 0;
+      *threshold_s = 0;
+    }
   }
   __syncthreads();
 
   auto compact = [&]() {
-    const Tails2 tails = compact_v2(keys, &count, &threshold, M, s, c2, Tails2{tail_s, tail_t});
+    Tails2 tails;
+    if constexpr (kUnion) {
+      tails = compact_union_v2(keys, keys_s, &count, count_s, &threshold, threshold_s, M, s, t,
+                               inv, Tails2{tail_s, tail_t});
+    } else {
+      tails = compact_v2(keys, &count, &threshold, M, s, c2, Tails2{tail_s, tail_t});
+    }
     tail_s = tails.s;
     tail_t = tails.t;
   };
@@ -504,6 +665,54 @@ __global__ void __launch_bounds__(kThreads)
     lse2_add_chunk(tail_s, x, x_max, c2);
   };
 
+  // The union's tile: both rows' 8 entries converted at once (a candidate of either selection
+  // leaves both tails), then as `process` per side.
+  auto process_union = [&](auto full_tag, uint32_t base, int valid, const Raw8<TS>& s_raw,
+                           const Raw8<TT>& t_raw, uint64_t thr, float thr_value, float thr_raw,
+                           uint64_t thr_s, float thr_s_value, float thr_s_raw) {
+    constexpr bool kFull = decltype(full_tag)::value;
+    float x[kVec], y[kVec];
+    to_floats(t_raw, x);
+    to_floats(s_raw, y);
+    bool any = false;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      any |= (kFull || i < valid) && (x[i] >= thr_raw || y[i] >= thr_s_raw);
+    }
+    if (any) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        if (!(kFull || i < valid)) continue;
+        const float ts = x[i] * inv;
+        const float ss = y[i] * inv;
+        bool held = false;
+        if (ts >= thr_value) {
+          const uint64_t key = make_key(ts, base + i);
+          if (key > thr) {
+            keys[atomicAdd(&count, 1)] = key;
+            held = true;
+          }
+        }
+        if (ss >= thr_s_value) {
+          const uint64_t key = make_key(ss, base + i);
+          if (key > thr_s) {
+            keys_s[atomicAdd(count_s, 1)] = key;
+            held = true;
+          }
+        }
+        if (held) x[i] = y[i] = -INFINITY;
+      }
+    }
+    float x_max = -INFINITY, y_max = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      x_max = fmaxf(x_max, x[i]);
+      y_max = fmaxf(y_max, y[i]);
+    }
+    lse2_add_chunk(tail_t, x, x_max, c2);
+    lse2_add_chunk(tail_s, y, y_max, c2);
+  };
+
   auto load = [&](uint32_t tile, Raw8<TS>& sv, Raw8<TT>& tv) {
     const uint32_t base = tile + threadIdx.x * kVec;
     // Past the row: -inf, never admitted (the partial tile checks bounds).
@@ -521,8 +730,11 @@ __global__ void __launch_bounds__(kThreads)
                   Raw8<TS>& sn, Raw8<TT>& tn) {
     constexpr bool kFull = decltype(full_tag)::value;
     const int n_candidates = count;
-    const bool compact_now =
-        n_candidates > kBufCap - kTile || (threshold == 0 && n_candidates >= M);
+    bool compact_now = n_candidates > kBufCap - kTile || (threshold == 0 && n_candidates >= M);
+    if constexpr (kUnion) {
+      const int n_s = *count_s;
+      compact_now = compact_now || n_s > kBufCap - kTile || (*threshold_s == 0 && n_s >= M);
+    }
     __syncthreads();
     if (compact_now) compact();
     const uint64_t thr = threshold;
@@ -539,7 +751,17 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (kFull) {
       load(tile + kTile, sn, tn);  // past the row: nothing is read
     }
-    if constexpr (kFull) {
+    if constexpr (kUnion) {
+      // The student's selection: the same bounds on its own threshold.
+      const uint64_t thr_s = *threshold_s;
+      const float thr_s_value = thr_s == 0 ? -INFINITY : key_value(thr_s);
+      const float thr_s_div = thr_s_value * temperature;
+      const float thr_s_raw = thr_s_div - fabsf(thr_s_div) * 0x1p-20f - FLT_MIN;
+      if (kFull || base < V32) {
+        process_union(full_tag, base, kFull ? kVec : valid_in(V32, base), s_raw, t_raw, thr,
+                      thr_value, thr_raw, thr_s, thr_s_value, thr_s_raw);
+      }
+    } else if constexpr (kFull) {
       process(std::true_type{}, base, kVec, s_raw, t_raw, thr, thr_value, thr_raw);
     } else {
       if (base < V32) {
@@ -570,7 +792,12 @@ __global__ void __launch_bounds__(kThreads)
   tail_s = block_merge2(tail_s, lse_scratch);
   tail_t = block_merge2(tail_t, lse_scratch);
 
-  finish_topm_row(keys, s, t, lse2_to_natural(tail_s), lse2_to_natural(tail_t), p, row, tgt);
+  if constexpr (kUnion) {
+    finish_union_row(keys, keys_s, s, t, lse2_to_natural(tail_s), lse2_to_natural(tail_t), p, row,
+                     tgt);
+  } else {
+    finish_topm_row(keys, s, t, lse2_to_natural(tail_s), lse2_to_natural(tail_t), p, row, tgt);
+  }
 }
 
 }  // namespace

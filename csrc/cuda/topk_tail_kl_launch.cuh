@@ -1,6 +1,13 @@
 // Host side of lopd::topk_tail_kl_cuda_fwd / _bwd (schemas: csrc/common/schemas.h): argument
 // checks, output allocation, the dtype dispatch and the launches of the kernels of
 // topk_tail_kl_kernels.cuh (v1 forward, backward) and topk_tail_kl_kernels_v2.cuh (v2 forward).
+// Which forward kernel runs for which option (top-M; the full vocabulary ignores the support):
+//   support="teacher": the top-M kernel <TS, TT> on (student, teacher);
+//   support="student": the same kernel with the rows swapped, <TT, TS> on (teacher, student)
+//                      (FwdParams::swapped: it selects on its second row, the student's);
+//   support="union":   the top-M kernel's instance <TS, TT, kUnion = true> (two selections);
+//   full vocabulary:   v1's kernel (the JSD: two passes inside it); v2's full kernel, or
+//                      topk_tail_kl_fwd_full_jsd_kernel_v2 for the JSD.
 // Included by csrc/cuda/topk_tail_kl.cu (nvcc) and csrc/emu/topk_tail_kl_emu.cpp (g++, the SIMT
 // emulator).
 #pragma once
@@ -65,17 +72,16 @@ topk_tail_kl_fwd_cuda(const at::Tensor& student_logits, const at::Tensor& teache
                          LOPD_SIMT_DEVICE_TYPE, LOPD_SIMT_BACKEND);
   const checks::DivergenceSpec div = checks::parse_divergence(divergence, beta);
   const checks::Support sup = top_m == 0 ? checks::kSupportTeacher : checks::parse_support(support);
-  checks::check_kernel_has(sup == checks::kSupportTeacher, LOPD_SIMT_BACKEND,
-                           "support='student' / 'union'");
-  checks::check_kernel_has(div.kind != checks::kJsd, LOPD_SIMT_BACKEND, "divergence='jsd'");
-  const bool reverse = div.kind == checks::kReverse;
+  const int64_t width = checks::support_width(top_m, sup);
+  const bool on_union = sup == checks::kSupportUnion;
+  const bool swapped = sup == checks::kSupportStudent;
   const int64_t n = checks::rows_of(student_logits);
   const int64_t v = student_logits.size(-1);
   // The v2 forward indexes within a row in 32 bits (with room for a tile past the end).
   TORCH_CHECK(v < (int64_t(1) << 31), "topk_tail_kl (" LOPD_SIMT_BACKEND "): V must be < 2^31, got ",
               v);
   TORCH_CHECK(top_m <= kMaxTopM, "topk_tail_kl (" LOPD_SIMT_BACKEND "): top_m must be <= ", kMaxTopM, ", got ",
-              top_m, " (use top_m=None for the full vocabulary)");
+              top_m, " (use top_m=None for the full vocabulary)");  // a union: 2 top_m ids
   LOPD_DEVICE_GUARD(student_logits.device());
   // Rows are read in place wherever they start (a [B, L, V] view such as logits[:, :-1], rows
   // of any stride); only a vocabulary axis that is not dense is copied.
@@ -83,22 +89,33 @@ topk_tail_kl_fwd_cuda(const at::Tensor& student_logits, const at::Tensor& teache
   const at::Tensor t = checks::dense_vocab(teacher_logits);
   const at::Tensor tgt = target_ids.contiguous();
   const bool v2 = fwd_variant_is_v2();
-  auto [kl, slp, tlp, ids, lse, bucket] = checks::empty_fwd_outputs(n, top_m, s.options());
+  auto [kl, slp, tlp, ids, lse, bucket] = checks::empty_fwd_outputs(n, width, s.options());
   if (n > 0) {
-    FwdParams prm{checks::row_layout(s), checks::row_layout(t), tgt.data_ptr<int64_t>(),
-                  kl.data_ptr<float>(), slp.data_ptr<float>(),
+    // support="student": the kernel's rows are (teacher, student), see FwdParams.
+    FwdParams prm{swapped ? checks::row_layout(t) : checks::row_layout(s),
+                  swapped ? checks::row_layout(s) : checks::row_layout(t),
+                  tgt.data_ptr<int64_t>(), kl.data_ptr<float>(), slp.data_ptr<float>(),
                   tlp.data_ptr<float>(), ids.data_ptr<int64_t>(), lse.data_ptr<float>(),
-                  bucket.data_ptr<float>(), n, v, top_m, ignore_index,
-                  checks::checked_inv_temperature(temperature), reverse};
-    const size_t smem = top_m > 0 ? kSortCap * sizeof(uint64_t) : 0;
+                  bucket.data_ptr<float>(), n, v, top_m, ignore_index, width,
+                  checks::checked_inv_temperature(temperature), div, swapped};
+    const size_t smem = top_m == 0 ? 0 : on_union ? kUnionSmemBytes : kSortCap * sizeof(uint64_t);
     dispatch_pair(s.scalar_type(), t.scalar_type(), [&](auto s_tag, auto t_tag) {
       using TS = decltype(s_tag);
       using TT = decltype(t_tag);
-      auto kernel = !v2        ? topk_tail_kl_fwd_kernel<TS, TT>
+      const TS* s_ptr = reinterpret_cast<const TS*>(s.data_ptr());
+      const TT* t_ptr = reinterpret_cast<const TT*>(t.data_ptr());
+      if (swapped) {
+        auto kernel = v2 ? topk_tail_kl_fwd_kernel_v2<TT, TS> : topk_tail_kl_fwd_kernel<TT, TS>;
+        LOPD_LAUNCH(kernel, unsigned(n), kThreads, smem, t_ptr, s_ptr, prm);
+        return;
+      }
+      auto kernel = on_union ? (v2 ? topk_tail_kl_fwd_kernel_v2<TS, TT, true>
+                                   : topk_tail_kl_fwd_kernel<TS, TT, true>)
+                    : !v2     ? topk_tail_kl_fwd_kernel<TS, TT>
                     : top_m > 0 ? topk_tail_kl_fwd_kernel_v2<TS, TT>
-                                : topk_tail_kl_fwd_full_kernel_v2<TS, TT>;
-      LOPD_LAUNCH(kernel, unsigned(n), kThreads, smem, reinterpret_cast<const TS*>(s.data_ptr()),
-                  reinterpret_cast<const TT*>(t.data_ptr()), prm);
+                    : div.kind == checks::kJsd ? topk_tail_kl_fwd_full_jsd_kernel_v2<TS, TT>
+                                               : topk_tail_kl_fwd_full_kernel_v2<TS, TT>;
+      LOPD_LAUNCH(kernel, unsigned(n), kThreads, smem, s_ptr, t_ptr, prm);
     });
   }
   return {kl, slp, tlp, ids, lse, bucket};
@@ -115,8 +132,6 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cuda(
       grad_kl, grad_student_logprob, grad_teacher_logprob, student_logits, teacher_logits,
       target_ids, topk_ids, kl, lse, bucket_logp, LOPD_SIMT_DEVICE_TYPE, LOPD_SIMT_BACKEND);
   const checks::DivergenceSpec div = checks::parse_divergence(divergence, beta);
-  checks::check_kernel_has(div.kind != checks::kJsd, LOPD_SIMT_BACKEND, "divergence='jsd'");
-  const bool reverse = div.kind == checks::kReverse;
   const auto dev = student_logits.device();
   const int64_t n = checks::rows_of(student_logits);
   const int64_t v = student_logits.size(-1);
@@ -135,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor> topk_tail_kl_bwd_cuda(
                   g_ls.data_ptr<float>(), g_lt.data_ptr<float>(),
                   tgt.data_ptr<int64_t>(), ids.data_ptr<int64_t>(), kl_c.data_ptr<float>(),
                   lse_c.data_ptr<float>(), bucket.data_ptr<float>(), v, m, ignore_index,
-                  checks::checked_inv_temperature(temperature), reverse};
+                  checks::checked_inv_temperature(temperature), div};
     const size_t smem = 2 * (m + 1) * sizeof(float);
     dispatch_pair(s.scalar_type(), t.scalar_type(), [&](auto s_tag, auto t_tag) {
       using TS = decltype(s_tag);
