@@ -26,7 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lopd_kernels.triton.fused_linear_topk_tail_kl_kernels import _bwd_side, _logit_tile
+from lopd_kernels.triton.fused_linear_topk_tail_kl_kernels import _logit_tile
+from lopd_kernels.triton.fused_linear_topk_tail_kl_kernels_bwd import _bwd_side
 
 
 @triton.jit
