@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from lopd.config.presets import PRESETS
@@ -16,6 +17,7 @@ from lopd.run.memory_prediction import (
     CONTEXT_BYTES,
     GIB,
     MODELS,
+    TOPM_BLOCK_BYTES,
     ModelShape,
     RunSetting,
     fits,
@@ -83,6 +85,12 @@ def test_phases_by_hand_with_and_without_fsdp():
     assert pred.rollout_sequences(CONTEXT_BYTES + pred.rollout_state + 3 * kv) == 3
 
 
+def test_kernel_budget_is_the_chunked_paths_gpu_cap():
+    from lopd_kernels.fused_linear_topk_tail_kl_chunked import _CHUNK_BUDGET_CAP
+
+    assert _CHUNK_BUDGET_CAP["cuda"] == TOPM_BLOCK_BYTES
+
+
 def test_fits_keeps_the_context_and_a_tenth():
     cap = 12 * GIB
     assert fits(9 * GIB, cap) == "yes"  # 9 <= 0.9 * 10
@@ -113,11 +121,7 @@ def _saved_bytes(model: torch.nn.Module, tokens: int, trained: bool, mixed: bool
     return total
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["float32", "bf16-autocast"])
-@pytest.mark.parametrize("trained", [True, False], ids=["trained", "frozen"])
-def test_per_token_counts_equal_what_autograd_saves_in_a_qwen3(trained, mixed):
-    """Per token (the difference of two lengths: the autocast weight copies cancel), the count
-    is exact for a Hugging Face Qwen3 with SDPA attention on CPU."""
+def _tiny_qwen3() -> tuple[ModelShape, Qwen3ForCausalLM]:
     torch.manual_seed(0)
     shape = ModelShape(3, 64, 160, 4, 2, 16, vocab=128)
     config = Qwen3Config(
@@ -131,12 +135,65 @@ def test_per_token_counts_equal_what_autograd_saves_in_a_qwen3(trained, mixed):
         tie_word_embeddings=True,
         attn_implementation="sdpa",
     )
-    model = Qwen3ForCausalLM(config)
+    return shape, Qwen3ForCausalLM(config)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("trained", [True, False], ids=["trained", "frozen"])
+def test_per_token_counts_equal_what_autograd_saves_in_a_qwen3(trained, mixed):
+    """Per token (the difference of two lengths: the autocast weight copies cancel), the count
+    is exact for a Hugging Face Qwen3 with SDPA attention on CPU."""
+    shape, model = _tiny_qwen3()
     if mixed and not trained:
         model = model.to(torch.bfloat16)  # the frozen backbone is stored in bf16
     measured = _saved_bytes(model, 96, trained, mixed) - _saved_bytes(model, 48, trained, mixed)
     predicted = shape.forward_bytes(96, trained, mixed) - shape.forward_bytes(48, trained, mixed)
     assert measured == predicted
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["float32", "bf16-autocast"])
+def test_encoder_counts_equal_what_autograd_saves_with_lora(mixed):
+    """The composer's encoder: a frozen backbone with float32 LoRA on the seven projections.
+    Exact but for the first layer's input norm (its input needs no gradient: 4d + 4 bytes per
+    token fewer than counted)."""
+    shape, model = _tiny_qwen3()
+    if mixed:
+        model = model.to(torch.bfloat16)
+    model.requires_grad_(False)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    for name, p in peft_model.named_parameters():
+        if "lora" in name:
+            p.data = p.data.float()  # phi is float32 master weights
+    base = peft_model.get_base_model()
+    params = {p.untyped_storage().data_ptr() for p in peft_model.parameters()}
+
+    def saved(tokens: int) -> int:
+        seen: set[int] = set()
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            key = t.untyped_storage().data_ptr()
+            if key not in seen and key not in params:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+            return t
+
+        ids = torch.randint(0, 128, (1, tokens))
+        autocast = (
+            torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
+        )
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            base.model(input_ids=ids)
+        return total
+
+    def counted(tokens: int) -> int:
+        frozen = shape.forward_bytes(tokens, False, mixed)
+        lora = shape.encoder_layer_bytes(mixed, 8) - shape.frozen_layer_bytes(mixed)
+        return frozen + tokens * (shape.layers * lora - (4 * shape.hidden + 4))
+
+    assert saved(96) - saved(48) == counted(96) - counted(48)
 
 
 def test_standin_weights_grads_adamw_match_the_measured_expected_columns():

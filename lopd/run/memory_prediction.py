@@ -196,13 +196,16 @@ class ModelShape:
         return tokens * (self.layers * layer + final + rope)
 
     def encoder_layer_bytes(self, mixed: bool, lora_r: int) -> int:
-        """A frozen layer plus what its LoRA adapters save: the inputs of the attention and MLP
-        adapters (one storage each), the down projection's input, the seven ``r``-wide
-        intermediates: the composer's encoder."""
-        b = 2 if mixed else 4
-        return self.frozen_layer_bytes(mixed) + b * (
-            2 * self.hidden + self.intermediate + 7 * lora_r
-        )
+        """A frozen layer plus what its seven LoRA adapters save (the composer's encoder): each
+        adapter's input and its ``r``-wide intermediate. Under autocast every adapter saves its
+        own bf16 cast of its input (q, k, v, gate, up: 5d; o: q; down: i); in float32 q/k/v and
+        gate/up share their input (2d), o's is attention's saved output, down's the MLP product.
+        """
+        if mixed:
+            extra = 2 * (5 * self.hidden + self.q_dim + self.intermediate + 7 * lora_r)
+        else:
+            extra = 4 * (2 * self.hidden + self.intermediate + 7 * lora_r)
+        return self.frozen_layer_bytes(mixed) + extra
 
     def kv_cache_bytes_per_token(self) -> int:
         """bf16 keys and values of every layer, one token."""
