@@ -33,9 +33,11 @@ What is counted (the code paths as they are, ``lopd/models/loading.py``,
   master weights stays float32), the bf16 casts of its projections' inputs, the float32 q/k
   norms, attention's q, k, v, output and log-sum-exp, and the MLP's gate, activation, up and
   product; a frozen layer (gradient to its input only) saves no projection inputs.
+  Both counts equal what autograd saves in a Hugging Face Qwen3 layer (SDPA, CPU; the tests).
   ``model.gradient_checkpointing`` recomputes the **student** per layer: it keeps one float32
-  ``[tokens, d]`` boundary per layer (plus the embedding output) and one layer's activations
-  while recomputing. The **teacher** forward is checkpointed as a whole
+  ``[tokens, d]`` boundary per layer (its input; the first is the embedding output) plus the
+  final hidden states, and one layer's activations while recomputing. The **teacher** forward
+  is checkpointed as a whole
   (``teacher_action_hidden(checkpointed=True)``): nothing is kept in the forward, but its
   recompute in the backward saves every layer's activations at once (the backbone has no
   per-layer checkpointing); ``teacher_layer_checkpointing=True`` predicts the variant that
@@ -52,7 +54,7 @@ What is counted (the code paths as they are, ``lopd/models/loading.py``,
   until the forward's autocast region ends (2 B/parameter during the forward); under FSDP2 the
   gathered parameters are bf16 already.
 * **Rollouts** (HF engine) need a KV cache of ``layers * 2 * kv_heads * head_dim * 2`` bytes per
-  token of every sequence generated together; :attr:`Prediction.rollout_sequences` is how many
+  token of every sequence generated together; :meth:`Prediction.rollout_sequences` is how many
   full-length sequences fit beside the step's persistent state (FSDP2 generation gathers the
   whole student in bf16 first). vLLM instead takes ``gen.vllm_gpu_memory_utilization`` of the GPU.
 
