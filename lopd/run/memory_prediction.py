@@ -1,0 +1,552 @@
+"""Predicted per-GPU peak memory of a LOPD run, per phase, from the model's shape and the config.
+
+    python -m lopd.run.memory_prediction                      # the paper preset, Qwen3-0.6B/4B/8B
+    python -m lopd.run.memory_prediction --tokens 8192 --models qwen3-4b
+
+The same account as :mod:`lopd.run.memory_account` (weights, gradients, AdamW, saved
+activations, the LM-head kernels' working set), counted from shapes instead of measured, for
+the phases of a run on one GPU (``world=1``; DDP replicas hold the same) or per rank of
+``model.parallel=fsdp2`` over ``world`` GPUs. All sizes in bytes.
+
+What is counted (the code paths as they are, ``lopd/models/loading.py``,
+``lopd/latent/teacher.py``, ``lopd/latent/composer.py``, ``lopd/methods/lopd.py``,
+``lopd/parallel/fsdp.py``):
+
+* **Weights.** ``model.dtype=bfloat16`` (the paper preset): the student is float32 master
+  weights (4 B/parameter), the frozen backbone (teacher, encoder base, embedder: one copy) bf16
+  (2 B), phi (the encoder's LoRA on the seven projections of every layer, and the QFormer,
+  layers shared) float32. ``float32`` (CPU stand-ins): 4 B everywhere.
+* **Gradients and AdamW.** During a step the student's float32 gradients (4 B) and AdamW's two
+  moments (8 B) per parameter, and the same for phi; the cold start trains phi alone with its
+  own AdamW (freed with it).
+* **FSDP2** over ``world`` GPUs: the student's master weights, gradients and AdamW, and the
+  backbone's decoder layers, are ``1/world`` per rank; the backbone's root (embedding, norm,
+  head) stays gathered in bf16 on every rank; during the student's forward-backward its root
+  is gathered in bf16 (``MixedPrecisionPolicy``), and at any time two decoder layers are
+  gathered in bf16 (the current one and the prefetched one) plus one layer's unsharded float32
+  gradient before its reduce-scatter. Models are loaded whole on every rank and the backbone is
+  sharded only after the cold start, so ``load`` and ``cold start`` hold the unsharded backbone.
+  phi is counted replicated (its LoRA is in fact sharded: a small overestimate).
+* **Saved activations.** Per token per decoder layer, counted tensor by tensor
+  (:meth:`ModelShape.trained_layer_bytes`, :meth:`ModelShape.frozen_layer_bytes`): a trained
+  layer under bf16 autocast saves its RMSNorm outputs in float32 (the residual stream of float32
+  master weights stays float32), the bf16 casts of its projections' inputs, the float32 q/k
+  norms, attention's q, k, v, output and log-sum-exp, and the MLP's gate, activation, up and
+  product; a frozen layer (gradient to its input only) saves no projection inputs.
+  Both counts equal what autograd saves in a Hugging Face Qwen3 layer (SDPA, CPU; the tests).
+  ``model.gradient_checkpointing`` recomputes the **student** per layer: it keeps one float32
+  ``[tokens, d]`` boundary per layer (its input; the first is the embedding output) plus the
+  final hidden states, and one layer's activations while recomputing. The **teacher** forward
+  is checkpointed as a whole
+  (``teacher_action_hidden(checkpointed=True)``): nothing is kept in the forward, but its
+  recompute in the backward saves every layer's activations at once (the backbone has no
+  per-layer checkpointing); ``teacher_layer_checkpointing=True`` predicts the variant that
+  would. The **encoder** (``J`` retrieved experiences of ``max_encoder_tokens``, padded, per
+  task, LoRA trained) is not checkpointed: its activations stay saved until the backward.
+* **LM-head kernels.** The cold start's :func:`lopd_kernels.fused_linear_logprob` (frozen head,
+  hidden states need the gradient): :func:`lopd.run.memory_account.lm_head_bytes` on CUDA.
+  The step's fused top-M op on CUDA (chunked path): its ``[C, V]`` float32 blocks capped at
+  512 MiB (the GPU cap of ``auto_chunk_rows``, reached when a quarter of the free memory exceeds
+  it), the float32 ``[V, d]`` weight-gradient accumulator of the student's head, the float32
+  ``[N, d]`` hidden-state gradients of both models, and (without FSDP2) the bf16 copies of the
+  student's head and hidden states that the kernels read.
+* **Autocast.** Without FSDP2, autocast caches the bf16 copy of every student weight it casts
+  until the forward's autocast region ends (2 B/parameter during the forward); under FSDP2 the
+  gathered parameters are bf16 already.
+* **Rollouts** (HF engine) need a KV cache of ``layers * 2 * kv_heads * head_dim * 2`` bytes per
+  token of every sequence generated together; :meth:`Prediction.rollout_sequences` is how many
+  full-length sequences fit beside the step's persistent state (FSDP2 generation gathers the
+  whole student in bf16 first). vLLM instead takes ``gen.vllm_gpu_memory_utilization`` of the GPU.
+
+Assumptions: every trajectory is ``tokens`` long (student and teacher sequences alike; the
+paper preset caps trajectories at ``gen.max_total_tokens`` = 40,448 so that the framed teacher
+sequence fits 40,960), every token of it is scored (``action_tokens = tokens``, an upper
+bound), micro-batches of ``lopd.micro_batch`` trajectories, ``cold_start.batch_size / world``
+trajectories per rank in one cold-start forward, flash/SDPA attention (no ``[L, L]`` scores),
+the student's backward and the teacher's recompute not overlapping but the student's
+checkpoint boundaries alive during the teacher's recompute (the order autograd picks can only
+lower the peak). Not counted: the CUDA context, NCCL and cuBLAS workspaces (``fits`` keeps
+:data:`CONTEXT_BYTES` for them), allocator fragmentation, the bank's embedding index (CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from lopd.config import Config
+from lopd.config.presets import PRESETS
+from lopd.run.memory_account import lm_head_bytes
+from lopd_kernels.qformer import QFormerCompressor
+
+__all__ = [
+    "CONTEXT_BYTES",
+    "GPUS",
+    "MODELS",
+    "ModelShape",
+    "Prediction",
+    "RunSetting",
+    "fits",
+    "markdown_table",
+    "predict",
+]
+
+GIB = 2**30
+#: Top-M chunk blocks on a GPU: ``_CHUNK_BUDGET_CAP["cuda"]`` of the chunked path.
+TOPM_BLOCK_BYTES = 512 << 20
+#: Kept free for what PyTorch's allocator does not see: CUDA context, NCCL, cuBLAS workspaces.
+CONTEXT_BYTES = 2 * GIB
+#: GPU memory as ``nvidia-smi`` reports it: H100 80GB 81,559 MiB, H200 143,771 MiB.
+GPUS: dict[str, int] = {"80 GB": 81_559 << 20, "141 GB": 143_771 << 20}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Qwen3-style decoder (Hugging Face config names in the comments).
+
+    Attributes:
+        layers (num_hidden_layers), hidden (hidden_size), intermediate (intermediate_size),
+        heads (num_attention_heads), kv_heads (num_key_value_heads), head_dim: the decoder.
+        vocab: embedding / LM-head rows. tied: tie_word_embeddings.
+    """
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int = 151_936
+    tied: bool = True
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        """One decoder layer: q, k, v, o, the q/k norms, the MLP, two RMSNorms."""
+        d = self.hidden
+        attn = 2 * d * self.q_dim + 2 * d * self.kv_dim + 2 * self.head_dim
+        return attn + 3 * d * self.intermediate + 2 * d
+
+    def root_params(self) -> int:
+        """Embedding, LM head (when not tied) and the final norm."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def params(self) -> int:
+        return self.layers * self.layer_params() + self.root_params()
+
+    def lora_params(self, r: int) -> int:
+        """LoRA of rank ``r`` on q, k, v, o, gate, up, down of every layer."""
+        d, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        per_layer = (d + q) * 2 + (d + kv) * 2 + (d + i) * 3
+        return self.layers * r * per_layer
+
+    def trained_layer_bytes(self, mixed: bool) -> int:
+        """Bytes one trained decoder layer saves per token (the student's).
+
+        Mixed (bf16 autocast over float32 master weights; the residual stream stays float32):
+        per RMSNorm its float32 input, 1/rms and normalized output (8d + 4), then the bf16 casts
+        of the projections' inputs (3 * 2d for q, k, v; 2 * 2d for gate, up); the q/k norms'
+        float32 inputs, 1/rms and bf16 outputs (6(q + kv) + 4(heads + kv_heads)); attention's
+        q, k, v, output in bf16 and float32 log-sum-exp (2(2q + 2kv) + 4 heads); the MLP's gate,
+        up, activation and product in bf16 (8i). Float32: every RMSNorm keeps its input, 1/rms,
+        normalized and scaled output (12d + 4), the q/k norms input, 1/rms and normalized
+        (8(q + kv) + 4(heads + kv_heads)), attention 4(2q + 2kv) + 4 heads, the MLP 16i.
+        (``tests/test_memory_prediction.py`` checks these against autograd's saved tensors of a
+        Hugging Face ``Qwen3`` layer.)
+        """
+        d, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        rms = 4 * (self.heads + self.kv_heads)
+        attn = 4 * self.heads
+        if mixed:
+            norms = 2 * (8 * d + 4) + 2 * (5 * d)
+            return norms + 6 * (q + kv) + rms + 2 * (2 * q + 2 * kv) + attn + 8 * i
+        return 2 * (12 * d + 4) + 8 * (q + kv) + rms + 4 * (2 * q + 2 * kv) + attn + 16 * i
+
+    def frozen_layer_bytes(self, mixed: bool) -> int:
+        """Bytes one frozen decoder layer saves per token when the gradient flows to its input
+        only (the teacher's recompute): no projection input; the float32 copies of the RMSNorm
+        inputs and 1/rms (2(4d + 4)), of the q/k norm inputs and 1/rms
+        (4(q + kv) + 4(heads + kv_heads)), attention's q, k, v, output and log-sum-exp
+        (b(2q + 2kv) + 4 heads), the MLP's gate, up and activation (3bi); ``b`` the compute
+        dtype's bytes."""
+        d, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        b = 2 if mixed else 4
+        rms = 4 * (self.heads + self.kv_heads)
+        return (
+            2 * (4 * d + 4) + 4 * (q + kv) + rms + b * (2 * q + 2 * kv) + 4 * self.heads + 3 * b * i
+        )
+
+    def forward_bytes(self, tokens: int, trained: bool, mixed: bool) -> int:
+        """Saved bytes of a whole decoder forward over ``tokens`` (no checkpointing): every layer,
+        the final RMSNorm and the rotary cos/sin tables (float32 unless a frozen bf16 model)."""
+        if trained:
+            layer, final = self.trained_layer_bytes(mixed), 8 * self.hidden + 4
+        else:
+            layer, final = self.frozen_layer_bytes(mixed), 4 * self.hidden + 4
+        rope = 2 * self.head_dim * (2 if (mixed and not trained) else 4)
+        return tokens * (self.layers * layer + final + rope)
+
+    def encoder_layer_bytes(self, mixed: bool, lora_r: int) -> int:
+        """A frozen layer plus what its seven LoRA adapters save (the composer's encoder): each
+        adapter's input and its ``r``-wide intermediate. Under autocast every adapter saves its
+        own bf16 cast of its input (q, k, v, gate, up: 5d; o: q; down: i); in float32 q/k/v and
+        gate/up share their input (2d), o's is attention's saved output, down's the MLP product.
+        """
+        if mixed:
+            extra = 2 * (5 * self.hidden + self.q_dim + self.intermediate + 7 * lora_r)
+        else:
+            extra = 4 * (2 * self.hidden + self.intermediate + 7 * lora_r)
+        return self.frozen_layer_bytes(mixed) + extra
+
+    def kv_cache_bytes_per_token(self) -> int:
+        """bf16 keys and values of every layer, one token."""
+        return self.layers * 2 * self.kv_dim * 2
+
+
+MODELS: dict[str, ModelShape] = {
+    "qwen3-0.6b": ModelShape(28, 1024, 3072, 16, 8, 128),
+    "qwen3-4b": ModelShape(36, 2560, 9728, 32, 8, 128),
+    "qwen3-8b": ModelShape(36, 4096, 12288, 32, 8, 128, tied=False),
+    # The 4-layer fp32 stand-in of benchmarks/memory_standins.py (calibration only).
+    "standin-218m": ModelShape(4, 1024, 3072, 16, 8, 128),
+}
+"""The Qwen3 configs (``config.json`` of the Hugging Face checkpoints; the 0.6B and 218M shapes
+are ``lopd.standin``'s)."""
+
+
+@dataclass(frozen=True)
+class RunSetting:
+    """The config knobs the memory depends on (:meth:`of` reads them from a preset).
+
+    Attributes:
+        tokens: tokens per trajectory; action_tokens: rows scored per trajectory (``None``:
+            all of them).
+        world: GPUs; fsdp: ``model.parallel=fsdp2`` (else every GPU holds the whole run).
+        mixed: bf16 compute over float32 master weights (``model.dtype=bfloat16``).
+        checkpointing: ``model.gradient_checkpointing``.
+        teacher_layer_checkpointing: predict a teacher recomputed per layer (not the code today).
+        micro_batch, cold_start_batch: ``lopd.micro_batch``, ``cold_start.batch_size``.
+        num_latents, num_retrieved, qformer_layers, ffn_mult, lora_r, max_encoder_tokens: the
+            composer.
+        rollout_batch_size: ``gen.rollout_batch_size``.
+    """
+
+    tokens: int = 40_960
+    action_tokens: int | None = None
+    world: int = 1
+    fsdp: bool = False
+    mixed: bool = True
+    checkpointing: bool = True
+    teacher_layer_checkpointing: bool = False
+    micro_batch: int = 1
+    cold_start_batch: int = 8
+    num_latents: int = 32
+    num_retrieved: int = 3
+    qformer_layers: int = 8
+    ffn_mult: int = 4
+    lora_r: int = 8
+    max_encoder_tokens: int = 2048
+    rollout_batch_size: int = 32
+
+    @classmethod
+    def of(cls, cfg: Config, **changes: object) -> RunSetting:
+        """The setting of ``cfg`` (``changes`` override fields, e.g. ``tokens``, ``world``)."""
+        c = cfg.composer
+        setting = cls(
+            tokens=cfg.gen.max_total_tokens,
+            fsdp=cfg.model.parallel == "fsdp2",
+            mixed=cfg.model.dtype in ("bfloat16", "float16"),
+            checkpointing=cfg.model.gradient_checkpointing,
+            micro_batch=max(1, cfg.lopd.micro_batch),
+            cold_start_batch=cfg.cold_start.batch_size,
+            num_latents=c.num_latents,
+            num_retrieved=c.num_retrieved,
+            qformer_layers=c.qformer_layers,
+            ffn_mult=c.ffn_mult,
+            lora_r=c.lora_r,
+            max_encoder_tokens=c.max_encoder_tokens,
+            rollout_batch_size=cfg.gen.rollout_batch_size,
+        )
+        return dataclasses.replace(setting, **changes)
+
+
+def qformer_params(shape: ModelShape, setting: RunSetting) -> int:
+    """Parameters of the composer's QFormer, counted on the meta device (the real module)."""
+    with torch.device("meta"):
+        q = QFormerCompressor(
+            shape.hidden,
+            shape.heads,
+            shape.kv_heads,
+            num_queries=setting.num_latents,
+            num_layers=setting.qformer_layers,
+            ffn_mult=setting.ffn_mult,
+            share_layers=True,
+        )
+    return sum(p.numel() for p in q.parameters())
+
+
+@dataclass
+class Prediction:
+    """Per-phase bytes (each phase a dict of named terms) and the peak.
+
+    Attributes:
+        phases: ``{phase: {term: bytes}}``; the phase's peak is the sum of its terms.
+        rollout_state: bytes held while rolling out (everything but the KV cache).
+        kv_per_sequence: KV cache of one ``tokens``-long sequence.
+    """
+
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
+    rollout_state: int = 0
+    kv_per_sequence: int = 0
+
+    def totals(self) -> dict[str, int]:
+        return {name: sum(terms.values()) for name, terms in self.phases.items()}
+
+    @property
+    def peak(self) -> int:
+        return max(self.totals().values())
+
+    @property
+    def peak_phase(self) -> str:
+        totals = self.totals()
+        return max(totals, key=totals.__getitem__)
+
+    def rollout_sequences(self, capacity: int) -> int:
+        """Full-length sequences whose KV cache fits beside the rollout state on ``capacity``."""
+        free = capacity - CONTEXT_BYTES - self.rollout_state
+        return max(0, free // max(1, self.kv_per_sequence))
+
+
+def predict(shape: ModelShape, setting: RunSetting) -> Prediction:
+    """Per-rank bytes of each phase: ``load``, ``cold start``, and the LOPD step's
+    ``step forward``, ``step LM head``, ``step teacher backward``, ``step student backward``
+    (the module docstring says what each term counts)."""
+    s = setting
+    w = s.world if s.fsdp else 1
+    b = 2 if s.mixed else 4  # compute / frozen-copy bytes
+    d, v, n_layers = shape.hidden, shape.vocab, shape.layers
+    p, p_layer, p_root = shape.params(), shape.layer_params(), shape.root_params()
+    phi = shape.lora_params(s.lora_r) + qformer_params(shape, s)
+    tokens = s.tokens
+    rows = s.action_tokens if s.action_tokens is not None else tokens
+    pred = Prediction(kv_per_sequence=tokens * shape.kv_cache_bytes_per_token())
+
+    student_master = 4 * p
+    backbone_whole = b * p
+    backbone_sharded = b * (n_layers * p_layer // w + p_root) if s.fsdp else backbone_whole
+    pred.phases["load"] = {"student weights": student_master, "backbone weights": backbone_whole}
+
+    # Cold start: phi and its AdamW; the backbone still whole; B trajectories per rank at once.
+    batch = max(1, math.ceil(s.cold_start_batch / w))
+    encoder_tokens = s.num_retrieved * s.max_encoder_tokens
+    encoder = encoder_tokens * shape.layers * shape.encoder_layer_bytes(s.mixed, s.lora_r)
+    encoder += shape.forward_bytes(encoder_tokens, False, s.mixed) - encoder_tokens * (
+        shape.layers * shape.frozen_layer_bytes(s.mixed)
+    )  # final norm, rotary tables
+    teacher_recompute = _teacher_recompute(shape, s, b)
+    head = lm_head_bytes(
+        batch * rows,
+        v,
+        d,
+        torch.bfloat16 if s.mixed else torch.float32,
+        "cuda",
+        head_grad=False,
+        hidden_grad=True,
+    )
+    pred.phases["cold start"] = {
+        "student weights": student_master // w,
+        "backbone weights": backbone_whole,
+        "phi weights + grads + AdamW": 16 * phi,
+        "encoder activations": batch * encoder,
+        "teacher recompute": batch * teacher_recompute,
+        "LM head kernel": head,
+    }
+
+    # The LOPD step: state, then what each stage adds on top of it.
+    m = s.micro_batch
+    state = {
+        "student weights": student_master // w,
+        "student grads + AdamW": 12 * p // w,
+        "backbone weights": backbone_sharded,
+        "phi weights + grads + AdamW": 16 * phi,
+    }
+    if s.fsdp:
+        # Gathered root (bf16) for the forward-backward window, two gathered layers (bf16),
+        # one layer's unsharded float32 gradient before its reduce-scatter.
+        state["FSDP gathered root + layers"] = 2 * p_root + 2 * 2 * p_layer + 4 * p_layer
+    if s.checkpointing:
+        # One float32 (mixed: the residual stream of float32 weights) boundary per layer and the
+        # final hidden states; recomputing a layer adds what it saves bar its input (a boundary).
+        student_saved = m * (n_layers + 1) * tokens * d * 4
+        student_layer = m * tokens * (shape.trained_layer_bytes(s.mixed) - 4 * d)
+    else:
+        student_saved = m * shape.forward_bytes(tokens, True, s.mixed)
+        student_layer = 0
+    saved = {"encoder activations": m * encoder, "student saved activations": student_saved}
+    autocast_cache = 2 * p if (s.mixed and not s.fsdp) else 0
+    n = m * rows
+    kernel = TOPM_BLOCK_BYTES + 4 * v * d + 2 * 4 * n * d
+    if s.mixed and not s.fsdp:
+        kernel += 2 * v * d + 2 * 2 * n * d  # bf16 copies of the student head, both hidden states
+    one_frozen_layer = m * tokens * shape.frozen_layer_bytes(s.mixed)
+    pred.phases["step forward"] = {
+        **state,
+        **saved,
+        "autocast bf16 weight cache": autocast_cache,
+        "one layer's transients": max(student_layer, one_frozen_layer),
+    }
+    pred.phases["step LM head"] = {
+        **state,
+        **saved,
+        "autocast bf16 weight cache": autocast_cache,
+        "top-M kernel": kernel,
+    }
+    pred.phases["step teacher backward"] = {
+        **state,
+        **saved,
+        "hidden-state gradients": 4 * n * d,
+        "teacher recompute": m * teacher_recompute,
+    }
+    layer_weights = 0 if s.fsdp else (2 * p_layer if s.mixed else 0)
+    pred.phases["step student backward"] = {
+        **state,
+        **saved,
+        "student layer recompute": student_layer + layer_weights,
+    }
+    rollout = dict(state)
+    rollout.pop("FSDP gathered root + layers", None)
+    pred.rollout_state = sum(rollout.values()) + (2 * p if s.fsdp else 0)
+    return pred
+
+
+def _teacher_recompute(shape: ModelShape, s: RunSetting, b: int) -> int:
+    """Bytes the teacher's recompute saves for one trajectory: the whole forward, or (per-layer
+    checkpointing) a boundary per layer in the compute dtype plus one layer."""
+    if s.teacher_layer_checkpointing:
+        layer = s.tokens * shape.frozen_layer_bytes(s.mixed)
+        return (shape.layers + 1) * s.tokens * shape.hidden * b + layer
+    return shape.forward_bytes(s.tokens, False, s.mixed)
+
+
+def fits(peak: int, capacity: int) -> str:
+    """``yes`` (with 10% to spare), ``tight`` or ``no`` once :data:`CONTEXT_BYTES` is kept."""
+    usable = capacity - CONTEXT_BYTES
+    if peak <= 0.9 * usable:
+        return "yes"
+    return "tight" if peak <= usable else "no"
+
+
+def step_peak(pred: Prediction) -> int:
+    """The largest of the LOPD step's phases (without load and cold start)."""
+    return max(v for k, v in pred.totals().items() if k.startswith("step"))
+
+
+def markdown_table(models: list[str], setting: RunSetting, world: int = 8) -> str:
+    """One row per model x GPU x FSDP2 (off: one GPU or DDP replicas; on: ``world`` ranks)."""
+    lines = [
+        f"| model | GPU | FSDP2 x{world} | peak / GPU (phase) | fits | LOPD step alone | "
+        f"teacher recomputed per layer: peak (phase), fits | {setting.tokens:,}-token rollouts "
+        "beside it |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in models:
+        shape = MODELS[name]
+        for fsdp in (False, True):
+            base = dataclasses.replace(setting, fsdp=fsdp, world=world if fsdp else 1)
+            now = predict(shape, base)
+            alt = predict(shape, dataclasses.replace(base, teacher_layer_checkpointing=True))
+            for gpu, capacity in GPUS.items():
+                step = step_peak(now)
+                lines.append(
+                    f"| {name} | {gpu} | {'on' if fsdp else 'off'} | "
+                    f"{now.peak / GIB:.1f} GiB ({now.peak_phase}) | {fits(now.peak, capacity)} | "
+                    f"{step / GIB:.1f} GiB, {fits(step, capacity)} | "
+                    f"{alt.peak / GIB:.1f} GiB ({alt.peak_phase}), {fits(alt.peak, capacity)} | "
+                    f"{alt.rollout_sequences(capacity)} |"
+                )
+    return "\n".join(lines)
+
+
+STANDIN_RUNS = {
+    "standin-218m": {"checkpointing": False, "micro_batch": 2},
+    "qwen3-0.6b": {"checkpointing": True, "micro_batch": 1},
+}
+"""The measured stand-in runs of ``docs/trainer.md`` (``benchmarks/memory_standins.py``: smoke
+preset, float32 on CPU, ``data.n_train=4 data.n_test=2 lopd.steps=2``)."""
+
+
+def standin_predictions(tokens: int = 2048, action_tokens: int = 32) -> dict[str, Prediction]:
+    """The stand-in runs predicted at the smoke preset's caps (``gen.max_total_tokens`` 2,048,
+    ``max_steps * max_new_tokens`` = 32 action tokens per trajectory): what the prediction is
+    calibrated against (the measured runs did not record their token counts)."""
+    smoke = PRESETS["smoke"]()
+    return {
+        name: predict(
+            MODELS[name],
+            RunSetting.of(smoke, tokens=tokens, action_tokens=action_tokens, **changes),
+        )
+        for name, changes in STANDIN_RUNS.items()
+    }
+
+
+def breakdown(shape: ModelShape, setting: RunSetting) -> str:
+    """Every phase's terms in GiB."""
+    out = []
+    for phase, terms in predict(shape, setting).phases.items():
+        parts = ", ".join(f"{k} {val / GIB:.2f}" for k, val in terms.items() if val)
+        out.append(f"{phase}: {sum(terms.values()) / GIB:.2f} GiB = {parts}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lopd.run.memory_prediction",
+        description="Predicted per-GPU peak memory of a preset's LOPD run (see the module doc).",
+    )
+    parser.add_argument("--preset", default="paper", choices=sorted(PRESETS))
+    parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-4b", "qwen3-8b"])
+    parser.add_argument("--tokens", type=int, default=40_960, help="tokens per trajectory")
+    parser.add_argument("--world", type=int, default=8, help="GPUs under FSDP2")
+    parser.add_argument("--breakdown", action="store_true", help="every phase's terms")
+    parser.add_argument(
+        "--standins", action="store_true", help="the CPU stand-in runs of docs/trainer.md"
+    )
+    args = parser.parse_args(argv)
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown or args.tokens < 1 or args.world < 1:
+        print(
+            f"error: models must be among {sorted(MODELS)}, --tokens and --world positive "
+            f"(got {unknown or ''} tokens={args.tokens} world={args.world})",
+            file=sys.stderr,
+        )
+        return 2
+    if args.standins:
+        for name, pred in standin_predictions().items():
+            print(f"{name} (smoke preset, float32, 2,048 tokens, 32 action tokens):")
+            for phase, total in pred.totals().items():
+                print(f"  {phase}: {total / GIB:.2f} GiB")
+        return 0
+    setting = RunSetting.of(PRESETS[args.preset](), tokens=args.tokens)
+    print(markdown_table(args.models, setting, args.world))
+    if args.breakdown:
+        for name in args.models:
+            for fsdp in (False, True):
+                s = dataclasses.replace(setting, fsdp=fsdp, world=args.world if fsdp else 1)
+                print(f"\n{name}, FSDP2 {'on x' + str(args.world) if fsdp else 'off'}:")
+                print(breakdown(MODELS[name], s))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
