@@ -52,7 +52,15 @@ def test_parameter_and_per_token_counts_by_hand():
 
 
 def test_phases_by_hand_with_and_without_fsdp():
-    one = RunSetting(tokens=10, action_tokens=5, cold_start_batch=8, num_latents=2, lora_r=2)
+    one = RunSetting(
+        tokens=10,
+        action_tokens=5,
+        cold_start_batch=8,
+        num_latents=2,
+        lora_r=2,
+        max_encoder_tokens=2,
+        teacher_layer_checkpointing=False,
+    )
     pred = predict(TINY, one)
     # Load: float32 master student, bf16 frozen backbone, whole on every rank.
     assert pred.phases["load"] == {"student weights": 4 * 1144, "backbone weights": 2 * 1144}
@@ -64,6 +72,15 @@ def test_phases_by_hand_with_and_without_fsdp():
     assert step["student saved activations"] == 3 * 10 * 8 * 4
     assert step["teacher recompute"] == TINY.forward_bytes(10, False, True)
     assert step["hidden-state gradients"] == 4 * 5 * 8
+    # Checkpointed encoder (3 x 2 tokens): layers + 1 bf16 boundaries, final norm and rotary
+    # tables; one LoRA layer recomputed (408 B/token) fits under the teacher's recompute.
+    rest = TINY.forward_bytes(6, False, True) - 6 * 2 * 260
+    assert step["encoder activations"] == 3 * 6 * 8 * 2 + rest
+    assert 6 * TINY.encoder_layer_bytes(True, 2) < TINY.forward_bytes(10, False, True)
+    whole = predict(TINY, dataclasses.replace(one, checkpointing=False))
+    assert whole.phases["cold start"]["encoder activations"] == 8 * (
+        6 * 2 * TINY.encoder_layer_bytes(True, 2) + rest
+    )
     assert pred.phases["step forward"]["autocast bf16 weight cache"] == 2 * 1144
 
     sharded = predict(TINY, dataclasses.replace(one, fsdp=True, world=4))
@@ -77,8 +94,9 @@ def test_phases_by_hand_with_and_without_fsdp():
     assert step["backbone weights"] == 2 * (2 * 504 // 4 + 136)  # layers sharded, root not
     assert step["FSDP gathered root + layers"] == 2 * 136 + 4 * 504 + 4 * 504
     assert "autocast bf16 weight cache" not in step
-    # Per-layer teacher checkpointing: bf16 boundaries plus one frozen layer.
+    # The teacher recomputed per layer (the default): bf16 boundaries plus one frozen layer.
     alt = predict(TINY, dataclasses.replace(one, teacher_layer_checkpointing=True))
+    assert RunSetting().teacher_layer_checkpointing
     assert alt.phases["step teacher backward"]["teacher recompute"] == 3 * 10 * 8 * 2 + 10 * 260
     assert pred.peak == max(pred.totals().values()) and pred.peak_phase in pred.phases
     kv = 10 * 32

@@ -264,6 +264,102 @@ def test_checkpointed_teacher_recomputes_with_the_adapter_disabled(trainer):
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+def test_checkpointed_teacher_recomputes_one_layer_at_a_time(trainer):
+    """The backward recomputes the teacher layer by layer, last layer first (one layer's
+    activations live at a time), not the whole forward at once (every layer's activations
+    saved together: the paper preset's peak); the layers get their own forward back."""
+    from lopd.latent.teacher import TaskLatents, teacher_action_hidden
+    from lopd.rollout.batch import ActionRows
+    from lopd_kernels.hf import decoder_of
+
+    tr = trainer
+    composer = tr.models.composer
+    layers = decoder_of(composer.backbone).layers
+    trajs = tr.experience.trajectories[:2]
+    where = ActionRows.of(trajs, tr.device)
+    seqs = [tr.method.teacher_sequence(t) for t in trajs]
+    calls: list[int] = []
+    hooks = [
+        layer.register_forward_pre_hook(lambda *_, i=i: calls.append(i))
+        for i, layer in enumerate(layers)
+    ]
+    try:
+        latents = TaskLatents(composer, tr.experience.retrieved)([t.task for t in trajs])
+        calls.clear()  # the encoder runs the same layers (adapter on)
+        h = teacher_action_hidden(composer, seqs, latents, where, tr.models.pad_id, True)
+        assert calls == list(range(len(layers)))
+        calls.clear()
+        h.pow(2).mean().backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    # The recompute runs each layer's forward, not its __call__: module hooks (FSDP2's) run once.
+    assert calls == [], "module hooks must stay outside the per-layer checkpoint"
+    assert all("forward" not in layer.__dict__ for layer in layers)
+    order: list[int] = []
+    for i, layer in enumerate(layers):
+        inner = layer.forward
+        layer.forward = lambda *a, _i=i, _f=inner, **k: (order.append(_i), _f(*a, **k))[1]
+    try:
+        latents = TaskLatents(composer, tr.experience.retrieved)([t.task for t in trajs])
+        h = teacher_action_hidden(composer, seqs, latents, where, tr.models.pad_id, True)
+        order.clear()
+        h.pow(2).mean().backward()
+    finally:
+        for layer in layers:
+            del layer.forward
+    assert order == list(reversed(range(len(layers))))
+    assert all("forward" not in layer.__dict__ for layer in layers)
+
+
+def test_checkpointed_encoder_gives_the_same_latents_and_gradients(trainer):
+    """The composer's encoder recomputed per layer (``model.gradient_checkpointing``): same
+    c_phi and phi gradients as without, the recompute runs layer by layer backwards with the
+    adapter on, and the layers get their own forward back."""
+    from lopd.latent.teacher import TaskLatents
+    from lopd_kernels.hf import decoder_of
+
+    tr = trainer
+    composer = tr.models.composer
+    layers = decoder_of(composer.backbone).layers
+    tasks = [t.task for t in tr.experience.trajectories[:2]]
+    with torch.no_grad():
+        for n, p in composer.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.05)  # a non-zero adapter: recomputing without it would change grads
+    order: list[int] = []
+    results = []
+    saved = composer.checkpoint_layers
+    try:
+        for checkpointed in (False, True):
+            composer.checkpoint_layers = checkpointed
+            for p in composer.parameters():
+                p.grad = None
+            for i, layer in enumerate(layers):
+                inner = layer.forward
+                layer.forward = lambda *a, _i=i, _f=inner, **k: (order.append(_i), _f(*a, **k))[1]
+            try:
+                c = TaskLatents(composer, tr.experience.retrieved)(tasks)
+                order.clear()
+                c.pow(2).mean().backward()
+            finally:
+                for layer in layers:
+                    del layer.forward
+            grads = {
+                n: p.grad.clone() for n, p in composer.named_parameters() if p.grad is not None
+            }
+            results.append((c.detach(), grads, list(order)))
+    finally:
+        composer.checkpoint_layers = saved
+    (c0, g0, o0), (c1, g1, o1) = results
+    assert o0 == [] and o1 == list(reversed(range(len(layers))))
+    torch.testing.assert_close(c1, c0)
+    assert g0.keys() == g1.keys() and any("lora_A" in n for n in g0)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert all("forward" not in layer.__dict__ for layer in layers)
+
+
 # ----------------------------------------------------------------------------- CLI runs
 def test_smoke_run_end_to_end(smoke_run):
     run_dir, res, seconds = smoke_run

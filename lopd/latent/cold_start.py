@@ -43,6 +43,7 @@ def build_composer(ctx: RunContext) -> LatentComposer:
         lora_alpha=c.lora_alpha,
         lora_dropout=c.lora_dropout,
         max_encoder_tokens=c.max_encoder_tokens,
+        checkpoint_layers=ctx.cfg.model.gradient_checkpointing,
     )
     # phi trains in float32 (the LoRA already is: peft keeps adapters of a 16-bit base in
     # float32; the QFormer follows the backbone).

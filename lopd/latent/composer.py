@@ -22,6 +22,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
+from lopd.latent.checkpointing import checkpoint_each_layer, decoder_layers
 from lopd.rollout.batch import pad_batch
 from lopd_kernels import QFormerCompressor
 from lopd_kernels.hf import decoder_of
@@ -49,6 +50,9 @@ class LatentComposer(nn.Module):
         lora_r, lora_alpha, lora_dropout: the encoder adapter.
         max_encoder_tokens: encoder inputs are truncated to this many tokens (the task comes
             first, so truncation cuts the end of the trajectory, never the task).
+        checkpoint_layers: recompute the encoder per decoder layer in the backward
+            (``model.gradient_checkpointing``): its ``B*J`` inputs then keep one ``[tokens, d]``
+            boundary per layer instead of every layer's activations.
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class LatentComposer(nn.Module):
         lora_alpha: int = 16,
         lora_dropout: float = 0.0,
         max_encoder_tokens: int = 2048,
+        checkpoint_layers: bool = False,
     ) -> None:
         super().__init__()
 
@@ -113,6 +118,7 @@ class LatentComposer(nn.Module):
         self.num_latents = num_latents
         self.num_retrieved = num_retrieved
         self.max_encoder_tokens = max_encoder_tokens
+        self.checkpoint_layers = checkpoint_layers
         self.hidden_size = cfg.hidden_size
 
     # ------------------------------------------------------------------ roles
@@ -185,10 +191,17 @@ class LatentComposer(nn.Module):
         device = next(self.compressor.parameters()).device
         pad = self.tokenizer.pad_token_id
         input_ids, mask = pad_batch(ids, pad if pad is not None else 0, device)
-        # The decoder (not the LM head): only hidden states are needed, never [T, V] logits.
-        hidden = decoder_of(self.backbone)(
-            input_ids=input_ids, attention_mask=mask
-        ).last_hidden_state
+        layers = decoder_layers(self.backbone) if self.checkpoint_layers else None
+        # The recompute needs the adapter on, as in the forward: backwards never run inside
+        # teacher_mode (the teacher's own recompute enters and leaves it per layer).
+        recomputed = (
+            checkpoint_each_layer(layers) if layers is not None else contextlib.nullcontext()
+        )
+        with recomputed:
+            # The decoder (not the LM head): only hidden states, never [T, V] logits; no KV cache.
+            hidden = decoder_of(self.backbone)(
+                input_ids=input_ids, attention_mask=mask, use_cache=False
+            ).last_hidden_state
         packed = hidden[mask.bool()]  # [total, d], rows of sequence i contiguous (row-major)
         lengths = mask.sum(dim=1)
         cu_seqlens = torch.zeros(len(ids) + 1, dtype=torch.int32, device=device)

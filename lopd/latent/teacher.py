@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from lopd.latent.checkpointing import checkpoint_each_layer, decoder_layers
 from lopd.latent.composer import LatentComposer
 from lopd.latent.injection import TeacherSequence, build_teacher_sequence, inject_latents
 from lopd.rollout.batch import ActionRows, pad_batch
@@ -110,8 +111,10 @@ def teacher_action_hidden(
         latents: ``[B, J*K, d]`` c_phi.
         where: the student's :class:`~lopd.rollout.batch.ActionRows`.
         pad_id: padding id.
-        checkpointed: recompute the whole teacher forward in the backward (activation memory
-            of one teacher forward is not kept); the recompute re-enters ``teacher_mode``.
+        checkpointed: recompute the teacher per decoder layer in the backward: the forward keeps
+            each layer's input (``[B, L, d]``) and the backward holds one layer's activations at
+            a time; each recompute re-enters ``teacher_mode`` (the encoder adapter must be off
+            there too). A decoder without a ``layers`` list is recomputed as a whole.
     """
     device = where.rows.device
     ids, mask = pad_batch([s.input_ids for s in sequences], pad_id, device)
@@ -122,8 +125,20 @@ def teacher_action_hidden(
             embeds = torch.stack(
                 [inject_latents(embeds[i], lat[i], s.latent_start) for i, s in enumerate(sequences)]
             )
-            return decoder_of(backbone)(inputs_embeds=embeds, attention_mask=mask).last_hidden_state
+            # No KV cache: nothing reads it, and a layer's recompute would write it twice.
+            decoder = decoder_of(backbone)
+            return decoder(
+                inputs_embeds=embeds, attention_mask=mask, use_cache=False
+            ).last_hidden_state
 
-    hidden = checkpoint(run, latents, use_reentrant=False) if checkpointed else run(latents)
+    if not checkpointed:
+        hidden = run(latents)
+    else:
+        layers = decoder_layers(composer.backbone)
+        if layers is not None:
+            with checkpoint_each_layer(layers, lambda: _teacher_mode(composer)):
+                hidden = run(latents)
+        else:  # a decoder without a layer list: the whole forward as one checkpoint
+            hidden = checkpoint(run, latents, use_reentrant=False)
     offsets = torch.as_tensor([s.offset for s in sequences], dtype=torch.long, device=device)
     return hidden[where.batch, where.rows + offsets[where.batch]]

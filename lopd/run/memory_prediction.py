@@ -36,13 +36,16 @@ What is counted (the code paths as they are, ``lopd/models/loading.py``,
   Both counts equal what autograd saves in a Hugging Face Qwen3 layer (SDPA, CPU; the tests).
   ``model.gradient_checkpointing`` recomputes the **student** per layer: it keeps one float32
   ``[tokens, d]`` boundary per layer (its input; the first is the embedding output) plus the
-  final hidden states, and one layer's activations while recomputing. The **teacher** forward
-  is checkpointed as a whole
-  (``teacher_action_hidden(checkpointed=True)``): nothing is kept in the forward, but its
-  recompute in the backward saves every layer's activations at once (the backbone has no
-  per-layer checkpointing); ``teacher_layer_checkpointing=True`` predicts the variant that
-  would. The **encoder** (``J`` retrieved experiences of ``max_encoder_tokens``, padded, per
-  task, LoRA trained) is not checkpointed: its activations stay saved until the backward.
+  final hidden states, and one layer's activations while recomputing. The **teacher** is
+  recomputed per layer too (``teacher_action_hidden(checkpointed=True)``): its forward keeps
+  each layer's input in the compute dtype, its backward one frozen layer's activations at a
+  time; ``teacher_layer_checkpointing=False`` predicts a teacher checkpointed as one block,
+  whose recompute saves every layer's activations at once (the gradient reaches phi through
+  all of them). The **encoder** (``J`` retrieved experiences of ``max_encoder_tokens``, padded, per
+  task, LoRA trained) is recomputed per layer under ``model.gradient_checkpointing`` (a boundary
+  per layer kept; one layer's activations in its backward, which comes after the teacher's and
+  is counted in the same term as the larger of the two); without it, its activations stay saved
+  until the backward.
 * **LM-head kernels.** The cold start's :func:`lopd_kernels.fused_linear_logprob` (frozen head,
   hidden states need the gradient): :func:`lopd.run.memory_account.lm_head_bytes` on CUDA.
   The step's fused top-M op on CUDA (chunked path): its ``[C, V]`` float32 blocks capped at
@@ -235,7 +238,8 @@ class RunSetting:
         world: GPUs; fsdp: ``model.parallel=fsdp2`` (else every GPU holds the whole run).
         mixed: bf16 compute over float32 master weights (``model.dtype=bfloat16``).
         checkpointing: ``model.gradient_checkpointing``.
-        teacher_layer_checkpointing: predict a teacher recomputed per layer (not the code today).
+        teacher_layer_checkpointing: the teacher recomputed per layer (the trainer's way);
+            ``False``: recomputed as one block.
         micro_batch, cold_start_batch: ``lopd.micro_batch``, ``cold_start.batch_size``.
         num_latents, num_retrieved, qformer_layers, ffn_mult, lora_r, max_encoder_tokens: the
             composer.
@@ -248,7 +252,7 @@ class RunSetting:
     fsdp: bool = False
     mixed: bool = True
     checkpointing: bool = True
-    teacher_layer_checkpointing: bool = False
+    teacher_layer_checkpointing: bool = True
     micro_batch: int = 1
     cold_start_batch: int = 8
     num_latents: int = 32
@@ -350,9 +354,17 @@ def predict(shape: ModelShape, setting: RunSetting) -> Prediction:
     # Cold start: phi and its AdamW; the backbone still whole; B trajectories per rank at once.
     batch = max(1, math.ceil(s.cold_start_batch / w))
     encoder_tokens = s.num_retrieved * s.max_encoder_tokens
-    encoder = encoder_tokens * shape.layers * shape.encoder_layer_bytes(s.mixed, s.lora_r)
+    encoder_layer = encoder_tokens * shape.encoder_layer_bytes(s.mixed, s.lora_r)
+    if s.checkpointing:
+        # Recomputed per layer: one compute-dtype boundary per layer and the final hidden
+        # states are kept; one layer's activations while its backward runs, after the teacher's
+        # recompute has freed its own (the latents' gradient comes first).
+        encoder = (n_layers + 1) * encoder_tokens * d * b
+    else:
+        encoder = n_layers * encoder_layer
+        encoder_layer = 0
     encoder += shape.forward_bytes(encoder_tokens, False, s.mixed) - encoder_tokens * (
-        shape.layers * shape.frozen_layer_bytes(s.mixed)
+        n_layers * shape.frozen_layer_bytes(s.mixed)
     )  # final norm, rotary tables
     teacher_recompute = _teacher_recompute(shape, s, b)
     head = lm_head_bytes(
@@ -369,7 +381,7 @@ def predict(shape: ModelShape, setting: RunSetting) -> Prediction:
         "backbone weights": backbone_whole,
         "phi weights + grads + AdamW": 16 * phi,
         "encoder activations": batch * encoder,
-        "teacher recompute": batch * teacher_recompute,
+        "teacher recompute": batch * max(teacher_recompute, encoder_layer),
         "LM head kernel": head,
     }
 
@@ -410,13 +422,15 @@ def predict(shape: ModelShape, setting: RunSetting) -> Prediction:
         **state,
         **saved,
         "autocast bf16 weight cache": autocast_cache,
+        # The teacher's forward (after the student's) keeps its layer inputs for the backward.
+        "teacher layer boundaries": m * _teacher_boundaries(shape, s, b),
         "top-M kernel": kernel,
     }
     pred.phases["step teacher backward"] = {
         **state,
         **saved,
         "hidden-state gradients": 4 * n * d,
-        "teacher recompute": m * teacher_recompute,
+        "teacher recompute": m * max(teacher_recompute, encoder_layer),
     }
     layer_weights = 0 if s.fsdp else (2 * p_layer if s.mixed else 0)
     pred.phases["step student backward"] = {
@@ -430,12 +444,21 @@ def predict(shape: ModelShape, setting: RunSetting) -> Prediction:
     return pred
 
 
+def _teacher_boundaries(shape: ModelShape, s: RunSetting, b: int) -> int:
+    """Bytes a per-layer checkpointed teacher keeps from its forward for one trajectory: a
+    boundary per layer in the compute dtype and the final hidden states (none when recomputed
+    as one block)."""
+    if s.teacher_layer_checkpointing:
+        return (shape.layers + 1) * s.tokens * shape.hidden * b
+    return 0
+
+
 def _teacher_recompute(shape: ModelShape, s: RunSetting, b: int) -> int:
-    """Bytes the teacher's recompute saves for one trajectory: the whole forward, or (per-layer
-    checkpointing) a boundary per layer in the compute dtype plus one layer."""
+    """Bytes the teacher holds in its backward for one trajectory: the whole forward's
+    activations, or (per-layer checkpointing) its boundaries plus one layer's."""
     if s.teacher_layer_checkpointing:
         layer = s.tokens * shape.frozen_layer_bytes(s.mixed)
-        return (shape.layers + 1) * s.tokens * shape.hidden * b + layer
+        return _teacher_boundaries(shape, s, b) + layer
     return shape.forward_bytes(s.tokens, False, s.mixed)
 
 
@@ -456,24 +479,22 @@ def markdown_table(models: list[str], setting: RunSetting, world: int = 8) -> st
     """One row per model x GPU x FSDP2 (off: one GPU or DDP replicas; on: ``world`` ranks)."""
     lines = [
         f"| model | GPU | FSDP2 x{world} | peak / GPU (phase) | fits | LOPD step alone | "
-        f"teacher recomputed per layer: peak (phase), fits | {setting.tokens:,}-token rollouts "
-        "beside it |",
-        "|---|---|---|---|---|---|---|---|",
+        f"{setting.tokens:,}-token rollouts beside it |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in models:
         shape = MODELS[name]
         for fsdp in (False, True):
-            base = dataclasses.replace(setting, fsdp=fsdp, world=world if fsdp else 1)
-            now = predict(shape, base)
-            alt = predict(shape, dataclasses.replace(base, teacher_layer_checkpointing=True))
+            pred = predict(
+                shape, dataclasses.replace(setting, fsdp=fsdp, world=world if fsdp else 1)
+            )
             for gpu, capacity in GPUS.items():
-                step = step_peak(now)
+                step = step_peak(pred)
                 lines.append(
                     f"| {name} | {gpu} | {'on' if fsdp else 'off'} | "
-                    f"{now.peak / GIB:.1f} GiB ({now.peak_phase}) | {fits(now.peak, capacity)} | "
-                    f"{step / GIB:.1f} GiB, {fits(step, capacity)} | "
-                    f"{alt.peak / GIB:.1f} GiB ({alt.peak_phase}), {fits(alt.peak, capacity)} | "
-                    f"{alt.rollout_sequences(capacity)} |"
+                    f"{pred.peak / GIB:.1f} GiB ({pred.peak_phase}) | "
+                    f"{fits(pred.peak, capacity)} | {step / GIB:.1f} GiB, {fits(step, capacity)} | "
+                    f"{pred.rollout_sequences(capacity)} |"
                 )
     return "\n".join(lines)
 
