@@ -78,6 +78,11 @@ def test_phases_by_hand_with_and_without_fsdp():
     assert step["encoder activations"] == 3 * 6 * 8 * 2 + rest
     assert 6 * TINY.encoder_layer_bytes(True, 2) < TINY.forward_bytes(10, False, True)
     whole = predict(TINY, dataclasses.replace(one, checkpointing=False))
+    # Not checkpointed, the teacher keeps its forward's activations until its backward.
+    teacher = TINY.forward_bytes(10, False, True)
+    assert whole.phases["step LM head"]["teacher saved activations"] == teacher
+    assert whole.phases["step teacher backward"]["teacher recompute"] == teacher
+    assert pred.phases["step LM head"]["teacher saved activations"] == 0  # one block
     assert whole.phases["cold start"]["encoder activations"] == 8 * (
         6 * 2 * TINY.encoder_layer_bytes(True, 2) + rest
     )

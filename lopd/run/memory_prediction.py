@@ -238,8 +238,8 @@ class RunSetting:
         world: GPUs; fsdp: ``model.parallel=fsdp2`` (else every GPU holds the whole run).
         mixed: bf16 compute over float32 master weights (``model.dtype=bfloat16``).
         checkpointing: ``model.gradient_checkpointing``.
-        teacher_layer_checkpointing: the teacher recomputed per layer (the trainer's way);
-            ``False``: recomputed as one block.
+        teacher_layer_checkpointing: under ``checkpointing``, the teacher recomputed per layer
+            (the trainer's way); ``False``: recomputed as one block.
         micro_batch, cold_start_batch: ``lopd.micro_batch``, ``cold_start.batch_size``.
         num_latents, num_retrieved, qformer_layers, ffn_mult, lora_r, max_encoder_tokens: the
             composer.
@@ -422,8 +422,8 @@ def predict(shape: ModelShape, setting: RunSetting) -> Prediction:
         **state,
         **saved,
         "autocast bf16 weight cache": autocast_cache,
-        # The teacher's forward (after the student's) keeps its layer inputs for the backward.
-        "teacher layer boundaries": m * _teacher_boundaries(shape, s, b),
+        # The teacher's forward (after the student's) keeps what its backward needs.
+        "teacher saved activations": m * _teacher_boundaries(shape, s, b),
         "top-M kernel": kernel,
     }
     pred.phases["step teacher backward"] = {
@@ -445,18 +445,20 @@ def predict(shape: ModelShape, setting: RunSetting) -> Prediction:
 
 
 def _teacher_boundaries(shape: ModelShape, s: RunSetting, b: int) -> int:
-    """Bytes a per-layer checkpointed teacher keeps from its forward for one trajectory: a
-    boundary per layer in the compute dtype and the final hidden states (none when recomputed
-    as one block)."""
+    """Bytes the teacher keeps from its forward until its backward, one trajectory: every
+    layer's activations when not checkpointed; a boundary per layer in the compute dtype and the
+    final hidden states when recomputed per layer; none when recomputed as one block."""
+    if not s.checkpointing:
+        return shape.forward_bytes(s.tokens, False, s.mixed)
     if s.teacher_layer_checkpointing:
         return (shape.layers + 1) * s.tokens * shape.hidden * b
     return 0
 
 
 def _teacher_recompute(shape: ModelShape, s: RunSetting, b: int) -> int:
-    """Bytes the teacher holds in its backward for one trajectory: the whole forward's
-    activations, or (per-layer checkpointing) its boundaries plus one layer's."""
-    if s.teacher_layer_checkpointing:
+    """Bytes the teacher holds in its backward, one trajectory: its saved activations (not
+    checkpointed), the whole forward's again (one block), or its boundaries plus one layer's."""
+    if s.checkpointing and s.teacher_layer_checkpointing:
         layer = s.tokens * shape.frozen_layer_bytes(s.mixed)
         return _teacher_boundaries(shape, s, b) + layer
     return shape.forward_bytes(s.tokens, False, s.mixed)
