@@ -53,8 +53,9 @@ class ModelConfig:
         dtype: parameter dtype, ``float32``, ``bfloat16`` or ``float16``.
         device: ``cpu``, ``cuda`` or ``auto`` (CUDA when available; under ``torchrun`` each rank
             takes ``cuda:LOCAL_RANK``).
-        gradient_checkpointing: recompute transformer-layer activations in the backward of the
-            student and teacher forwards (less memory, about one more forward of compute).
+        gradient_checkpointing: recompute activations per decoder layer in the backward of the
+            student, the frozen teacher and the composer's encoder (each keeps one boundary per
+            layer; less memory, about one more forward of compute).
         parallel: how ``torchrun`` ranks share the models. ``ddp``: every rank holds them
             whole and gradients are averaged (data parallel). ``fsdp2``: student, teacher and
             encoder backbone are sharded across ranks with FSDP2 (:mod:`lopd.parallel.fsdp`).
