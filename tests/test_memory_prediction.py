@@ -13,6 +13,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from lopd.config.presets import PRESETS
+from lopd.run.memory_account import saved_tensor_bytes
 from lopd.run.memory_prediction import (
     CONTEXT_BYTES,
     GIB,
@@ -123,25 +124,13 @@ def test_fits_keeps_the_context_and_a_tenth():
 
 def _saved_bytes(model: torch.nn.Module, tokens: int, trained: bool, mixed: bool) -> int:
     """Bytes autograd saves in a decoder forward (storages once, parameters excluded)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set[int] = set()
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        key = t.untyped_storage().data_ptr()
-        if key not in seen and key not in params:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-        return t
-
     model.requires_grad_(trained)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens))
     embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+    with saved_tensor_bytes([model]) as counted, autocast:
         model.model(inputs_embeds=embeds)
-    return total
+    return counted()
 
 
 def _tiny_qwen3() -> tuple[ModelShape, Qwen3ForCausalLM]:
@@ -189,27 +178,15 @@ def test_encoder_counts_equal_what_autograd_saves_with_lora(mixed):
         if "lora" in name:
             p.data = p.data.float()  # phi is float32 master weights
     base = peft_model.get_base_model()
-    params = {p.untyped_storage().data_ptr() for p in peft_model.parameters()}
 
     def saved(tokens: int) -> int:
-        seen: set[int] = set()
-        total = 0
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal total
-            key = t.untyped_storage().data_ptr()
-            if key not in seen and key not in params:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
-            return t
-
         ids = torch.randint(0, 128, (1, tokens))
         autocast = (
             torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
         )
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        with saved_tensor_bytes([peft_model]) as so_far, autocast:
             base.model(input_ids=ids)
-        return total
+        return so_far()
 
     def counted(tokens: int) -> int:
         frozen = shape.forward_bytes(tokens, False, mixed)

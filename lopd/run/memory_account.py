@@ -37,7 +37,7 @@ import gc
 import json
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,33 @@ def tensor_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) 
         seen.add(key)
         total += storage.nbytes()
     return total
+
+
+@contextlib.contextmanager
+def saved_tensor_bytes(modules: Iterable[nn.Module] = ()) -> Iterator[Callable[[], int]]:
+    """Inside the block, count the bytes of the distinct storages autograd saves for the
+    backward (parameters of ``modules`` excluded); yields a function giving the count so far."""
+    params = {
+        p.untyped_storage().data_ptr()
+        for m in modules
+        for p in m.parameters()
+        if p.device.type != "meta"
+    }
+    seen: set[int] = set()
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in seen and key not in params:
+                seen.add(key)
+                total += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield lambda: total
 
 
 def lm_head_bytes(
@@ -198,28 +225,9 @@ class MemoryAccount:
         if not self.enabled:
             yield
             return
-        params = {
-            p.untyped_storage().data_ptr()
-            for m in modules
-            for p in m.parameters()
-            if p.device.type != "meta"
-        }
-        seen: set[int] = set()
-        total = 0
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal total
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key not in seen and key not in params:
-                    seen.add(key)
-                    total += storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_tensor_bytes(modules) as counted:
             yield
-        self._activations = max(self._activations, total)
+        self._activations = max(self._activations, counted())
 
     def phase(
         self,
