@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -264,6 +265,21 @@ def test_checkpointed_teacher_recomputes_with_the_adapter_disabled(trainer):
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+@contextlib.contextmanager
+def _forward_calls(layers):
+    """Inside it, every call of a layer's ``forward`` (not its ``__call__``) appends the layer's
+    index to the yielded list: a checkpoint's recompute shows up there, module hooks do not."""
+    order: list[int] = []
+    for i, layer in enumerate(layers):
+        inner = layer.forward
+        layer.forward = lambda *a, _i=i, _f=inner, **k: (order.append(_i), _f(*a, **k))[1]
+    try:
+        yield order
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
 def test_checkpointed_teacher_recomputes_one_layer_at_a_time(trainer):
     """The backward recomputes the teacher layer by layer, last layer first (one layer's
     activations live at a time), not the whole forward at once (every layer's activations
@@ -296,18 +312,11 @@ def test_checkpointed_teacher_recomputes_one_layer_at_a_time(trainer):
     # The recompute runs each layer's forward, not its __call__: module hooks (FSDP2's) run once.
     assert calls == [], "module hooks must stay outside the per-layer checkpoint"
     assert all("forward" not in layer.__dict__ for layer in layers)
-    order: list[int] = []
-    for i, layer in enumerate(layers):
-        inner = layer.forward
-        layer.forward = lambda *a, _i=i, _f=inner, **k: (order.append(_i), _f(*a, **k))[1]
-    try:
+    with _forward_calls(layers) as order:
         latents = TaskLatents(composer, tr.experience.retrieved)([t.task for t in trajs])
         h = teacher_action_hidden(composer, seqs, latents, where, tr.models.pad_id, True)
         order.clear()
         h.pow(2).mean().backward()
-    finally:
-        for layer in layers:
-            del layer.forward
     assert order == list(reversed(range(len(layers))))
     assert all("forward" not in layer.__dict__ for layer in layers)
 
@@ -327,7 +336,6 @@ def test_checkpointed_encoder_gives_the_same_latents_and_gradients(trainer):
         for n, p in composer.named_parameters():
             if "lora_B" in n:
                 p.add_(0.05)  # a non-zero adapter: recomputing without it would change grads
-    order: list[int] = []
     results = []
     saved = composer.checkpoint_layers
     try:
@@ -335,16 +343,10 @@ def test_checkpointed_encoder_gives_the_same_latents_and_gradients(trainer):
             composer.checkpoint_layers = checkpointed
             for p in composer.parameters():
                 p.grad = None
-            for i, layer in enumerate(layers):
-                inner = layer.forward
-                layer.forward = lambda *a, _i=i, _f=inner, **k: (order.append(_i), _f(*a, **k))[1]
-            try:
+            with _forward_calls(layers) as order:
                 c = TaskLatents(composer, tr.experience.retrieved)(tasks)
                 order.clear()
                 c.pow(2).mean().backward()
-            finally:
-                for layer in layers:
-                    del layer.forward
             grads = {
                 n: p.grad.clone() for n, p in composer.named_parameters() if p.grad is not None
             }
