@@ -17,9 +17,11 @@ targets: fused <= 1/10 of materialized in memory, <= 1.3x in time).
 
     pytest benchmarks/bench_fused_linear_topk_tail_kl.py --benchmark-only -k "not trl"  # ~15 min
 
-``-k apart`` times forward and backward apart, fused and materialized alternating in one process,
-with both heads trained (``LOPD_BENCH_FL_APART_GRADS``) at d = 256 and 1,024
-(``LOPD_BENCH_FL_DS``), and records ``fwd_vs_materialized`` / ``bwd_vs_materialized``.
+``-k apart`` times forward and backward apart, fused, materialized and
+``fused_linear_topk_tail_kl_loss`` (the same loss as a fixed row weighting, gradients formed in
+the forward: backend ``cpu[loss]``) alternating in one process, with both heads trained
+(``LOPD_BENCH_FL_APART_GRADS``) at d = 256 and 1,024 (``LOPD_BENCH_FL_DS``), and records
+``fwd_vs_materialized`` / ``bwd_vs_materialized``.
 
 ``-k variants`` times the chunked path's two variants (``LOPD_FUSED_LINEAR_CHUNKED=v1|v2``)
 against each other, interleaved, and records ``cpu[v1]`` / ``cpu[v2]``.
@@ -105,12 +107,25 @@ def fwd_fused():
     return loss(lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=M, backend="cpu"))
 
 
+def fwd_fused_loss():
+    # The same loss as a fixed weighting of the rows (privilege = log pT - sg log pS): the
+    # gradients are formed in the forward.
+    return lk.fused_linear_topk_tail_kl_loss(
+        hs, ws, ht, wt, a, kl_weight=1.0, student_logprob_weight=1.0,
+        teacher_logprob_weight=1.0, top_m=M, backend="cpu",
+    ).loss  # fmt: skip
+
+
 def run_materialized():
     fwd_materialized().backward()
 
 
 def run_fused():
     fwd_fused().backward()
+
+
+def run_fused_loss():
+    fwd_fused_loss().backward()
 
 
 def clear_grads():
@@ -123,6 +138,7 @@ _w = torch.randn(64, 8, requires_grad=True)
 _a = torch.randint(0, 64, (4,))
 loss(lk.topk_tail_kl(_x @ _w.T, _x @ _w.T, _a, top_m=4)).backward()
 loss(lk.fused_linear_topk_tail_kl(_x, _w, _x, _w.detach(), _a, top_m=4, backend="cpu")).backward()
+lk.fused_linear_topk_tail_kl_loss(_x, _w, _x, _w.detach(), _a, top_m=4).loss.backward()
 """
 
 
@@ -241,7 +257,9 @@ APART_DS = [int(x) for x in os.environ.get("LOPD_BENCH_FL_DS", "256,1024").split
 APART_GRADS = os.environ.get("LOPD_BENCH_FL_APART_GRADS", "both-heads")
 APART_DTYPE = os.environ.get("LOPD_BENCH_FL_DTYPE", "float32")
 APART_REPS = int(os.environ.get("LOPD_BENCH_FL_APART_REPS", "3"))
-APART_VARIANTS = ("materialized", "fused")
+APART_VARIANTS = ("materialized", "fused", "fused_loss")
+# The record's backend word per variant (fused_loss: fused_linear_topk_tail_kl_loss).
+APART_BACKENDS = {"materialized": "materialized", "fused": "cpu", "fused_loss": "cpu[loss]"}
 _GRAD_NAMES = {"student-head": "h_s, W_s, h_t", "frozen-heads": "h_s, h_t",
                "both-heads": "h_s, W_s, h_t, W_t"}  # fmt: skip
 
@@ -321,13 +339,13 @@ def test_fwd_bwd_apart(benchmark, d):
         fields = {"threads": THREADS, "fwd_s": m["fwd"], "bwd_s": m["bwd"],
                   "calls_fwd_s": times[variant]["fwd"], "calls_bwd_s": times[variant]["bwd"],
                   "first_call_s": first[variant]}  # fmt: skip
-        if variant == "fused":
+        if variant != "materialized":
             fields["time_vs_materialized"] = (m["fwd"] + m["bwd"]) / (base["fwd"] + base["bwd"])
             fields["fwd_vs_materialized"] = m["fwd"] / base["fwd"]
             fields["bwd_vs_materialized"] = m["bwd"] / base["bwd"]
-            fields["first_call_vs_materialized"] = first["fused"] / first["materialized"]
-            fields["memory_vs_materialized"] = extra["fused"] / max(1, extra["materialized"])
-        backend = "cpu" if variant == "fused" else variant
+            fields["first_call_vs_materialized"] = first[variant] / first["materialized"]
+            fields["memory_vs_materialized"] = extra[variant] / max(1, extra["materialized"])
+        backend = APART_BACKENDS[variant]
         record("fused_linear_topk_tail_kl", backend, shapes, m["fwd"] + m["bwd"], extra[variant],
                **fields)  # fmt: skip
         print(f"\n{variant} d={d}: fwd {m['fwd']:.2f} s, bwd {m['bwd']:.2f} s, first call "

@@ -10,6 +10,9 @@ Variants (``--variant``), each forward and backward timed apart, with peak memor
   token chunk + the per-row kernels), every variant of its switch
   ``fused_linear_topk_tail_kl.chunked`` in the same process (``chunked`` = the default,
   ``chunked[v1]`` = the previous path: CUDA epilogue, multi-pass tail, slab-wise dW);
+* ``chunked_loss``: ``lk.fused_linear_topk_tail_kl_loss(..., backend="cuda")``, the same loss
+  as a fixed weighting of the rows (weights 1 on the KL and both log-probs: the gradient of
+  ``sum(kl) + sum(privilege) + sum(student_logprob)``), its gradients formed in the forward;
 * ``triton``: ``backend="triton"``, the fully fused kernel;
 * ``trl_chunked_divergence``: TRL's ``ChunkedDivergenceFunction`` (``trl.kernels.
   chunked_divergence``, the ``DistillationTrainer`` loss) with ``beta=1``: full-vocabulary
@@ -45,7 +48,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as gc
 
-VARIANTS = ("materialized", "chunked", "triton", "trl_chunked_divergence", "liger_fused_linear_jsd")
+VARIANTS = ("materialized", "chunked", "chunked_loss", "triton", "trl_chunked_divergence",
+            "liger_fused_linear_jsd")  # fmt: skip
 SETTINGS = ("frozen-heads", "student-head")
 SIZES = {"full": (8192, 4096, 151_936, 20), "tiny": (6, 16, 70, 4)}
 CHECK_ROWS = 16
@@ -97,6 +101,19 @@ def variant_fns(name: str, lk, hs, ws, ht, wt, a, m: int, device: torch.device, 
             fwd,
             lambda out: _lopd_sum(out).backward(),
             lambda out: check_rows(lk, out.kl, hs, ws, ht, wt, a, m, ids=out.topk_ids, **opts),
+        )
+    if name == "chunked_loss":
+        backend = "cuda" if device.type == "cuda" else "cpu"
+        weights = {"kl_weight": 1.0, "student_logprob_weight": 1.0, "teacher_logprob_weight": 1.0}
+        fwd = lambda: lk.fused_linear_topk_tail_kl_loss(
+            hs, ws, ht, wt, a, top_m=m, backend=backend, **weights, **opts
+        )
+        return (
+            fwd,
+            lambda res: res.loss.backward(),
+            lambda res: check_rows(
+                lk, res.output.kl, hs, ws, ht, wt, a, m, ids=res.output.topk_ids, **opts
+            ),
         )
     if name == "trl_chunked_divergence":
         from trl.kernels.chunked_divergence import ChunkedDivergenceFunction

@@ -98,6 +98,8 @@ def plan(run: Any) -> list[Step]:
         Step("fused_chunked", 20, bench("gpu_fused_linear.py", "--variant", "chunked"),
              needs=("fused_linear_topk_tail_kl/cuda",)),
         Step("fused_triton", 40, bench("gpu_fused_linear.py", "--variant", "triton")),
+        Step("fused_chunked_loss", 20, bench("gpu_fused_linear.py", "--variant", "chunked_loss"),
+             needs=("fused_linear_topk_tail_kl/cuda",)),
         Step("fused_trl", 20, bench("gpu_fused_linear.py", "--variant", "trl_chunked_divergence"),
              requires=("trl", "datasets")),
         Step("fused_liger", 20, bench("gpu_fused_linear.py", "--variant",

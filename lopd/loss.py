@@ -24,7 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LOPDTerms", "advantages_from_rewards", "dual_update", "lopd_loss", "segment_mean"]
+__all__ = [
+    "LOPDTerms",
+    "advantages_from_rewards",
+    "dual_update",
+    "lopd_loss",
+    "lopd_row_weights",
+    "segment_mean",
+    "segment_mean_weights",
+]
 
 
 def _at_least_f32(x: torch.Tensor) -> torch.Tensor:
@@ -54,6 +62,53 @@ def segment_mean(values: torch.Tensor, seg: torch.Tensor, num_segments: int) -> 
     counts = torch.zeros(num_segments, dtype=values.dtype, device=values.device)
     counts = counts.index_add(0, seg, torch.ones_like(values))
     return sums / counts.clamp_min(1)
+
+
+def segment_mean_weights(
+    seg: torch.Tensor, per_segment: torch.Tensor | float, num_segments: int
+) -> torch.Tensor:
+    """Row weights ``w [N]`` with ``(w * values).sum() == (per_segment * segment_mean(values, seg,
+    num_segments)).sum()`` for every ``values``: ``per_segment[seg[n]] / |segment seg[n]|``.
+
+    What turns a sum of per-trajectory token means into one weighted sum over rows, the form
+    :func:`lopd_kernels.fused_linear_topk_tail_kl_loss` takes (its gradients are formed in its
+    forward, so the weights must be known before it runs).
+
+    Args:
+        seg: ``[N]`` int64 segment index of each row, in ``[0, num_segments)``.
+        per_segment: ``[B]`` (or a scalar) factor of each segment's mean.
+        num_segments: B.
+
+    Returns:
+        ``[N]`` float32 (float64 for a float64 ``per_segment``), no gradient.
+    """
+    dtype = torch.float64 if getattr(per_segment, "dtype", None) == torch.float64 else torch.float32
+    counts = torch.zeros(num_segments, dtype=dtype, device=seg.device)
+    counts = counts.index_add(0, seg, torch.ones(seg.shape, dtype=dtype, device=seg.device))
+    factor = torch.as_tensor(per_segment, dtype=dtype, device=seg.device).expand(num_segments)
+    return (factor.detach() / counts.clamp_min(1)).index_select(0, seg)
+
+
+def lopd_row_weights(
+    seg: torch.Tensor, advantages: torch.Tensor, beta: float, num_total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 13's distillation and privilege terms as weights of the rows' ``KL_n`` and
+    ``log pT(a_n)``: ``(sum_n w_kl[n] KL_n + w_t[n] log pT(a_n))`` has the gradient of
+    ``(sum_i distill_i - beta * delta_i) / num_total`` (:func:`lopd_loss`); its value differs by
+    the constant ``beta * sum_i A_i mean_n sg log pS(a_n) / num_total``.
+
+    Args:
+        seg: ``[N]`` trajectory of each row; advantages: ``[B]`` ``A_i``; beta: the dual
+            variable; num_total: trajectories in the whole step.
+
+    Returns:
+        ``(w_kl, w_t)``, both ``[N]`` without gradient, float32 (float64 advantages: float64).
+    """
+    num_traj = advantages.shape[0]
+    adv = _at_least_f32(advantages.detach())
+    w_kl = segment_mean_weights(seg, torch.full_like(adv, 1.0 / num_total), num_traj)
+    w_t = segment_mean_weights(seg, -beta * adv / num_total, num_traj)
+    return w_kl, w_t
 
 
 def advantages_from_rewards(rewards: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """lopd_kernels: fused distillation kernels for on-policy (self-)distillation.
 
 Public API (see README and ``docs/kernels.md``): the loss ops ``topk_tail_kl``,
-``fused_linear_topk_tail_kl``, ``sparse_teacher_topk_tail_kl`` (a teacher given by its top-M ids
-and log-probs only), each with its ``nn.Module`` (``TopKTailKL``, ``FusedLinearTopKTailKL``,
-``SparseTeacherTopKTailKL``); ``fused_linear_logprob`` (token log-probs and entropies from hidden
-states and an LM head) and its loss module ``FusedLinearCrossEntropy``;
+``fused_linear_topk_tail_kl`` (and ``fused_linear_topk_tail_kl_loss``, its weighted
+scalar with the gradients formed in the forward), ``sparse_teacher_topk_tail_kl`` (a teacher
+given by its top-M ids and log-probs only), each with its ``nn.Module`` (``TopKTailKL``,
+``FusedLinearTopKTailKL``, ``SparseTeacherTopKTailKL``); ``fused_linear_logprob`` (token
+log-probs and entropies from hidden states and an LM head) and its loss module
+``FusedLinearCrossEntropy``;
 ``varlen_cross_attention`` and its module ``QFormerCompressor``;
 the Hugging Face helpers of :mod:`lopd_kernels.hf`. Each op has a PyTorch reference and C++ CPU,
 Triton and CUDA kernels behind ``backend=`` (the words of :data:`BACKENDS`, chosen by
@@ -22,9 +24,13 @@ from lopd_kernels.fused_linear_logprob import (
     fused_linear_logprob_reference,
 )
 from lopd_kernels.fused_linear_topk_tail_kl import (
-    FusedLinearTopKTailKL,
     fused_linear_topk_tail_kl,
     fused_linear_topk_tail_kl_reference,
+)
+from lopd_kernels.fused_linear_topk_tail_kl_loss import (
+    FusedLinearTopKTailKL,
+    FusedLinearTopKTailKLLoss,
+    fused_linear_topk_tail_kl_loss,
 )
 from lopd_kernels.hf import causal_lm_topk_tail_kl, decoder_of, lm_head_topk_tail_kl
 from lopd_kernels.qformer import QFormerCompressor
@@ -53,6 +59,7 @@ __all__ = [
     "FusedLinearCrossEntropy",
     "FusedLinearLogprobOutput",
     "FusedLinearTopKTailKL",
+    "FusedLinearTopKTailKLLoss",
     "QFormerCompressor",
     "SparseTeacherTopKTailKL",
     "SparseTeacherTopKTailKLOutput",
@@ -65,6 +72,7 @@ __all__ = [
     "fused_linear_logprob",
     "fused_linear_logprob_reference",
     "fused_linear_topk_tail_kl",
+    "fused_linear_topk_tail_kl_loss",
     "fused_linear_topk_tail_kl_reference",
     "lm_head_topk_tail_kl",
     "sparse_teacher_topk_tail_kl",

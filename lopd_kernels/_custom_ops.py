@@ -101,15 +101,18 @@ class CustomOps:
         bwd: Callable[..., Any],
         *,
         fwd_fake: Callable[..., Any] | None = None,
+        bwd_mutates_args: tuple[str, ...] = (),
     ) -> tuple[Any, Any]:
         """Defines the Python functions ``fwd`` / ``bwd`` (type-annotated: the schema is inferred
         from them) as ``lopd::<op>_<impl>_fwd`` / ``_bwd`` and registers fakes and autograd.
 
         ``fwd_fake`` replaces :attr:`fwd_fake` for this implementation only (an implementation
-        whose forward leaves an optional output empty). Returns the two ops.
+        whose forward leaves an optional output empty). ``bwd_mutates_args``: the arguments the
+        backward writes in place (an op whose forward formed the gradients, scaled in place by
+        the upstream gradient). Returns the two ops.
         """
-        for fn, phase in ((fwd, "fwd"), (bwd, "bwd")):
-            torch.library.custom_op(qualified_name(self.op, impl, phase), fn, mutates_args=())
+        for fn, phase, mutates in ((fwd, "fwd", ()), (bwd, "bwd", bwd_mutates_args)):
+            torch.library.custom_op(qualified_name(self.op, impl, phase), fn, mutates_args=mutates)
         self.register(impl, fwd_fake=fwd_fake)
         return self.ops(impl)
 

@@ -26,12 +26,11 @@ dtype) and weight gradients accumulate in float32 across token chunks. Hugging F
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lopd_kernels._backend import OpBackends
 from lopd_kernels._constants import KERNEL_DTYPES
 from lopd_kernels._custom_ops import CustomOps
-from lopd_kernels._reduction import check_module_options, reduce_kl
 from lopd_kernels.bucket_math import effective_top_m, op_divergence, support_width
 from lopd_kernels.fused_linear_topk_tail_kl_checks import check_inputs, check_values
 from lopd_kernels.fused_linear_topk_tail_kl_chunked import auto_chunk_rows, chunked_bwd, chunked_fwd
@@ -45,7 +44,6 @@ from lopd_kernels.topk_tail_kl import (
 )
 
 __all__ = [
-    "FusedLinearTopKTailKL",
     "auto_chunk_rows",
     "fused_linear_topk_tail_kl",
     "fused_linear_topk_tail_kl_reference",
@@ -406,80 +404,3 @@ def fused_linear_topk_tail_kl(
     mass = teacher_topk_mass(bucket, target, ignore_index)
     size = support_size(ids, target, ignore_index, ws.shape[0])
     return TopKTailKLOutput(kl, lp_t - lp_s.detach(), lp_s, lp_t, ids, mass, size)
-
-
-class FusedLinearTopKTailKL(nn.Module):
-    """Module form of :func:`fused_linear_topk_tail_kl` returning the (reduced) divergence.
-
-    Args:
-        top_m, temperature, divergence, beta, support, ignore_index, backend, chunk_size: as in
-            :func:`fused_linear_topk_tail_kl`.
-        reduction: ``"none"`` (``[N]`` per-token KL, 0 at ignored tokens), ``"mean"`` (over
-            non-ignored tokens; 0, never NaN, when every token is ignored) or ``"sum"``.
-
-    Shapes:
-        student_hidden ``[N, d_s]``, student_weight ``[V, d_s]``, teacher_hidden ``[N, d_t]``,
-        teacher_weight ``[V, d_t]``, target_ids ``[N]``, optional biases ``[V]``; output ``[N]``
-        for ``"none"``, else a scalar.
-    """
-
-    def __init__(
-        self,
-        top_m: int | None = 20,
-        temperature: float = 1.0,
-        divergence: str = "reverse",
-        ignore_index: int = -100,
-        reduction: str = "mean",
-        backend: str = "auto",
-        chunk_size: int | None = None,
-        *,
-        beta: float | None = None,
-        support: str = "teacher",
-    ) -> None:
-        super().__init__()
-        check_module_options(reduction, divergence, backend, support=support)
-        self.top_m = top_m
-        self.temperature = temperature
-        self.divergence = divergence
-        self.beta = beta
-        self.support = support
-        self.ignore_index = ignore_index
-        self.reduction = reduction
-        self.backend = backend
-        self.chunk_size = chunk_size
-
-    def forward(
-        self,
-        student_hidden: Tensor,
-        student_weight: Tensor,
-        teacher_hidden: Tensor,
-        teacher_weight: Tensor,
-        target_ids: Tensor,
-        student_bias: Tensor | None = None,
-        teacher_bias: Tensor | None = None,
-    ) -> Tensor:
-        kl = fused_linear_topk_tail_kl(
-            student_hidden,
-            student_weight,
-            teacher_hidden,
-            teacher_weight,
-            target_ids,
-            student_bias=student_bias,
-            teacher_bias=teacher_bias,
-            top_m=self.top_m,
-            temperature=self.temperature,
-            divergence=self.divergence,
-            beta=self.beta,
-            support=self.support,
-            ignore_index=self.ignore_index,
-            backend=self.backend,
-            chunk_size=self.chunk_size,
-        ).kl
-        return reduce_kl(kl, target_ids, self.ignore_index, self.reduction)
-
-    def extra_repr(self) -> str:
-        return (
-            f"top_m={self.top_m}, temperature={self.temperature}, divergence={self.divergence!r}, "
-            f"beta={self.beta}, support={self.support!r}, ignore_index={self.ignore_index}, "
-            f"reduction={self.reduction!r}, backend={self.backend!r}, chunk_size={self.chunk_size}"
-        )

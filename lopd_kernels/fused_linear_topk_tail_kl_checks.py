@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lopd_kernels.topk_tail_kl_checks import check_loss_options, check_support
 
-__all__ = ["check_inputs", "check_values"]
+__all__ = ["check_inputs", "check_row_weights", "check_values"]
 
 
 def check_inputs(
@@ -111,3 +111,29 @@ def check_values(target: Tensor, vocab: int, ignore_index: int) -> None:
             f"target_ids must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
             f"got {target[bad][:4].tolist()}"
         )
+
+
+def check_row_weights(weights: dict[str, Tensor | float | None], n: int, device) -> None:
+    """The row weights of ``fused_linear_topk_tail_kl_loss``: each ``None`` (where allowed), a
+    real number, or a real tensor of shape ``[]`` or ``[N]`` on the inputs' device that needs no
+    gradient (the loss's gradients are formed in its forward, with the weights as constants)."""
+    for name, w in weights.items():
+        if w is None:
+            if name != "kl_weight":
+                raise TypeError(f"{name} must be a number or a tensor, got None")
+            continue
+        if isinstance(w, bool) or not isinstance(w, (int, float, Tensor)):
+            raise TypeError(f"{name} must be a number or a tensor, got {type(w).__name__}")
+        if not isinstance(w, Tensor):
+            continue
+        if w.is_complex() or w.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real tensor, got {w.dtype}")
+        if w.shape not in ((), (n,)):
+            raise ValueError(f"{name} must have shape [] or [N] = [{n}], got {tuple(w.shape)}")
+        if w.device != device:
+            raise ValueError(f"{name} is on {w.device} but student_hidden is on {device}")
+        if w.requires_grad:
+            raise ValueError(
+                f"{name} requires grad, but the loss's gradients are formed in its forward with "
+                "the weights as constants: pass weight.detach()"
+            )

@@ -47,7 +47,20 @@ from lopd_kernels.kernel_variants import variant as selected_variant
 from lopd_kernels.topk_tail_kl import CUSTOM_OPS as TOPK_TAIL_KL_OPS
 from lopd_kernels.topk_tail_kl import kernel_option_refusal
 
-__all__ = ["auto_chunk_rows", "chunked_bwd", "chunked_fwd", "epilogue_kernels", "tail_probs"]
+__all__ = [
+    "CHUNKED_SWITCH",
+    "Rows",
+    "Side",
+    "accumulate_logit_grad",
+    "auto_chunk_rows",
+    "block_buffers",
+    "chunked_bwd",
+    "chunked_fwd",
+    "chunks",
+    "epilogue_kernels",
+    "logits_block",
+    "tail_probs",
+]
 
 #: The switch choosing between the previous chunked path (v1) and the current one (v2):
 #: lopd_kernels/kernel_variants.py.
@@ -209,9 +222,9 @@ def without_padding(ids: Tensor) -> Tensor:
     return ids if ids.shape[1] == 0 else torch.where(ids >= 0, ids, ids[:, :1])
 
 
-def _logits_block(h: Tensor, w: Tensor, b: Tensor | None, out: Tensor | None = None) -> Tensor:
+def logits_block(h: Tensor, w: Tensor, b: Tensor | None, out: Tensor | None = None) -> Tensor:
     """``[C, V]`` float32 logits of one token chunk, written into ``out`` (a reused block, see
-    :func:`_block_buffers`) when given. A GPU's half-precision GEMM writes a fresh block: its
+    :func:`block_buffers`) when given. A GPU's half-precision GEMM writes a fresh block: its
     caching allocator makes that free, and its float32-output GEMM has no ``out=``."""
     if gemm.half_gemm(w):
         out = None
@@ -221,7 +234,7 @@ def _logits_block(h: Tensor, w: Tensor, b: Tensor | None, out: Tensor | None = N
     return logits
 
 
-def _block_buffers(count: int, rows: int, vocab: int, like: Tensor) -> list[Tensor]:
+def block_buffers(count: int, rows: int, vocab: int, like: Tensor) -> list[Tensor]:
     """``count`` uninitialized float32 ``[rows, V]`` blocks, allocated once per call and reused
     by every chunk (a shorter last chunk takes the first rows: still a contiguous view).
 
@@ -233,12 +246,13 @@ def _block_buffers(count: int, rows: int, vocab: int, like: Tensor) -> list[Tens
     return [torch.empty(rows, vocab, dtype=f32, device=like.device) for _ in range(count)]
 
 
-def _chunks(n: int, chunk: int):
+def chunks(n: int, chunk: int):
+    """``(start, stop)`` of consecutive ``chunk``-row slices of ``n`` rows."""
     for start in range(0, n, chunk):
         yield start, min(n, start + chunk)
 
 
-class _Rows:
+class Rows:
     """The rows with a real target, and per-chunk access to them.
 
     When every row has a target (the common case) a chunk is a slice: inputs are views and
@@ -293,16 +307,16 @@ def chunked_fwd(
         kl.new_zeros(n, h.shape[1]) if flag and m > 0 else kl.new_empty(0)
         for flag, h in zip(tail_proj, (hs, ht))
     ]
-    rows = _Rows(target, ignore_index)
+    rows = Rows(target, ignore_index)
     if rows.n == 0:
         return kl, lp_s, lp_t, ids, lse, bucket, *projs
     v2 = selected_variant(CHUNKED_SWITCH) == "v2"
     fwd, _ = epilogue_kernels(dev, m, divergence, support)
     chunk = min(chunk_size or auto_chunk_rows(vocab, rows.n, dev, live_blocks=2), rows.n)
-    buf_s, buf_t = _block_buffers(2, chunk, vocab, hs)
-    for c0, c1 in _chunks(rows.n, chunk):
-        s = _logits_block(rows.take(hs, c0, c1), ws, bs, buf_s[: c1 - c0])
-        t = _logits_block(rows.take(ht, c0, c1), wt, bt, buf_t[: c1 - c0])
+    buf_s, buf_t = block_buffers(2, chunk, vocab, hs)
+    for c0, c1 in chunks(rows.n, chunk):
+        s = logits_block(rows.take(hs, c0, c1), ws, bs, buf_s[: c1 - c0])
+        t = logits_block(rows.take(ht, c0, c1), wt, bt, buf_t[: c1 - c0])
         out = fwd(s, t, rows.take(target, c0, c1), m, temperature, divergence, beta, support,
                   ignore_index)  # fmt: skip
         for dst, src in zip((kl, lp_s, lp_t, ids, lse, bucket), out):
@@ -355,7 +369,7 @@ def _hidden_grad_from_tail(
     m, d = ids.shape[1], w.shape[1]
     # Bound the [C, M, d] gather of head rows to ~64 MiB.
     chunk = max(1, (64 << 20) // max(1, 4 * (m + 1) * d))
-    for c0, c1 in _chunks(rows.numel(), chunk):
+    for c0, c1 in chunks(rows.numel(), chunk):
         w_top = w[ids[c0:c1]].to(out.dtype)  # [C, M, d]
         top = torch.bmm((coef[c0:c1, :m] * log_mass[c0:c1, :m].exp()).unsqueeze(1), w_top)
         dh = coef[c0:c1, m:] * proj[c0:c1] + top.squeeze(1)
@@ -363,7 +377,7 @@ def _hidden_grad_from_tail(
         out.index_copy_(0, rows[c0:c1], dh / temperature)
 
 
-class _Side(NamedTuple):
+class Side(NamedTuple):
     """One side whose logits the backward recomputes, and where its gradients go."""
 
     x: int  # 0: student, 1: teacher (its slot in the per-row kernel's outputs)
@@ -375,8 +389,8 @@ class _Side(NamedTuple):
     d_b: Tensor | None  # [V] float32 bias gradient, accumulated over chunks
 
 
-def _accumulate_logit_grad(
-    grad: Tensor, h: Tensor, side: _Side, rows: _Rows, c0: int, c1: int, v2: bool, written: set
+def accumulate_logit_grad(
+    grad: Tensor, h: Tensor, side: Side, rows: Rows, c0: int, c1: int, v2: bool, written: set
 ) -> None:
     """One chunk's logit gradient ``grad [C, V]`` into ``dh = grad @ W`` (rows ``c0:c1``),
     ``dW += grad^T h`` and ``db += sum(grad)``; ``h`` is the chunk's ``[C, d]`` hidden states.
@@ -443,7 +457,7 @@ def chunked_bwd(
     f32 = torch.float64 if hs.dtype == torch.float64 else torch.float32
     d_hs = torch.zeros(hs.shape, dtype=f32, device=dev) if n_hs else None
     d_ht = torch.zeros(ht.shape, dtype=f32, device=dev) if n_ht else None
-    rows = _Rows(target, ignore_index)
+    rows = Rows(target, ignore_index)
     # Weight gradients are written by the first chunk's GEMM (zeros without any chunk).
     new_w = torch.empty if rows.n else torch.zeros
     d_ws = new_w(ws.shape, dtype=f32, device=dev) if n_ws else None
@@ -475,8 +489,8 @@ def chunked_bwd(
     if rows.n and (need_s or need_t):
         v2 = selected_variant(CHUNKED_SWITCH) == "v2"
         _, bwd = epilogue_kernels(dev, topk_ids.shape[1], divergence, support)
-        student = _Side(0, hs, ws, bs, None if from_tail_s else d_hs, d_ws, d_bs)
-        teacher = _Side(1, ht, wt, bt, None if from_tail_t else d_ht, d_wt, d_bt)
+        student = Side(0, hs, ws, bs, None if from_tail_s else d_hs, d_ws, d_bs)
+        teacher = Side(1, ht, wt, bt, None if from_tail_t else d_ht, d_wt, d_bt)
         sides = [side for side, need in ((student, need_s), (teacher, need_t)) if need]
         # With M > 0 a side's logit gradient reads only its own logits (the coupling through
         # the KL is in the saved bucket log-masses): the sides take turns through one logit
@@ -486,28 +500,26 @@ def chunked_bwd(
         full_vocab = topk_ids.shape[1] == 0
         live = 4 if full_vocab else 2
         chunk = min(chunk_size or auto_chunk_rows(vocab, rows.n, dev, live_blocks=live), rows.n)
-        bufs = _block_buffers(2 if full_vocab else 1, chunk, vocab, hs)
+        bufs = block_buffers(2 if full_vocab else 1, chunk, vocab, hs)
         written: set[int] = set()
-        for c0, c1 in _chunks(rows.n, chunk):
+        for c0, c1 in chunks(rows.n, chunk):
             c = c1 - c0
             up = [rows.take(x, c0, c1).float() for x in (grad_kl, grad_slp, grad_tlp)]
             saved = [rows.take(x, c0, c1) for x in (target, topk_ids, kl, lse, bucket)]
             opts = (temperature, divergence, beta, ignore_index)
             h = {side.x: rows.take(side.h, c0, c1) for side in sides}
             if full_vocab:
-                s = _logits_block(rows.take(hs, c0, c1), ws, bs, bufs[0][:c])
-                t = _logits_block(rows.take(ht, c0, c1), wt, bt, bufs[1][:c])
+                s = logits_block(rows.take(hs, c0, c1), ws, bs, bufs[0][:c])
+                t = logits_block(rows.take(ht, c0, c1), wt, bt, bufs[1][:c])
                 grads = bwd(*up, s, t, *saved, *opts, bool(need_s), bool(need_t))
                 for side in sides:
-                    _accumulate_logit_grad(
-                        grads[side.x], h[side.x], side, rows, c0, c1, v2, written
-                    )
+                    accumulate_logit_grad(grads[side.x], h[side.x], side, rows, c0, c1, v2, written)
                 del grads
                 continue
             for side in sides:
-                logits = _logits_block(h[side.x], side.w, side.b, bufs[0][:c])
+                logits = logits_block(h[side.x], side.w, side.b, bufs[0][:c])
                 grad = bwd(*up, logits, logits, *saved, *opts, side.x == 0, side.x == 1)[side.x]
-                _accumulate_logit_grad(grad, h[side.x], side, rows, c0, c1, v2, written)
+                accumulate_logit_grad(grad, h[side.x], side, rows, c0, c1, v2, written)
                 del grad
     return [
         None if g is None else g.to(like.dtype)

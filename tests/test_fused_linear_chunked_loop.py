@@ -2,7 +2,7 @@
 reference where its CPU fast paths differ from the general one:
 
 * every row has a target ("dense" rows): chunks are slices of the inputs, results are written in
-  place (``_Rows``), the hidden-state gradient straight into its rows by the GEMM;
+  place (``Rows``), the hidden-state gradient straight into its rows by the GEMM;
 * the logit blocks are allocated once per call and reused by every chunk (a shorter last chunk
   takes the first rows of a block);
 * with M > 0 the backward recomputes one side at a time through one logit block (2 live blocks
@@ -80,16 +80,16 @@ def test_strided_hidden_rows(dense, top_m):
 
 @pytest.fixture
 def logit_blocks(monkeypatch):
-    """Records, per call of ``_logits_block``, the storage it wrote the logits into."""
+    """Records, per call of ``logits_block``, the storage it wrote the logits into."""
     seen: list[int] = []
-    inner = chunked._logits_block
+    inner = chunked.logits_block
 
     def recording(h, w, b, out=None):
         logits = inner(h, w, b, out)
         seen.append(logits.untyped_storage().data_ptr())
         return logits
 
-    monkeypatch.setattr(chunked, "_logits_block", recording)
+    monkeypatch.setattr(chunked, "logits_block", recording)
     return seen
 
 

@@ -353,7 +353,8 @@ def test_exported():
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_module_is_the_reduced_functional(reduction):
     """FusedLinearTopKTailKL: the op's KL reduced (mean over the kept tokens), gradients to the
-    hidden states, head and bias included, equal to the functional's on the chunked path."""
+    hidden states, head and bias included, equal to the functional's on the chunked path (to
+    float32 rounding for the reduced ones, whose gradients are formed in the forward)."""
     inputs, target = make_inputs(9, 16, 53, bias=True, seed=3)
     kw = {"top_m": 6, "temperature": 0.7, "chunk_size": 4}
 
@@ -374,9 +375,12 @@ def test_module_is_the_reduced_functional(reduction):
     got, got_grads = grads(lambda x: module(*(x[n] for n in NAMES), target, x["student_bias"],
                                             x["teacher_bias"]))  # fmt: skip
     want, want_grads = grads(functional)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # "none" is the functional itself; a reduced KL is fused_linear_topk_tail_kl_loss (gradients
+    # formed in the forward: the same sums in another order).
+    exact = {"rtol": 0, "atol": 0} if reduction == "none" else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(got, want, **exact)
     for name, grad in want_grads.items():
-        torch.testing.assert_close(got_grads[name], grad, rtol=0, atol=0)
+        torch.testing.assert_close(got_grads[name], grad, **exact)
     all_ignored = torch.full_like(target, -100)
     if reduction == "mean":  # every token ignored: 0, not NaN
         assert module(*(inputs[n] for n in NAMES), all_ignored).item() == 0.0

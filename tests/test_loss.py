@@ -7,7 +7,14 @@ import itertools
 import pytest
 import torch
 
-from lopd.loss import advantages_from_rewards, dual_update, lopd_loss, segment_mean
+from lopd.loss import (
+    advantages_from_rewards,
+    dual_update,
+    lopd_loss,
+    lopd_row_weights,
+    segment_mean,
+    segment_mean_weights,
+)
 from tests.utils import assert_close
 
 
@@ -116,3 +123,32 @@ def test_bad_shapes_are_named():
         lopd_loss(kl, priv, seg, rewards, lat, lat0[:, :3], 0.0, 0.05, 0.2)
     with pytest.raises(ValueError, match="num_total"):
         lopd_loss(kl, priv, seg, rewards, None, None, 0.0, 0.05, 0.0, num_total=2)
+
+
+def test_segment_mean_weights_turn_segment_means_into_a_row_sum():
+    g = torch.Generator().manual_seed(3)
+    seg = torch.tensor([0, 0, 0, 2, 2, 3])  # segment 1 is empty
+    values = torch.randn(6, generator=g, dtype=torch.float64)
+    factor = torch.randn(4, generator=g, dtype=torch.float64)
+    w = segment_mean_weights(seg, factor, 4)
+    assert w.dtype == torch.float64 and not w.requires_grad
+    torch.testing.assert_close((w * values).sum(), (factor * segment_mean(values, seg, 4)).sum())
+    torch.testing.assert_close(segment_mean_weights(seg, 0.5, 4)[:3], torch.full((3,), 0.5 / 3))
+
+
+@pytest.mark.parametrize("num_total", [4, 9])
+def test_row_weights_give_the_gradient_of_the_distill_and_privilege_terms(num_total):
+    """What the trainer backpropagates with the fused loss: sum(w_kl KL + w_t log pT) has the
+    gradient of eq. 13's distillation and privilege terms in KL and log pT (privilege =
+    log pT - sg log pS), micro-batched too."""
+    kl, _, seg, rewards, _, _ = _batch(5)
+    g = torch.Generator().manual_seed(6)
+    lp_t = torch.randn(kl.shape, generator=g, dtype=torch.float64).requires_grad_()
+    lp_s = torch.randn(kl.shape, generator=g, dtype=torch.float64)
+    adv, beta = advantages_from_rewards(rewards), 0.8
+    terms = lopd_loss(kl, lp_t - lp_s, seg, adv, None, None, beta, 0.05, 0.0, num_total)
+    want = torch.autograd.grad(terms.loss, (kl, lp_t))
+    w_kl, w_t = lopd_row_weights(seg, adv, beta, num_total)
+    got = torch.autograd.grad((w_kl * kl).sum() + (w_t * lp_t).sum(), (kl, lp_t))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -186,7 +186,8 @@ class LopdDistillationConfig(DistillationConfig):
 
 
 class LopdDistillationTrainer(DistillationTrainer):
-    """``trl.DistillationTrainer`` with the loss of :func:`lopd_kernels.fused_linear_topk_tail_kl`.
+    """``trl.DistillationTrainer`` with the loss of :func:`lopd_kernels.fused_linear_topk_tail_kl`
+    (as :func:`lopd_kernels.fused_linear_topk_tail_kl_loss`).
 
     Takes a :class:`LopdDistillationConfig`. Logs ``teacher_topk_mass`` (mean teacher mass on the
     support's ids: how much of the teacher the buckets resolve, paper A.2) where TRL logs the
@@ -271,21 +272,20 @@ class LopdDistillationTrainer(DistillationTrainer):
             h_teacher, b_t = h_teacher * c_t, None if b_t is None else b_t * c_t
 
         target = completion_ids.to(device).masked_fill(loss_mask.to(device) == 0, _IGNORE)
-        out = lk.fused_linear_topk_tail_kl(
+        num_valid = (target != _IGNORE).sum()
+        # TRL's reduction is a fixed weight per token: the kernel forms the gradients in its
+        # forward (fused_linear_topk_tail_kl_loss), no logit recompute in the backward.
+        kl_weight = _reduce_sum(torch.ones((), device=device), num_valid, num_items_in_batch)
+        res = lk.fused_linear_topk_tail_kl_loss(
             h_student.reshape(-1, h_student.size(-1)), w_s,
             h_teacher.reshape(-1, h_teacher.size(-1)), w_t,
-            target.reshape(-1),
+            target.reshape(-1), kl_weight=kl_weight.detach(),
             student_bias=b_s, teacher_bias=b_t, top_m=self.args.top_m,
             temperature=self.temperature, support=self.args.lopd_support, ignore_index=_IGNORE,
             backend=self.args.lopd_backend, chunk_size=self.args.lopd_chunk_size,
             **divergence_kwargs(self.beta),
         )  # fmt: skip
-        num_valid = (target != _IGNORE).sum()
-        return (
-            _reduce_sum(out.kl.sum(), num_valid, num_items_in_batch),
-            out.teacher_topk_mass.sum().detach(),
-            num_valid,
-        )
+        return res.loss, res.output.teacher_topk_mass.sum(), num_valid
 
 
 # The multimodal fields TRL's DistillationTrainer forwards to the backbone (VLM students).

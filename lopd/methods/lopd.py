@@ -29,9 +29,13 @@ import torch
 from lopd.config import Config
 from lopd.latent.injection import TeacherSequence
 from lopd.latent.teacher import latent_teacher_sequence, teacher_action_hidden
-from lopd.loss import advantages_from_rewards, dual_update, lopd_loss
+from lopd.loss import advantages_from_rewards, dual_update, lopd_loss, lopd_row_weights
 from lopd.methods.base import DistillSpec, MethodBase, MethodContext
-from lopd.methods.rows import distill_metric_sums, distill_rows, student_action_hidden
+from lopd.methods.rows import (
+    distill_metric_sums,
+    student_action_hidden,
+    weighted_distill_rows,
+)
 from lopd.rollout.batch import ActionRows, lm_head
 from lopd.types import Task, Trajectory
 
@@ -135,14 +139,19 @@ class LOPDMethod(MethodBase):
         )
         h_s = student_action_hidden(models, trajectories, where)
         head_s, head_t = lm_head(models.student), lm_head(self.composer.backbone)
-        # KL_n (eq. 9-10) and delta_n (eq. 11) from the LM heads, on the N rows only.
-        out = distill_rows(h_s, head_s, h_t, head_t, where.targets, s.spec)
         rewards = torch.tensor([t.reward for t in trajectories], device=models.device)
-        terms = lopd_loss(  # eq. 12-13
+        advantages = advantages_from_rewards(rewards)  # A_i = 2 r_i - 1
+        # KL_n (eq. 9-10) and delta_n (eq. 11) from the LM heads, on the N rows only. Eq. 13 is
+        # linear in both with weights known now (beta is a constant within the step), so the
+        # kernel forms their gradients while each chunk's logits are in memory.
+        w_kl, w_t = lopd_row_weights(where.batch, advantages, self.beta, num_total)
+        fused = weighted_distill_rows(h_s, head_s, h_t, head_t, where.targets, s.spec, w_kl, w_t)
+        out = fused.output  # no gradient: it is in fused.loss
+        terms = lopd_loss(  # eq. 12-13: the logged Lagrangian, gradient through the anchor
             out.kl,
             out.privilege,
             where.batch,
-            advantages_from_rewards(rewards),  # A_i = 2 r_i - 1
+            advantages,
             latents,
             latents0,
             beta=self.beta,
@@ -150,6 +159,8 @@ class LOPDMethod(MethodBase):
             anchor_weight=s.anchor_weight,
             num_total=num_total,
         )
+        # The value of terms.loss, the gradients of the distillation and privilege terms too.
+        loss = terms.loss + (fused.loss - fused.loss.detach())
         with torch.no_grad():
             b = len(trajectories)
             kl, delta, anchor = torch.stack(
@@ -157,7 +168,7 @@ class LOPDMethod(MethodBase):
             ).tolist()
             sums = {"kl": kl, "delta": delta, "anchor": anchor}
             sums.update(distill_metric_sums(out, where, b))
-        return terms.loss, sums
+        return loss, sums
 
     def latents(self, tasks: Sequence[Task]) -> torch.Tensor:
         """The teacher's latent context, ``[B, J*K, d]``: c_phi, or c_phi0 for ``lopd-frozen``."""

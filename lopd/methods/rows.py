@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lopd.loss import segment_mean
+from lopd.loss import segment_mean, segment_mean_weights
 from lopd.methods.base import DistillSpec
 from lopd.parallel.distributed import is_sharded
 from lopd.parallel.fsdp import full_weight
@@ -22,7 +22,12 @@ from lopd.parallel.precision import autocast_cast
 from lopd.rollout.batch import ActionRows, lm_head, pad_batch
 from lopd.run.context import Models
 from lopd.types import Trajectory
+from lopd_kernels.fused_linear_topk_tail_kl_loss import (
+    FusedLinearTopKTailKLLoss,
+    fused_linear_topk_tail_kl_loss,
+)
 from lopd_kernels.hf import lm_head_topk_tail_kl
+from lopd_kernels.topk_tail_kl import TopKTailKLOutput
 
 __all__ = [
     "DISTILL_METRICS",
@@ -30,6 +35,7 @@ __all__ = [
     "distill_metric_sums",
     "distill_rows",
     "student_action_hidden",
+    "weighted_distill_rows",
     "zero_loss",
 ]
 
@@ -107,6 +113,51 @@ def distill_rows(
     )
 
 
+def weighted_distill_rows(
+    h_s: torch.Tensor,
+    head_s: nn.Module,
+    h_t: torch.Tensor,
+    head_t: nn.Module,
+    targets: torch.Tensor,
+    spec: DistillSpec,
+    kl_weight: torch.Tensor,
+    teacher_logprob_weight: torch.Tensor | float = 0.0,
+) -> FusedLinearTopKTailKLLoss:
+    """``sum_n kl_weight[n] KL_n + teacher_logprob_weight[n] log pT(a_n)`` of the action rows,
+    and the per-row outputs without gradient.
+
+    With ``spec.fused_linear`` this is :func:`~lopd_kernels.fused_linear_topk_tail_kl_loss`: the
+    weights are known before the kernel runs, so it forms the gradients while each chunk's logits
+    are in memory (the GEMM count of the materialized path, none of its ``[N, V]`` tensors).
+    Otherwise :func:`distill_rows`' outputs weighted under autograd.
+
+    Args:
+        h_s, head_s, h_t, head_t, targets, spec: as :func:`distill_rows`.
+        kl_weight, teacher_logprob_weight: ``[N]`` row weights (constants), e.g. from
+            :func:`lopd.loss.segment_mean_weights`.
+    """
+    if not spec.fused_linear:
+        out = distill_rows(h_s, head_s, h_t, head_t, targets, spec)
+        loss = (kl_weight * out.kl).sum() + (teacher_logprob_weight * out.teacher_logprob).sum()
+        return FusedLinearTopKTailKLLoss(loss, TopKTailKLOutput(*(x.detach() for x in out)))
+    # As distill_rows: 16-bit operands under mixed precision, a sharded head gathered.
+    h_s, w_s, h_t, w_t = autocast_cast(h_s, full_weight(head_s), h_t, full_weight(head_t))
+    return fused_linear_topk_tail_kl_loss(
+        h_s,
+        w_s,
+        h_t,
+        w_t,
+        targets,
+        kl_weight=kl_weight,
+        teacher_logprob_weight=teacher_logprob_weight,
+        student_bias=getattr(head_s, "bias", None),
+        teacher_bias=getattr(head_t, "bias", None),
+        top_m=spec.top_m,
+        temperature=spec.temperature,
+        divergence=spec.divergence,
+    )
+
+
 def _kernel_head(head: nn.Module) -> nn.Module | tuple[torch.Tensor, torch.Tensor | None]:
     """The head, or ``(full weight, bias)`` when its weight is sharded (:func:`full_weight`)."""
     if is_sharded(head.weight):
@@ -165,14 +216,19 @@ def distill_loss(
         ``(loss, metric sums)`` with the keys :data:`DISTILL_METRICS`.
     """
     h_s = student_action_hidden(models, trajectories, where)
-    out = distill_rows(h_s, lm_head(models.student), h_t, head_t, where.targets, spec)
     b = len(trajectories)
-    kl = segment_mean(out.kl, where.batch, b)
-    if weights is not None:
-        kl = kl * weights
-    sums = {"kl": float(kl.detach().sum())}
-    sums.update(distill_metric_sums(out, where, b))
-    return kl.sum() / num_total, sums
+    per_traj = (1.0 if weights is None else weights.detach()) / num_total
+    row_weights = segment_mean_weights(where.batch, per_traj, b)
+    fused = weighted_distill_rows(
+        h_s, lm_head(models.student), h_t, head_t, where.targets, spec, row_weights
+    )
+    with torch.no_grad():
+        kl = segment_mean(fused.output.kl, where.batch, b)
+        if weights is not None:
+            kl = kl * weights
+    sums = {"kl": float(kl.sum())}
+    sums.update(distill_metric_sums(fused.output, where, b))
+    return fused.loss, sums
 
 
 def zero_loss(device: torch.device) -> torch.Tensor:

@@ -1,0 +1,488 @@
+"""``fused_linear_topk_tail_kl_loss``: the fused top-M + tail divergence reduced to one weighted
+scalar, with its gradients computed in the forward.
+
+When the per-row weights of the loss are known before the call (a token mean, a per-trajectory
+mean, LOPD's ``- beta * A_i`` on the teacher's log-prob), the gradient of
+
+    loss = sum_n  w_kl[n] * kl[n] + w_s[n] * log pS(a_n) + w_t[n] * log pT(a_n)
+
+is known in the forward too. The chunked path then differentiates each token chunk while its two
+``[C, V]`` logit blocks are still in memory: two logit GEMMs, the per-row forward and backward
+kernels of ``topk_tail_kl``, and the ``dh = ds W`` / ``dW += ds^T h`` GEMMs, i.e. the six GEMMs
+of the materialized path (``topk_tail_kl(h_s @ W_s.T, h_t @ W_t.T)`` under autograd) and none of
+its ``[N, V]`` traffic. :func:`lopd_kernels.fused_linear_topk_tail_kl` must leave the gradient for
+the backward, where it recomputes the logit blocks (eight GEMMs). The backward of this op scales
+the kept gradients by the upstream scalar, in place (Liger's fused linear losses work the same
+way).
+
+Implementations (``torch.ops.lopd.fused_linear_topk_tail_kl_loss_<impl>_fwd/_bwd``): ``"cpu"``
+and ``"cuda"``, the chunked path (:mod:`lopd_kernels.fused_linear_topk_tail_kl_chunked`'s blocks
+and per-row kernels). ``backend="torch"`` and ``"triton"`` (and float64 inputs under ``"auto"``)
+weight the outputs of :func:`fused_linear_topk_tail_kl` under autograd: the same loss and
+gradients, without the saving.
+
+Memory: the forward keeps the gradients of every input that requires one (``[N, d]`` hidden
+states, ``[V, d]`` float32 weights) until the backward, which the unfused backward would
+allocate anyway; the per-row outputs it returns carry no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from lopd_kernels._custom_ops import CustomOps
+from lopd_kernels._reduction import check_module_options
+from lopd_kernels.bucket_math import effective_top_m, op_divergence, support_width
+from lopd_kernels.fused_linear_topk_tail_kl import BACKENDS, fused_linear_topk_tail_kl
+from lopd_kernels.fused_linear_topk_tail_kl_checks import check_inputs, check_row_weights
+from lopd_kernels.fused_linear_topk_tail_kl_chunked import (
+    CHUNKED_SWITCH,
+    Rows,
+    Side,
+    accumulate_logit_grad,
+    auto_chunk_rows,
+    block_buffers,
+    chunks,
+    epilogue_kernels,
+    logits_block,
+)
+from lopd_kernels.kernel_variants import variant as selected_variant
+from lopd_kernels.topk_tail_kl import TopKTailKLOutput, support_size, teacher_topk_mass
+from lopd_kernels.topk_tail_kl_checks import check_targets_in_range
+
+__all__ = [
+    "FusedLinearTopKTailKL",
+    "FusedLinearTopKTailKLLoss",
+    "fused_linear_topk_tail_kl_loss",
+]
+
+OP = "fused_linear_topk_tail_kl_loss"
+
+
+class FusedLinearTopKTailKLLoss(NamedTuple):
+    """What :func:`fused_linear_topk_tail_kl_loss` returns.
+
+    Attributes:
+        loss: ``[]`` the weighted sum (float32; float64 for float64 inputs), differentiable.
+        output: the per-row :class:`~lopd_kernels.topk_tail_kl.TopKTailKLOutput`, without
+            gradient (its gradient is in ``loss``).
+    """
+
+    loss: Tensor
+    output: TopKTailKLOutput
+
+
+# ----------------------------------------------------------------------------------------------
+# The chunked forward with its gradients
+# ----------------------------------------------------------------------------------------------
+
+
+def _grad_buffers(hs, ws, bs, ht, wt, bt, needs, shared: bool, any_rows: bool, f32) -> list:
+    """Float32 gradient buffers ``[d_hs, d_ws, d_bs, d_ht, d_wt, d_bt]`` (None: not needed).
+    Weight gradients are written by the first chunk's GEMM (zeros when no row has a target);
+    with ``shared`` one buffer takes both heads' gradients."""
+    dev = hs.device
+    new_w = torch.empty if any_rows else torch.zeros
+    d_hs = torch.zeros(hs.shape, dtype=f32, device=dev) if needs[0] else None
+    d_ws = new_w(ws.shape, dtype=f32, device=dev) if needs[1] else None
+    d_bs = torch.zeros(ws.shape[0], dtype=f32, device=dev) if needs[2] else None
+    d_ht = torch.zeros(ht.shape, dtype=f32, device=dev) if needs[3] else None
+    d_wt = d_ws if shared else (new_w(wt.shape, dtype=f32, device=dev) if needs[4] else None)
+    d_bt = torch.zeros(wt.shape[0], dtype=f32, device=dev) if needs[5] else None
+    return [d_hs, d_ws, d_bs, d_ht, d_wt, d_bt]
+
+
+def chunked_loss_fwd(
+    hs: Tensor,
+    ws: Tensor,
+    bs: Tensor | None,
+    ht: Tensor,
+    wt: Tensor,
+    bt: Tensor | None,
+    target: Tensor,
+    w_kl: Tensor,
+    w_slp: Tensor,
+    w_tlp: Tensor,
+    top_m: int,
+    temperature: float,
+    divergence: str,
+    beta: float,
+    support: str,
+    ignore_index: int,
+    chunk_size: int,
+    needs: list[bool],
+    shared_weight: bool,
+) -> tuple[Tensor, ...]:
+    """Per token chunk: both logit blocks, the per-row forward, then (where ``needs``) the
+    per-row backward with the row weights as upstream gradients and the gradient GEMMs.
+
+    Returns ``loss [], kl, lp_s, lp_t [N], topk_ids [N, K], bucket_logp [N, 2, K+1]`` and the
+    gradients ``d_hs, d_ws, d_bs, d_ht, d_wt, d_bt`` of the loss in the inputs' dtypes (an empty
+    ``[0]`` where not needed, and the teacher weight's when it is the student's: summed there).
+    """
+    n, vocab, dev = hs.shape[0], ws.shape[0], hs.device
+    m = effective_top_m(top_m, vocab)
+    k = support_width(m, support)
+    f32 = torch.float64 if hs.dtype == torch.float64 else torch.float32
+    kl = torch.zeros(n, dtype=torch.float32, device=dev)
+    lp_s, lp_t = torch.zeros_like(kl), torch.zeros_like(kl)
+    ids = torch.zeros(n, k, dtype=torch.long, device=dev)
+    bucket = kl.new_zeros(n, 2, k + 1)
+    rows = Rows(target, ignore_index)
+    shared = shared_weight
+    grads = _grad_buffers(hs, ws, bs, ht, wt, bt, needs, shared, rows.n > 0, f32)
+    d_hs, d_ws, d_bs, d_ht, d_wt, d_bt = grads
+    if rows.n:
+        v2 = selected_variant(CHUNKED_SWITCH) == "v2"
+        fwd, bwd = epilogue_kernels(dev, m, divergence, support)
+        need_s = needs[0] or needs[1] or needs[2]
+        need_t = needs[3] or needs[4] or needs[5]
+        student = Side(0, hs, ws, bs, d_hs, d_ws, d_bs)
+        teacher = Side(1, ht, wt, bt, d_ht, d_wt, d_bt)
+        sides = [side for side, need in ((student, need_s), (teacher, need_t)) if need]
+        # Live [C, V] blocks: both logit blocks, and one gradient block per side in turn (with
+        # M > 0 a side's logit gradient reads only its own logits); the full-vocabulary KL
+        # couples every entry: both gradient blocks at once.
+        live = 2 + (0 if not sides else (2 if m == 0 else 1))
+        chunk = min(chunk_size or auto_chunk_rows(vocab, rows.n, dev, live_blocks=live), rows.n)
+        buf_s, buf_t = block_buffers(2, chunk, vocab, hs)
+        written: set[int] = set()
+        opts = (temperature, divergence, beta, ignore_index)
+        for c0, c1 in chunks(rows.n, chunk):
+            h = (rows.take(hs, c0, c1), rows.take(ht, c0, c1))
+            s = logits_block(h[0], ws, bs, buf_s[: c1 - c0])
+            t = logits_block(h[1], wt, bt, buf_t[: c1 - c0])
+            tgt = rows.take(target, c0, c1)
+            out = fwd(s, t, tgt, m, temperature, divergence, beta, support, ignore_index)
+            for dst, src in zip((kl, lp_s, lp_t, ids), out[:4]):
+                rows.put(dst, c0, c1, src)
+            rows.put(bucket, c0, c1, out[5])
+            if not sides:
+                continue
+            up = [rows.take(x, c0, c1) for x in (w_kl, w_slp, w_tlp)]
+            saved = (tgt, out[3], out[0], out[4], out[5])
+            if m == 0:
+                both = bwd(*up, s, t, *saved, *opts, need_s, need_t)
+                for side in sides:
+                    accumulate_logit_grad(both[side.x], h[side.x], side, rows, c0, c1, v2, written)
+                del both
+            else:
+                for side in sides:
+                    grad = bwd(*up, s, t, *saved, *opts, side.x == 0, side.x == 1)[side.x]
+                    accumulate_logit_grad(grad, h[side.x], side, rows, c0, c1, v2, written)
+                    del grad
+            del s, t
+    loss = (w_kl.to(f32) * kl).sum() + (w_slp.to(f32) * lp_s).sum() + (w_tlp.to(f32) * lp_t).sum()
+    likes = (hs, ws, ws, ht, wt, wt)
+    out_grads = [
+        hs.new_empty(0) if g is None or (i == 4 and shared) else g.to(like.dtype)
+        for i, (g, like) in enumerate(zip(grads, likes))
+    ]
+    return (loss, kl, lp_s, lp_t, ids, bucket, *out_grads)
+
+
+def _shared_weight(ws: Tensor, wt: Tensor, needs: list[bool]) -> bool:
+    """One head for both models, both needing its gradient: one accumulator, the student's
+    (decided on the real tensors, before the op: a fake tensor has no storage to compare)."""
+    # Under torch.compile only identity is traceable; two views of one head then take two
+    # accumulators, which autograd sums: the same gradient, one more [V, d] buffer.
+    same = ws is wt
+    if not same and not torch.compiler.is_compiling():
+        same = ws.data_ptr() == wt.data_ptr() and ws.shape == wt.shape
+    return bool(same and needs[1] and needs[4] and ws.stride() == wt.stride())
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops: fused_linear_topk_tail_kl_loss_{cpu,cuda}_{fwd,bwd}
+# ----------------------------------------------------------------------------------------------
+
+
+def _fwd(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    student_bias: Tensor | None,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    teacher_bias: Tensor | None,
+    target_ids: Tensor,
+    kl_weight: Tensor,
+    student_logprob_weight: Tensor,
+    teacher_logprob_weight: Tensor,
+    top_m: int,
+    temperature: float,
+    divergence: str,
+    beta: float,
+    support: str,
+    ignore_index: int,
+    chunk_size: int,
+    needs: list[bool],
+    shared_weight: bool,
+) -> tuple[
+    Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor
+]:
+    """``loss [], kl, student_logprob, teacher_logprob [N], topk_ids [N, K], bucket_logp
+    [N, 2, K+1]`` and the loss's gradients in the six differentiable inputs (``[0]`` where
+    ``needs`` is false; the teacher weight's too with ``shared_weight``, summed into the
+    student's): :func:`chunked_loss_fwd`."""
+    return chunked_loss_fwd(
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+        teacher_bias, target_ids, kl_weight, student_logprob_weight, teacher_logprob_weight,
+        top_m, temperature, divergence, beta, support, ignore_index, chunk_size, needs,
+        shared_weight,
+    )  # fmt: skip
+
+
+#: The backward's arguments: the forward's gradients, scaled in place.
+_KEPT = (
+    "d_student_hidden",
+    "d_student_weight",
+    "d_student_bias",
+    "d_teacher_hidden",
+    "d_teacher_weight",
+    "d_teacher_bias",
+)
+
+
+def _bwd(
+    grad_loss: Tensor,
+    d_student_hidden: Tensor,
+    d_student_weight: Tensor,
+    d_student_bias: Tensor,
+    d_teacher_hidden: Tensor,
+    d_teacher_weight: Tensor,
+    d_teacher_bias: Tensor,
+) -> None:
+    """Scales the forward's gradients by the upstream scalar ``grad_loss``, in place.
+
+    In place because a fresh ``[V, d]`` result costs more than the product: on CPU it is new
+    pages the OS zeroes on first touch (1.3-2.4 s for two float32 ``[151936, 1024]`` heads on 2
+    cores, against 0.04 s for the multiply into warm memory). The kept gradients belong to this
+    op's graph alone, and autograd's version counter refuses a second backward through it.
+    """
+    kept = (d_student_hidden, d_student_weight, d_student_bias, d_teacher_hidden)
+    kept += (d_teacher_weight, d_teacher_bias)
+    for g in kept:
+        if g.numel():
+            g.mul_(grad_loss.to(g.dtype))
+
+
+def _fwd_fake(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+              teacher_bias, target_ids, kl_weight, student_logprob_weight,
+              teacher_logprob_weight, top_m, temperature, divergence, beta, support,
+              ignore_index, chunk_size, needs, shared_weight):  # fmt: skip
+    n = student_hidden.shape[0]
+    m = effective_top_m(top_m, student_weight.shape[0])
+    k = support_width(m, support)
+    f32 = torch.float64 if student_hidden.dtype == torch.float64 else torch.float32
+    kl = student_hidden.new_empty(n, dtype=torch.float32)
+    shared = shared_weight
+    likes = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight)
+    likes += (teacher_bias,)
+    grads = [
+        torch.empty_like(like) if need and like is not None and not (i == 4 and shared)
+        else student_hidden.new_empty(0)
+        for i, (need, like) in enumerate(zip(needs, likes))
+    ]  # fmt: skip
+    return (
+        kl.new_empty((), dtype=f32),
+        kl,
+        torch.empty_like(kl),
+        torch.empty_like(kl),
+        student_hidden.new_empty(n, k, dtype=torch.long),
+        kl.new_empty(n, 2, k + 1),
+        *grads,
+    )
+
+
+def _bwd_fake(grad_loss, *kept) -> None:
+    return None
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*output[6:])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _make_backward(bwd_op):
+    def backward(ctx, g_loss, *_unused):
+        kept = ctx.saved_tensors
+        bwd_op(g_loss, *kept)
+        out = [g if g.numel() else None for g in kept]
+        return (*out, *([None] * 13))
+
+    return backward
+
+
+CUSTOM_OPS = CustomOps(OP, _fwd_fake, _bwd_fake, _setup_context, _make_backward)
+CUSTOM_OPS.define("cpu", _fwd, _bwd, bwd_mutates_args=_KEPT)
+CUSTOM_OPS.define("cuda", _fwd, _bwd, bwd_mutates_args=_KEPT)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+
+def _row_weight(w: Tensor | float, n: int, like: Tensor) -> Tensor:
+    """A row weight as a contiguous ``[N]`` float32 (float64) tensor on ``like``'s device."""
+    dt = torch.float64 if like.dtype == torch.float64 else torch.float32
+    return torch.as_tensor(w, dtype=dt, device=like.device).expand(n).contiguous()
+
+
+def fused_linear_topk_tail_kl_loss(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    target_ids: Tensor,
+    *,
+    kl_weight: Tensor | float | None = None,
+    student_logprob_weight: Tensor | float = 0.0,
+    teacher_logprob_weight: Tensor | float = 0.0,
+    student_bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
+    top_m: int | None = 20,
+    temperature: float = 1.0,
+    divergence: str = "reverse",
+    beta: float | None = None,
+    support: str = "teacher",
+    ignore_index: int = -100,
+    backend: str = "auto",
+    chunk_size: int | None = None,
+) -> FusedLinearTopKTailKLLoss:
+    """``sum_n kl_weight[n] * kl[n] + student_logprob_weight[n] * log pS(a_n) +
+    teacher_logprob_weight[n] * log pT(a_n)`` from the LM-head inputs, its gradients computed in
+    the forward (module docstring): the loss of :func:`fused_linear_topk_tail_kl` for a loss that
+    is a fixed weighting of its rows, at the GEMM count of the materialized path.
+
+    Args:
+        student_hidden, student_weight, teacher_hidden, teacher_weight, target_ids: as in
+            :func:`fused_linear_topk_tail_kl` (``[N, d_s]``, ``[V, d_s]``, ``[N, d_t]``,
+            ``[V, d_t]``, ``[N]``).
+        kl_weight: ``[N]`` or a scalar (a float or 0-d tensor); ``None``: the mean over the rows
+            whose target is not ``ignore_index`` (0 when there is none).
+        student_logprob_weight, teacher_logprob_weight: ``[N]`` or scalars weighting the target
+            tokens' log-probs (LOPD's privilege ``log pT - sg log pS`` is a teacher weight).
+            Weights are constants: a weight that requires grad is refused.
+        student_bias, teacher_bias, top_m, temperature, divergence, beta, support, ignore_index,
+            chunk_size: as in :func:`fused_linear_topk_tail_kl`.
+        backend: ``"auto"`` (the chunked path; float64: the reference), ``"cpu"`` / ``"cuda"``
+            (chunked, gradients in the forward), ``"torch"`` / ``"triton"`` (the weighted
+            outputs of :func:`fused_linear_topk_tail_kl` under autograd).
+
+    Returns:
+        :class:`FusedLinearTopKTailKLLoss` ``(loss, output)``.
+    """
+    hs, ws, ht, wt = student_hidden, student_weight, teacher_hidden, teacher_weight
+    m = check_inputs(hs, ws, ht, wt, target_ids, student_bias, teacher_bias, top_m, temperature,
+                     divergence, ignore_index, chunk_size, beta, support)  # fmt: skip
+    n = hs.shape[0]
+    weights = {"kl_weight": kl_weight, "student_logprob_weight": student_logprob_weight}
+    weights["teacher_logprob_weight"] = teacher_logprob_weight
+    check_row_weights(weights, n, hs.device)
+    check_targets_in_range(target_ids, ws.shape[0], ignore_index)
+    target = target_ids.long()
+    if kl_weight is None:
+        kl_weight = 1.0 / (target != ignore_index).sum().clamp(min=1)
+    w_kl, w_slp, w_tlp = (_row_weight(w, n, hs) for w in (kl_weight, *list(weights.values())[1:]))
+    fp64 = torch.float64 in (hs.dtype, ht.dtype)
+    impl = BACKENDS.resolve(backend, hs.device, fp64=fp64)
+    if impl in ("torch", "triton"):
+        out = fused_linear_topk_tail_kl(
+            hs, ws, ht, wt, target, student_bias=student_bias, teacher_bias=teacher_bias,
+            top_m=top_m, temperature=temperature, divergence=divergence, beta=beta,
+            support=support, ignore_index=ignore_index, backend=impl, chunk_size=chunk_size,
+        )  # fmt: skip
+        dt = w_kl.dtype
+        loss = (w_kl * out.kl.to(dt)).sum() + (w_slp * out.student_logprob.to(dt)).sum()
+        loss = loss + (w_tlp * out.teacher_logprob.to(dt)).sum()
+        detached = TopKTailKLOutput(*(x.detach() for x in out))
+        return FusedLinearTopKTailKLLoss(loss, detached)
+    div, div_beta = op_divergence(divergence, beta)
+    m = effective_top_m(m, ws.shape[0])
+    grad = torch.is_grad_enabled()
+    inputs = (hs, ws, student_bias, ht, wt, teacher_bias)
+    needs = [bool(grad and x is not None and x.requires_grad) for x in inputs]
+    shared = _shared_weight(ws, wt, needs)
+    loss, kl, lp_s, lp_t, ids, bucket, *_ = CUSTOM_OPS.fwd_op(impl)(
+        hs, ws, student_bias, ht, wt, teacher_bias, target, w_kl, w_slp, w_tlp, m,
+        float(temperature), div, div_beta, support, ignore_index, chunk_size or 0, needs, shared,
+    )  # fmt: skip
+    mass = teacher_topk_mass(bucket, target, ignore_index)
+    size = support_size(ids, target, ignore_index, ws.shape[0])
+    output = TopKTailKLOutput(kl, lp_t - lp_s, lp_s, lp_t, ids, mass, size)
+    return FusedLinearTopKTailKLLoss(loss, output)
+
+
+class FusedLinearTopKTailKL(nn.Module):
+    """Module form of :func:`fused_linear_topk_tail_kl` returning the (reduced) divergence.
+
+    Args:
+        top_m, temperature, divergence, beta, support, ignore_index, backend, chunk_size: as in
+            :func:`fused_linear_topk_tail_kl`.
+        reduction: ``"none"`` (``[N]`` per-token KL, 0 at ignored tokens), ``"mean"`` (over
+            non-ignored tokens; 0, never NaN, when every token is ignored) or ``"sum"``; the
+            reduced ones are :func:`fused_linear_topk_tail_kl_loss` (gradients formed in the
+            forward).
+
+    Shapes:
+        student_hidden ``[N, d_s]``, student_weight ``[V, d_s]``, teacher_hidden ``[N, d_t]``,
+        teacher_weight ``[V, d_t]``, target_ids ``[N]``, optional biases ``[V]``; output ``[N]``
+        for ``"none"``, else a scalar.
+    """
+
+    def __init__(
+        self,
+        top_m: int | None = 20,
+        temperature: float = 1.0,
+        divergence: str = "reverse",
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        backend: str = "auto",
+        chunk_size: int | None = None,
+        *,
+        beta: float | None = None,
+        support: str = "teacher",
+    ) -> None:
+        super().__init__()
+        check_module_options(reduction, divergence, backend, support=support)
+        self.top_m = top_m
+        self.temperature = temperature
+        self.divergence = divergence
+        self.beta = beta
+        self.support = support
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.backend = backend
+        self.chunk_size = chunk_size
+
+    def forward(
+        self,
+        student_hidden: Tensor,
+        student_weight: Tensor,
+        teacher_hidden: Tensor,
+        teacher_weight: Tensor,
+        target_ids: Tensor,
+        student_bias: Tensor | None = None,
+        teacher_bias: Tensor | None = None,
+    ) -> Tensor:
+        args = (student_hidden, student_weight, teacher_hidden, teacher_weight, target_ids)
+        kw = dict(student_bias=student_bias, teacher_bias=teacher_bias, top_m=self.top_m,
+                  temperature=self.temperature, divergence=self.divergence, beta=self.beta,
+                  support=self.support, ignore_index=self.ignore_index, backend=self.backend,
+                  chunk_size=self.chunk_size)  # fmt: skip
+        if self.reduction == "none":
+            return fused_linear_topk_tail_kl(*args, **kw).kl
+        # A reduced KL is a fixed weighting of the rows: its gradients are formed in the forward.
+        kl_weight = None if self.reduction == "mean" else 1.0
+        return fused_linear_topk_tail_kl_loss(*args, kl_weight=kl_weight, **kw).loss
+
+    def extra_repr(self) -> str:
+        return (
+            f"top_m={self.top_m}, temperature={self.temperature}, divergence={self.divergence!r}, "
+            f"beta={self.beta}, support={self.support!r}, ignore_index={self.ignore_index}, "
+            f"reduction={self.reduction!r}, backend={self.backend!r}, chunk_size={self.chunk_size}"
+        )
