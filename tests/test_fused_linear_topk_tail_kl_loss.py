@@ -285,3 +285,30 @@ def test_compiles_fullgraph():
 
 def test_exported():
     assert lk.fused_linear_topk_tail_kl_loss is fused_linear_topk_tail_kl_loss
+
+
+def test_backward_forms_no_head_sized_tensor():
+    """The backward only scales the kept gradients in place: no zero gradient materialized for
+    the op's other outputs, no fresh [V, d] result (either would be a copy of both heads)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    inputs, target = make_inputs(8, 16, 53, seed=18)
+    head = inputs["student_weight"].numel()
+
+    class HeadSized(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.numel() == head:
+                    self.ops.add(str(func))
+            return out
+
+    _, args = leaves_of(inputs, None)
+    res = fused_linear_topk_tail_kl_loss(*(args.pop(n) for n in NAMES), target, top_m=4)
+    with HeadSized() as seen:
+        res.loss.backward()
+    assert seen.ops <= {"aten.mul_.Tensor", "aten.detach.default"}, seen.ops
