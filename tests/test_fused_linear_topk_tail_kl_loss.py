@@ -239,6 +239,13 @@ def test_validation(weights, match):
         fused_linear_topk_tail_kl_loss(*(inputs[n] for n in NAMES), target, **weights)
 
 
+def test_targets_out_of_range_are_named():
+    inputs, target = make_inputs(6, 8, 13)
+    target[2] = 13
+    with pytest.raises(ValueError, match=r"target_ids\[2\] .* = 13 is outside \[0, V=13\)"):
+        fused_linear_topk_tail_kl_loss(*(inputs[n] for n in NAMES), target)
+
+
 def test_opcheck():
     inputs, target = make_inputs(6, 16, 37, bias=True, seed=11)
     leaves = {k: v.requires_grad_() for k, v in inputs.items()}
