@@ -33,7 +33,12 @@ from lopd_kernels._constants import KERNEL_DTYPES
 from lopd_kernels._custom_ops import CustomOps
 from lopd_kernels.bucket_math import effective_top_m, op_divergence, support_width
 from lopd_kernels.fused_linear_topk_tail_kl_checks import check_inputs, check_values
-from lopd_kernels.fused_linear_topk_tail_kl_chunked import auto_chunk_rows, chunked_bwd, chunked_fwd
+from lopd_kernels.fused_linear_topk_tail_kl_chunked import (
+    auto_chunk_rows,
+    chunked_bwd,
+    chunked_fwd,
+    shared_head,
+)
 from lopd_kernels.topk_tail_kl import (
     TopKTailKLOutput,
     kernel_option_refusal,
@@ -257,11 +262,17 @@ def _bwd_fake(grad_kl, grad_student_logprob, grad_teacher_logprob, student_hidde
               kl, lse, bucket_logp, student_tail_proj, teacher_tail_proj, temperature, divergence,
               beta, support, ignore_index, chunk_size, needs, shared_weight):  # fmt: skip
     likes = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight)
-    likes += (teacher_bias,)
+    return fake_grads((*likes, teacher_bias), needs, shared_weight)
+
+
+def fake_grads(likes: tuple, needs, shared_weight: bool) -> list[Tensor]:
+    """The fakes of the six gradient slots ``[d_hs, d_ws, d_bs, d_ht, d_wt, d_bt]`` of the
+    inputs ``likes``: each input's shape where needed, else ``[0]`` (the teacher weight's too
+    with ``shared_weight``: its gradient is in the student's slot)."""
     out = []
     for i, (need, like) in enumerate(zip(needs, likes)):
         skip = not need or like is None or (i == 4 and shared_weight)
-        out.append(student_hidden.new_empty(0) if skip else torch.empty_like(like))
+        out.append(likes[0].new_empty(0) if skip else torch.empty_like(like))
     return out
 
 
@@ -283,8 +294,7 @@ def _make_backward(bwd_op):
         needs = list(ctx.needs_input_grad[:6])
         zeros = kl.new_zeros(kl.shape)
         g_kl, g_slp, g_tlp = (zeros if g is None else g for g in (g_kl, g_slp, g_tlp))
-        shared = ws is wt or (ws.data_ptr() == wt.data_ptr() and ws.shape == wt.shape)
-        shared = shared and needs[1] and needs[4] and ws.stride() == wt.stride()
+        shared = shared_head(ws, wt, needs)
         grads = bwd_op(
             g_kl, g_slp, g_tlp, hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket, proj_s,
             proj_t, temperature, divergence, beta, support, ignore, chunk, needs, shared,

@@ -58,7 +58,9 @@ __all__ = [
     "chunked_fwd",
     "chunks",
     "epilogue_kernels",
+    "grad_buffers",
     "logits_block",
+    "shared_head",
     "tail_probs",
 ]
 
@@ -419,6 +421,38 @@ def accumulate_logit_grad(
             gemm.matmul_f32(g.T, h, out=side.d_w, accumulate=True)
 
 
+def shared_head(ws: Tensor, wt: Tensor, needs) -> bool:
+    """Whether both models use one head and both need its gradient: then one float32
+    accumulator takes both sides' weight gradients, returned in the student's slot.
+
+    Decided on the real tensors, before a custom op runs (a fake tensor has no storage). Under
+    ``torch.compile`` only identity is traceable: two views of one head then take two
+    accumulators, which autograd sums (the same gradient, one more ``[V, d]`` buffer)."""
+    same = ws is wt
+    if not same and not torch.compiler.is_compiling():
+        same = ws.data_ptr() == wt.data_ptr() and ws.shape == wt.shape
+    return bool(same and needs[1] and needs[4] and ws.stride() == wt.stride())
+
+
+def grad_buffers(
+    hs: Tensor, ws: Tensor, ht: Tensor, wt: Tensor, needs, shared_weight: bool, rows: Rows
+) -> list[Tensor | None]:
+    """Float32 (float64 for float64 inputs) gradient buffers ``[d_hs, d_ws, d_bs, d_ht, d_wt,
+    d_bt]``, None where ``needs`` is false. Hidden-state and bias gradients start at zero; the
+    weight gradients are written by the first chunk's GEMM (zeros when no row has a target);
+    with ``shared_weight`` ``d_wt`` is ``d_ws``."""
+    f32 = torch.float64 if hs.dtype == torch.float64 else torch.float32
+    dev, vocab = hs.device, ws.shape[0]
+    new_w = torch.empty if rows.n else torch.zeros
+    d_hs = torch.zeros(hs.shape, dtype=f32, device=dev) if needs[0] else None
+    d_ws = new_w(ws.shape, dtype=f32, device=dev) if needs[1] else None
+    d_bs = torch.zeros(vocab, dtype=f32, device=dev) if needs[2] else None
+    d_ht = torch.zeros(ht.shape, dtype=f32, device=dev) if needs[3] else None
+    d_wt = d_ws if shared_weight else (new_w(wt.shape, dtype=f32, device=dev) if needs[4] else None)
+    d_bt = torch.zeros(vocab, dtype=f32, device=dev) if needs[5] else None
+    return [d_hs, d_ws, d_bs, d_ht, d_wt, d_bt]
+
+
 def chunked_bwd(
     grad_kl: Tensor,
     grad_slp: Tensor,
@@ -454,18 +488,8 @@ def chunked_bwd(
     """
     n_hs, n_ws, n_bs, n_ht, n_wt, n_bt = needs
     vocab, dev = ws.shape[0], hs.device
-    f32 = torch.float64 if hs.dtype == torch.float64 else torch.float32
-    d_hs = torch.zeros(hs.shape, dtype=f32, device=dev) if n_hs else None
-    d_ht = torch.zeros(ht.shape, dtype=f32, device=dev) if n_ht else None
     rows = Rows(target, ignore_index)
-    # Weight gradients are written by the first chunk's GEMM (zeros without any chunk).
-    new_w = torch.empty if rows.n else torch.zeros
-    d_ws = new_w(ws.shape, dtype=f32, device=dev) if n_ws else None
-    d_wt = d_ws if shared_weight and n_wt else None
-    if n_wt and d_wt is None:
-        d_wt = new_w(wt.shape, dtype=f32, device=dev)
-    d_bs = torch.zeros(vocab, dtype=f32, device=dev) if n_bs else None
-    d_bt = torch.zeros(vocab, dtype=f32, device=dev) if n_bt else None
+    d_hs, d_ws, d_bs, d_ht, d_wt, d_bt = grad_buffers(hs, ws, ht, wt, needs, shared_weight, rows)
     from_tail_s = bool(n_hs and proj_s.numel())
     from_tail_t = bool(n_ht and proj_t.numel())
     if rows.n and (from_tail_s or from_tail_t):

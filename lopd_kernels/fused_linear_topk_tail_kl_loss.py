@@ -36,7 +36,11 @@ from torch import Tensor, nn
 from lopd_kernels._custom_ops import CustomOps
 from lopd_kernels._reduction import check_module_options
 from lopd_kernels.bucket_math import effective_top_m, op_divergence, support_width
-from lopd_kernels.fused_linear_topk_tail_kl import BACKENDS, fused_linear_topk_tail_kl
+from lopd_kernels.fused_linear_topk_tail_kl import (
+    BACKENDS,
+    fake_grads,
+    fused_linear_topk_tail_kl,
+)
 from lopd_kernels.fused_linear_topk_tail_kl_checks import check_inputs, check_row_weights
 from lopd_kernels.fused_linear_topk_tail_kl_chunked import (
     CHUNKED_SWITCH,
@@ -47,7 +51,9 @@ from lopd_kernels.fused_linear_topk_tail_kl_chunked import (
     block_buffers,
     chunks,
     epilogue_kernels,
+    grad_buffers,
     logits_block,
+    shared_head,
 )
 from lopd_kernels.kernel_variants import variant as selected_variant
 from lopd_kernels.topk_tail_kl import TopKTailKLOutput, support_size, teacher_topk_mass
@@ -78,21 +84,6 @@ class FusedLinearTopKTailKLLoss(NamedTuple):
 # ----------------------------------------------------------------------------------------------
 # The chunked forward with its gradients
 # ----------------------------------------------------------------------------------------------
-
-
-def _grad_buffers(hs, ws, bs, ht, wt, bt, needs, shared: bool, any_rows: bool, f32) -> list:
-    """Float32 gradient buffers ``[d_hs, d_ws, d_bs, d_ht, d_wt, d_bt]`` (None: not needed).
-    Weight gradients are written by the first chunk's GEMM (zeros when no row has a target);
-    with ``shared`` one buffer takes both heads' gradients."""
-    dev = hs.device
-    new_w = torch.empty if any_rows else torch.zeros
-    d_hs = torch.zeros(hs.shape, dtype=f32, device=dev) if needs[0] else None
-    d_ws = new_w(ws.shape, dtype=f32, device=dev) if needs[1] else None
-    d_bs = torch.zeros(ws.shape[0], dtype=f32, device=dev) if needs[2] else None
-    d_ht = torch.zeros(ht.shape, dtype=f32, device=dev) if needs[3] else None
-    d_wt = d_ws if shared else (new_w(wt.shape, dtype=f32, device=dev) if needs[4] else None)
-    d_bt = torch.zeros(wt.shape[0], dtype=f32, device=dev) if needs[5] else None
-    return [d_hs, d_ws, d_bs, d_ht, d_wt, d_bt]
 
 
 def chunked_loss_fwd(
@@ -132,8 +123,7 @@ def chunked_loss_fwd(
     ids = torch.zeros(n, k, dtype=torch.long, device=dev)
     bucket = kl.new_zeros(n, 2, k + 1)
     rows = Rows(target, ignore_index)
-    shared = shared_weight
-    grads = _grad_buffers(hs, ws, bs, ht, wt, bt, needs, shared, rows.n > 0, f32)
+    grads = grad_buffers(hs, ws, ht, wt, needs, shared_weight, rows)
     d_hs, d_ws, d_bs, d_ht, d_wt, d_bt = grads
     if rows.n:
         v2 = selected_variant(CHUNKED_SWITCH) == "v2"
@@ -178,21 +168,10 @@ def chunked_loss_fwd(
     loss = (w_kl.to(f32) * kl).sum() + (w_slp.to(f32) * lp_s).sum() + (w_tlp.to(f32) * lp_t).sum()
     likes = (hs, ws, ws, ht, wt, wt)
     out_grads = [
-        hs.new_empty(0) if g is None or (i == 4 and shared) else g.to(like.dtype)
+        hs.new_empty(0) if g is None or (i == 4 and shared_weight) else g.to(like.dtype)
         for i, (g, like) in enumerate(zip(grads, likes))
     ]
     return (loss, kl, lp_s, lp_t, ids, bucket, *out_grads)
-
-
-def _shared_weight(ws: Tensor, wt: Tensor, needs: list[bool]) -> bool:
-    """One head for both models, both needing its gradient: one accumulator, the student's
-    (decided on the real tensors, before the op: a fake tensor has no storage to compare)."""
-    # Under torch.compile only identity is traceable; two views of one head then take two
-    # accumulators, which autograd sums: the same gradient, one more [V, d] buffer.
-    same = ws is wt
-    if not same and not torch.compiler.is_compiling():
-        same = ws.data_ptr() == wt.data_ptr() and ws.shape == wt.shape
-    return bool(same and needs[1] and needs[4] and ws.stride() == wt.stride())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,14 +257,8 @@ def _fwd_fake(student_hidden, student_weight, student_bias, teacher_hidden, teac
     k = support_width(m, support)
     f32 = torch.float64 if student_hidden.dtype == torch.float64 else torch.float32
     kl = student_hidden.new_empty(n, dtype=torch.float32)
-    shared = shared_weight
     likes = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight)
-    likes += (teacher_bias,)
-    grads = [
-        torch.empty_like(like) if need and like is not None and not (i == 4 and shared)
-        else student_hidden.new_empty(0)
-        for i, (need, like) in enumerate(zip(needs, likes))
-    ]  # fmt: skip
+    grads = fake_grads((*likes, teacher_bias), needs, shared_weight)
     return (
         kl.new_empty((), dtype=f32),
         kl,
@@ -412,7 +385,7 @@ def fused_linear_topk_tail_kl_loss(
     grad = torch.is_grad_enabled()
     inputs = (hs, ws, student_bias, ht, wt, teacher_bias)
     needs = [bool(grad and x is not None and x.requires_grad) for x in inputs]
-    shared = _shared_weight(ws, wt, needs)
+    shared = shared_head(ws, wt, needs)
     loss, kl, lp_s, lp_t, ids, bucket, *_ = CUSTOM_OPS.fwd_op(impl)(
         hs, ws, student_bias, ht, wt, teacher_bias, target, w_kl, w_slp, w_tlp, m,
         float(temperature), div, div_beta, support, ignore_index, chunk_size or 0, needs, shared,
