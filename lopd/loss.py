@@ -59,9 +59,14 @@ def segment_mean(values: torch.Tensor, seg: torch.Tensor, num_segments: int) -> 
         )
     sums = torch.zeros(num_segments, dtype=values.dtype, device=values.device)
     sums = sums.index_add(0, seg, values)
-    counts = torch.zeros(num_segments, dtype=values.dtype, device=values.device)
-    counts = counts.index_add(0, seg, torch.ones_like(values))
-    return sums / counts.clamp_min(1)
+    return sums / _segment_sizes(seg, num_segments, values.dtype)
+
+
+def _segment_sizes(seg: torch.Tensor, num_segments: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B]`` rows per segment, at least 1 (an empty segment divides 0 by 1)."""
+    counts = torch.zeros(num_segments, dtype=dtype, device=seg.device)
+    counts = counts.index_add(0, seg, torch.ones(seg.shape, dtype=dtype, device=seg.device))
+    return counts.clamp_min(1)
 
 
 def segment_mean_weights(
@@ -83,10 +88,8 @@ def segment_mean_weights(
         ``[N]`` float32 (float64 for a float64 ``per_segment``), no gradient.
     """
     dtype = torch.float64 if getattr(per_segment, "dtype", None) == torch.float64 else torch.float32
-    counts = torch.zeros(num_segments, dtype=dtype, device=seg.device)
-    counts = counts.index_add(0, seg, torch.ones(seg.shape, dtype=dtype, device=seg.device))
     factor = torch.as_tensor(per_segment, dtype=dtype, device=seg.device).expand(num_segments)
-    return (factor.detach() / counts.clamp_min(1)).index_select(0, seg)
+    return (factor.detach() / _segment_sizes(seg, num_segments, dtype)).index_select(0, seg)
 
 
 def lopd_row_weights(

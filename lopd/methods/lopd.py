@@ -31,11 +31,7 @@ from lopd.latent.injection import TeacherSequence
 from lopd.latent.teacher import latent_teacher_sequence, teacher_action_hidden
 from lopd.loss import advantages_from_rewards, dual_update, lopd_loss, lopd_row_weights
 from lopd.methods.base import DistillSpec, MethodBase, MethodContext
-from lopd.methods.rows import (
-    distill_metric_sums,
-    student_action_hidden,
-    weighted_distill_rows,
-)
+from lopd.methods.rows import distill_metric_sums, distill_rows, student_action_hidden
 from lopd.rollout.batch import ActionRows, lm_head
 from lopd.types import Task, Trajectory
 
@@ -145,8 +141,8 @@ class LOPDMethod(MethodBase):
         # linear in both with weights known now (beta is a constant within the step), so the
         # kernel forms their gradients while each chunk's logits are in memory.
         w_kl, w_t = lopd_row_weights(where.batch, advantages, self.beta, num_total)
-        fused = weighted_distill_rows(h_s, head_s, h_t, head_t, where.targets, s.spec, w_kl, w_t)
-        out = fused.output  # no gradient: it is in fused.loss
+        distilled = distill_rows(h_s, head_s, h_t, head_t, where.targets, s.spec, w_kl, w_t)
+        out = distilled.output  # no gradient: it is in distilled.loss
         terms = lopd_loss(  # eq. 12-13: the logged Lagrangian, gradient through the anchor
             out.kl,
             out.privilege,
@@ -160,7 +156,7 @@ class LOPDMethod(MethodBase):
             num_total=num_total,
         )
         # The value of terms.loss, the gradients of the distillation and privilege terms too.
-        loss = terms.loss + (fused.loss - fused.loss.detach())
+        loss = terms.loss + (distilled.loss - distilled.loss.detach())
         with torch.no_grad():
             b = len(trajectories)
             kl, delta, anchor = torch.stack(

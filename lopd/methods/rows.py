@@ -35,7 +35,6 @@ __all__ = [
     "distill_metric_sums",
     "distill_rows",
     "student_action_hidden",
-    "weighted_distill_rows",
     "zero_loss",
 ]
 
@@ -74,73 +73,43 @@ def distill_rows(
     head_t: nn.Module,
     targets: torch.Tensor,
     spec: DistillSpec,
-) -> Any:
-    """Top-M + tail KL of the action rows (fused with the LM heads when ``spec.fused_linear``).
-
-    Args:
-        h_s, h_t: ``[N, d]`` final hidden states of student / teacher at the action rows.
-        head_s, head_t: their LM heads.
-        targets: ``[N]`` sampled action tokens.
-        spec: the kernel settings.
-
-    Returns:
-        The kernel's :class:`~lopd_kernels.topk_tail_kl.TopKTailKLOutput` (``kl, privilege,
-        student_logprob, teacher_logprob, topk_ids, teacher_topk_mass``).
-    """
-    # The HF-facing helper users get (one way from hidden states and heads to the kernels): fused
-    # with the heads, or on their materialized [N, V] logits (action rows only). A sharded frozen
-    # head goes in as its gathered (weight, bias) pair.
-
-    if spec.fused_linear:
-        # Under mixed precision the fused kernel reads 16-bit operands, as an autocast lm_head
-        # would (the student's are float32 master weights and hidden states); autocast does not
-        # cast custom ops' inputs itself.
-        h_s, w_s, h_t, w_t = autocast_cast(h_s, full_weight(head_s), h_t, full_weight(head_t))
-        kernel_head_s = (w_s, getattr(head_s, "bias", None))
-        kernel_head_t = (w_t, getattr(head_t, "bias", None))
-    else:  # the heads' logits under the caller's autocast, action rows only
-        kernel_head_s, kernel_head_t = _kernel_head(head_s), _kernel_head(head_t)
-    return lm_head_topk_tail_kl(
-        h_s,
-        kernel_head_s,
-        h_t,
-        kernel_head_t,
-        targets,
-        fused=spec.fused_linear,
-        top_m=spec.top_m,
-        temperature=spec.temperature,
-        divergence=spec.divergence,
-    )
-
-
-def weighted_distill_rows(
-    h_s: torch.Tensor,
-    head_s: nn.Module,
-    h_t: torch.Tensor,
-    head_t: nn.Module,
-    targets: torch.Tensor,
-    spec: DistillSpec,
     kl_weight: torch.Tensor,
     teacher_logprob_weight: torch.Tensor | float = 0.0,
 ) -> FusedLinearTopKTailKLLoss:
-    """``sum_n kl_weight[n] KL_n + teacher_logprob_weight[n] log pT(a_n)`` of the action rows,
-    and the per-row outputs without gradient.
+    """``sum_n kl_weight[n] KL_n + teacher_logprob_weight[n] log pT(a_n)`` of the action rows
+    (top-M + tail KL, fused with the LM heads when ``spec.fused_linear``), and the per-row
+    outputs without gradient.
 
-    With ``spec.fused_linear`` this is :func:`~lopd_kernels.fused_linear_topk_tail_kl_loss`: the
-    weights are known before the kernel runs, so it forms the gradients while each chunk's logits
-    are in memory (the GEMM count of the materialized path, none of its ``[N, V]`` tensors).
-    Otherwise :func:`distill_rows`' outputs weighted under autograd.
+    Fused, this is :func:`~lopd_kernels.fused_linear_topk_tail_kl_loss`: the weights are known
+    before the kernel runs, so it forms the gradients while each chunk's logits are in memory
+    (the GEMM count of the materialized path, none of its ``[N, V]`` tensors). Otherwise the
+    heads' logits of the action rows under the caller's autocast, then ``topk_tail_kl``, the
+    outputs weighted under autograd.
 
     Args:
-        h_s, head_s, h_t, head_t, targets, spec: as :func:`distill_rows`.
+        h_s, h_t: ``[N, d]`` final hidden states of student / teacher at the action rows.
+        head_s, head_t: their LM heads (a sharded one is gathered).
+        targets: ``[N]`` sampled action tokens.
+        spec: the kernel settings.
         kl_weight, teacher_logprob_weight: ``[N]`` row weights (constants), e.g. from
             :func:`lopd.loss.segment_mean_weights`.
+
+    Returns:
+        ``(loss, output)``: the weighted sum and the kernel's
+        :class:`~lopd_kernels.topk_tail_kl.TopKTailKLOutput` (``kl, privilege, student_logprob,
+        teacher_logprob, topk_ids, teacher_topk_mass``) without gradient.
     """
+    kernel = {"top_m": spec.top_m, "temperature": spec.temperature}
+    kernel["divergence"] = spec.divergence
     if not spec.fused_linear:
-        out = distill_rows(h_s, head_s, h_t, head_t, targets, spec)
+        out = lm_head_topk_tail_kl(
+            h_s, _kernel_head(head_s), h_t, _kernel_head(head_t), targets, fused=False, **kernel
+        )
         loss = (kl_weight * out.kl).sum() + (teacher_logprob_weight * out.teacher_logprob).sum()
         return FusedLinearTopKTailKLLoss(loss, TopKTailKLOutput(*(x.detach() for x in out)))
-    # As distill_rows: 16-bit operands under mixed precision, a sharded head gathered.
+    # Under mixed precision the fused kernel reads 16-bit operands, as an autocast lm_head would
+    # (the student's are float32 master weights and hidden states); autocast does not cast
+    # custom ops' inputs itself.
     h_s, w_s, h_t, w_t = autocast_cast(h_s, full_weight(head_s), h_t, full_weight(head_t))
     return fused_linear_topk_tail_kl_loss(
         h_s,
@@ -152,9 +121,7 @@ def weighted_distill_rows(
         teacher_logprob_weight=teacher_logprob_weight,
         student_bias=getattr(head_s, "bias", None),
         teacher_bias=getattr(head_t, "bias", None),
-        top_m=spec.top_m,
-        temperature=spec.temperature,
-        divergence=spec.divergence,
+        **kernel,
     )
 
 
@@ -219,16 +186,15 @@ def distill_loss(
     b = len(trajectories)
     per_traj = (1.0 if weights is None else weights.detach()) / num_total
     row_weights = segment_mean_weights(where.batch, per_traj, b)
-    fused = weighted_distill_rows(
-        h_s, lm_head(models.student), h_t, head_t, where.targets, spec, row_weights
-    )
+    head_s = lm_head(models.student)
+    distilled = distill_rows(h_s, head_s, h_t, head_t, where.targets, spec, row_weights)
     with torch.no_grad():
-        kl = segment_mean(fused.output.kl, where.batch, b)
+        kl = segment_mean(distilled.output.kl, where.batch, b)
         if weights is not None:
             kl = kl * weights
     sums = {"kl": float(kl.sum())}
-    sums.update(distill_metric_sums(fused.output, where, b))
-    return fused.loss, sums
+    sums.update(distill_metric_sums(distilled.output, where, b))
+    return distilled.loss, sums
 
 
 def zero_loss(device: torch.device) -> torch.Tensor:
