@@ -4,6 +4,8 @@
     python -m benchmarks.memory_standins --shape qwen3-0.6b --out /tmp/mem \
         data.n_train=4 data.n_test=2 lopd.steps=2 \
         model.gradient_checkpointing=true lopd.micro_batch=1   # 28 layers; fits 24 GiB on CPU
+    python -m benchmarks.memory_standins --shape qwen3-0.6b --out /tmp/mem \
+        --trajectory-tokens 8192 model.gradient_checkpointing=true   # every trajectory 8,192
     python -m benchmarks.memory_standins --report /tmp/mem/run-218m           # table only
 
 Builds the random-init stand-in (:mod:`lopd.standin`) into ``OUT/standin-<shape>`` unless it is
@@ -12,6 +14,12 @@ process (so the resident-set peaks are this run's), and prints one markdown row 
 ``memory.jsonl``: the expected bytes (weights, gradients and AdamW moments counted from the
 parameters, plus the interpreter's resident set before loading), what autograd saved for the
 backward, the measured peak and end-of-phase resident set, and what ``malloc_trim`` gave back.
+
+``--trajectory-tokens L`` measures at a trajectory length instead of at whatever the random
+model decodes: the turns come from the filler (``gen.engine=filler``, :mod:`lopd.rollout.filler`:
+random ids, no decoding), every trajectory is exactly ``L`` tokens, and the budget shrinks to
+what a peak needs (:data:`AT_LENGTH`: one cold-start step of one trajectory, one training step of
+one trajectory per micro-batch). Its run directory is ``OUT/run-<shape>-<L>``.
 """
 
 from __future__ import annotations
@@ -27,6 +35,23 @@ from pathlib import Path
 GIB = 2.0**30
 SHORT = ["data.n_train=4", "data.n_test=2", "lopd.steps=2"]
 """The default short budget: 4 bank rollouts, 2 training steps, 2 held-out tasks."""
+AT_LENGTH = [
+    "data.n_train=4", "data.n_test=2", "cold_start.steps=1", "cold_start.batch_size=1",
+    "lopd.steps=1", "lopd.tasks_per_step=1", "lopd.micro_batch=1", "gen.max_steps=1",
+]  # fmt: skip
+"""The budget of ``--trajectory-tokens``: every phase once, one trajectory at a time."""
+
+
+def at_length(tokens: int) -> list[str]:
+    """The overrides that make every trajectory exactly ``tokens`` long (the filler's one turn
+    fills what the prompt leaves), with the :data:`AT_LENGTH` budget."""
+    return [
+        "gen.engine=filler",
+        f"gen.max_total_tokens={tokens}",
+        f"gen.max_new_tokens={tokens - 1}",
+        f"gen.max_prompt_tokens={min(2048, tokens - 2)}",
+        *AT_LENGTH,
+    ]
 
 
 def report(run_dir: Path) -> str:
@@ -59,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="218m", help="a name in lopd.standin.build.SHAPES")
     p.add_argument("--out", default="/tmp/lopd-memory", help="stand-ins and run directories")
     p.add_argument("--report", default=None, help="print the table of an existing run dir")
+    p.add_argument(
+        "--trajectory-tokens",
+        type=int,
+        default=None,
+        help="measure with every trajectory this long (random-id turns, no decoding)",
+    )
     p.add_argument("overrides", nargs="*", help=f"trainer overrides (default: {' '.join(SHORT)})")
     args = p.parse_intermixed_args(argv)
     if args.report:
@@ -71,11 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     if not (model / "config.json").exists():
         build_standin(model, args.shape)
     run = out / f"run-{args.shape}"
+    overrides = args.overrides or SHORT
+    if args.trajectory_tokens is not None:
+        if args.trajectory_tokens < 4:
+            p.error(f"--trajectory-tokens must be >= 4, got {args.trajectory_tokens}")
+        run = out / f"run-{args.shape}-{args.trajectory_tokens}"
+        overrides = [*at_length(args.trajectory_tokens), *args.overrides]
     if run.exists():  # a fresh run: an existing one would load its bank and cold start
         shutil.rmtree(run)
     cmd = [
         sys.executable, "-m", "lopd.train", "--preset", "smoke", "--model", str(model),
-        "--run-dir", str(run), "--no-progress", "--profile-memory", *(args.overrides or SHORT),
+        "--run-dir", str(run), "--no-progress", "--profile-memory", *overrides,
     ]  # fmt: skip
     repo = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}

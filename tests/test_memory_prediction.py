@@ -220,3 +220,17 @@ def test_cli_table_and_bad_input(capsys):
     assert main(["--models", "qwen3-99b"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "qwen3-99b" in err
+    assert main(["--standins", "--tokens", "8192", "--action-tokens", "9000"]) == 2
+    assert "action_tokens=9000" in capsys.readouterr().err
+
+
+def test_standins_at_a_trajectory_length_count_one_trajectory_at_a_time(capsys):
+    """``--standins --tokens L`` predicts the ``--trajectory-tokens L`` runs: one trajectory per
+    cold-start step (the smoke preset's batch is 2), so the cold start's activations halve."""
+    both = standin_predictions(8192, 6900)["qwen3-0.6b"].totals()
+    one = standin_predictions(8192, 6900, one_at_a_time=True)["qwen3-0.6b"].totals()
+    assert one["load"] == both["load"] and one["cold start"] < both["cold start"]
+    assert main(["--standins", "--tokens", "8192", "--action-tokens", "6900"]) == 0
+    out = capsys.readouterr().out
+    assert "8,192 tokens, 6,900 action tokens" in out
+    assert f"cold start: {one['cold start'] / GIB:.2f} GiB" in out

@@ -106,3 +106,21 @@ def test_smoke_preset_end_to_end_in_bf16(standin, tmp_path):
     vocab = 151_669
     bank = (run / "bank" / "trajectories.jsonl").read_text().splitlines()
     assert bank and all(max(json.loads(t)["input_ids"]) < vocab for t in bank)
+
+
+def test_memory_standins_at_a_trajectory_length(standin, tmp_path, capsys):
+    """``benchmarks/memory_standins.py --trajectory-tokens L``: every trajectory of the run is
+    ``L`` tokens (the filler's turns), and the table has a row per phase."""
+    from benchmarks.memory_standins import main
+
+    length = 2048
+    (tmp_path / "standin-ci").symlink_to(standin)
+    assert main(["--shape", "ci", "--out", str(tmp_path), "--trajectory-tokens", str(length)]) == 0
+    run = tmp_path / f"run-ci-{length}"
+    bank = [
+        json.loads(line) for line in (run / "bank" / "trajectories.jsonl").read_text().splitlines()
+    ]
+    assert len(bank) == 4 and all(len(t["input_ids"]) == length for t in bank)
+    table = capsys.readouterr().out
+    for phase in ("| load |", "| bank |", "| cold_start |", "| step 0 |", "| eval_final |"):
+        assert phase in table, phase

@@ -31,9 +31,9 @@ __all__ = [
     "ModelConfig",
 ]
 
-ENGINES = ("hf", "vllm")
+ENGINES = ("hf", "vllm", "filler")
 """The rollout engines ``gen.engine`` names (:mod:`lopd.rollout.multi_turn`,
-:mod:`lopd.rollout.vllm`)."""
+:mod:`lopd.rollout.vllm`, :mod:`lopd.rollout.filler`)."""
 
 VLLM_INSTALL_HINT = (
     "pip install 'lopd[vllm]' (CUDA), or on CPU, in its own environment (it needs transformers "
@@ -158,7 +158,10 @@ class GenConfig:
             of :mod:`lopd.rollout`) or ``vllm`` (:mod:`lopd.rollout.vllm`: the student's and
             the base + composer evaluation's turns through a vLLM engine, weights synced after
             every optimizer step; ``pip install 'lopd[vllm]'``). The losses' forwards and the
-            experience bank's base-model rollouts stay on the torch path either way.
+            experience bank's base-model rollouts stay on the torch path either way. ``filler``
+            (:mod:`lopd.rollout.filler`) runs no model: every turn, the bank's included, is its
+            whole token budget of random ids, so a ``--profile-memory`` run measures each phase
+            at a chosen trajectory length without decoding (its rewards mean nothing).
         vllm_gpu_memory_utilization: with ``engine=vllm`` on CUDA, the fraction of the GPU the
             engine may take (the torch models share it).
         vllm_kv_cache_gib: with ``engine=vllm``, the engine's KV cache size in GiB; ``null``

@@ -24,7 +24,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from lopd.memory import Embedder, ExperienceBank, HiddenStateEmbedder, Retriever
-from lopd.rollout.multi_turn import GenerationConfig, rollout
+from lopd.rollout.multi_turn import GenerationConfig, TurnGenerator, rollout
 from lopd.types import Task, Trajectory
 
 __all__ = ["CollectResult", "collect_bank"]
@@ -99,6 +99,7 @@ def collect_bank(
     index: str = "auto",
     index_batch_size: int = 256,
     progress: bool = True,
+    turn_generator: TurnGenerator | None = None,
 ) -> CollectResult:
     """Roll ``model`` out on ``tasks``, add the successes to the bank, index it.
 
@@ -125,6 +126,9 @@ def collect_bank(
         index_batch_size: bank entries / query tasks per embedder call while indexing
             (:class:`~lopd.memory.Retriever`'s ``doc_batch_size``).
         progress: show a tqdm bar over episodes.
+        turn_generator: generates the turns instead of ``model`` (which still embeds for
+            retrieval), e.g. the filler of ``gen.engine=filler``; see
+            :func:`lopd.rollout.multi_turn.rollout`.
 
     Returns:
         A :class:`CollectResult` with the figures, the successful trajectories and the retriever.
@@ -163,7 +167,15 @@ def collect_bank(
             t0 = time.perf_counter()
             # Modulo 2**63: torch generators take at most 64-bit seeds, whatever ``seed`` is.
             chunk_seed = (seed * 1_000_003 + c) % (1 << 63)
-            trajs = rollout(model, tokenizer, chunk, gen, seed=chunk_seed, batch_size=batch_size)
+            trajs = rollout(
+                model,
+                tokenizer,
+                chunk,
+                gen,
+                seed=chunk_seed,
+                batch_size=batch_size,
+                turn_generator=turn_generator,
+            )
             rollout_s += time.perf_counter() - t0
             wins = [t for t in trajs if bank.is_success(t)]
             added += len(bank.add_many(wins, meta={"collect_seed": seed}))

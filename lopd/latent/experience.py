@@ -107,6 +107,7 @@ def build_experience(ctx: RunContext) -> Experience:
             index="cpu",
             index_batch_size=cfg.bank.index_batch_size,
             progress=ctx.progress,
+            turn_generator=ctx.engine.filler_turns(seed_of(cfg.seed, Stream.BANK)),
         )
         # Every successful trajectory (duplicated traces included) is cold-start data.
         with run_dir.bank_trajectories.open("w") as f:

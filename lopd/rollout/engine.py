@@ -9,7 +9,8 @@ With ``gen.engine=vllm`` the turns come from a :class:`~lopd.rollout.vllm.VLLMRo
 rollout the engine is given the weights of the model being rolled out (the student, or the frozen
 backbone of a :class:`~lopd.latent.conditioned.LatentConditionedLM`, whose latents then enter as
 ``prompt_embeds``); :meth:`RolloutEngine.weights_updated` marks the student's weights as changed
-after an optimizer step.
+after an optimizer step. With ``gen.engine=filler`` no model runs: every turn is random ids
+(:mod:`lopd.rollout.filler`, for measuring memory at a trajectory length).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from lopd.config import GenConfig
 from lopd.parallel.fsdp import Sharding
 from lopd.parallel.precision import Precision
 from lopd.rollout.chat import stop_token_ids
-from lopd.rollout.multi_turn import GenerationConfig, rollout
+from lopd.rollout.filler import filler_turn_generator
+from lopd.rollout.multi_turn import GenerationConfig, TurnGenerator, rollout
 from lopd.rollout.vllm import VLLMRollout
 from lopd.types import Task, Trajectory
 
@@ -149,6 +151,8 @@ class RolloutEngine:
                 return []
             if self.vllm is not None:
                 kwargs["turn_generator"] = self._vllm_turns(model, seed, temperature)
+            elif self.gen.engine == "filler":
+                kwargs["turn_generator"] = self.filler_turns(seed)
             trajs = rollout(
                 model,
                 self.tokenizer,
@@ -160,6 +164,13 @@ class RolloutEngine:
         if count:
             self._rollouts += len(trajs)
         return trajs
+
+    def filler_turns(self, seed: int) -> TurnGenerator | None:
+        """The turn generator of ``gen.engine=filler`` seeded with ``seed``; ``None`` under any
+        other engine (the model decodes)."""
+        if self.gen.engine != "filler":
+            return None
+        return filler_turn_generator(self.tokenizer, seed)
 
     def _vllm_turns(self, model: nn.Module, seed: int, temperature: float | None) -> Any:
         """The vLLM turn generator for rolling out ``model`` (its weights loaded first)."""

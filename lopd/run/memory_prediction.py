@@ -509,15 +509,23 @@ STANDIN_RUNS = {
 preset, float32 on CPU, ``data.n_train=4 data.n_test=2 lopd.steps=2``)."""
 
 
-def standin_predictions(tokens: int = 2048, action_tokens: int = 32) -> dict[str, Prediction]:
+def standin_predictions(
+    tokens: int = 2048, action_tokens: int = 32, one_at_a_time: bool = False
+) -> dict[str, Prediction]:
     """The stand-in runs predicted at the smoke preset's caps (``gen.max_total_tokens`` 2,048,
     ``max_steps * max_new_tokens`` = 32 action tokens per trajectory): what the prediction is
-    calibrated against (the measured runs did not record their token counts)."""
+    calibrated against (the measured runs did not record their token counts).
+
+    ``one_at_a_time``: the ``--trajectory-tokens`` runs instead (one trajectory per cold-start
+    step and per micro-batch, every trajectory ``tokens`` long)."""
     smoke = PRESETS["smoke"]()
+    budget = {"cold_start_batch": 1, "micro_batch": 1} if one_at_a_time else {}
     return {
         name: predict(
             MODELS[name],
-            RunSetting.of(smoke, tokens=tokens, action_tokens=action_tokens, **changes),
+            RunSetting.of(
+                smoke, tokens=tokens, action_tokens=action_tokens, **{**changes, **budget}
+            ),
         )
         for name, changes in STANDIN_RUNS.items()
     }
@@ -539,7 +547,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--preset", default="paper", choices=sorted(PRESETS))
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-4b", "qwen3-8b"])
-    parser.add_argument("--tokens", type=int, default=40_960, help="tokens per trajectory")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="tokens per trajectory (default 40,960); with --standins: the stand-ins' "
+        "--trajectory-tokens run at this length (default: the smoke caps, 2,048)",
+    )
+    parser.add_argument(
+        "--action-tokens",
+        type=int,
+        default=None,
+        help="with --standins: scored tokens per trajectory (default 32: the smoke caps)",
+    )
     parser.add_argument("--world", type=int, default=8, help="GPUs under FSDP2")
     parser.add_argument("--breakdown", action="store_true", help="every phase's terms")
     parser.add_argument(
@@ -547,20 +567,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     unknown = [m for m in args.models if m not in MODELS]
-    if unknown or args.tokens < 1 or args.world < 1:
+    tokens = args.tokens or (2048 if args.standins else 40_960)
+    action_tokens = 32 if args.action_tokens is None else args.action_tokens
+    if unknown or tokens < 1 or args.world < 1 or not 0 < action_tokens <= tokens:
         print(
-            f"error: models must be among {sorted(MODELS)}, --tokens and --world positive "
-            f"(got {unknown or ''} tokens={args.tokens} world={args.world})",
+            f"error: models must be among {sorted(MODELS)}, --tokens and --world positive, "
+            f"--action-tokens in [1, tokens] (got {unknown or ''} tokens={tokens} "
+            f"world={args.world} action_tokens={action_tokens})",
             file=sys.stderr,
         )
         return 2
     if args.standins:
-        for name, pred in standin_predictions().items():
-            print(f"{name} (smoke preset, float32, 2,048 tokens, 32 action tokens):")
+        at_length = args.tokens is not None
+        for name, pred in standin_predictions(tokens, action_tokens, at_length).items():
+            what = f"{tokens:,} tokens, {action_tokens:,} action tokens"
+            print(f"{name} (smoke preset, float32, {what}):")
             for phase, total in pred.totals().items():
                 print(f"  {phase}: {total / GIB:.2f} GiB")
         return 0
-    setting = RunSetting.of(PRESETS[args.preset](), tokens=args.tokens)
+    setting = RunSetting.of(PRESETS[args.preset](), tokens=tokens)
     print(markdown_table(args.models, setting, args.world))
     if args.breakdown:
         for name in args.models:
