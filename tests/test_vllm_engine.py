@@ -58,7 +58,7 @@ def _ids(trajs):
 def test_engine_name_is_checked():
     cfg = Config()
     cfg.gen.engine = "tensorrt"
-    with pytest.raises(ConfigError, match=r"gen\.engine must be one of \('hf', 'vllm'\)"):
+    with pytest.raises(ConfigError, match=r"gen\.engine must be one of \('hf', 'vllm', 'filler'\)"):
         cfg.validate(check_paths=False)
 
 
