@@ -37,8 +37,9 @@ from lopd_kernels._backend import (
 from lopd_kernels._constants import KERNEL_DTYPES, REDUCTIONS
 from lopd_kernels._custom_ops import CustomOps
 from lopd_kernels._reduction import reduce_kl
-from lopd_kernels.fused_linear_logprob_checks import check_inputs, check_values
+from lopd_kernels.fused_linear_logprob_checks import check_inputs
 from lopd_kernels.fused_linear_logprob_chunked import block_plan, blocked_bwd, blocked_fwd
+from lopd_kernels.topk_tail_kl_checks import check_values
 
 __all__ = [
     "FusedLinearCrossEntropy",
@@ -88,7 +89,7 @@ def fused_linear_logprob_reference(
     softmax, a gather; autograd differentiates it. The oracle every backend is tested against.
     Arguments as :func:`fused_linear_logprob`."""
     check_inputs(hidden, weight, targets, bias, temperature, ignore_index)
-    check_values(targets, weight.shape[0], ignore_index)
+    check_values(targets, weight.shape[0], ignore_index, "targets")
     dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     logits = hidden.to(dt) @ weight.to(dt).T
     if bias is not None:

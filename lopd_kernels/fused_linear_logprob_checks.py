@@ -2,8 +2,10 @@
 
 The scheme of :mod:`lopd_kernels.topk_tail_kl_checks`: :func:`check_inputs` reads only metadata
 (shapes, dtypes, devices, Python scalars), so it runs under ``torch.compile`` without graph
-breaks; :func:`check_values` reads the targets (one host sync on a GPU): the reference and the
-Python implementations call it inside their custom ops, the C++ one checks in C++.
+breaks. The targets are read by the family's one target check,
+:func:`lopd_kernels.topk_tail_kl_checks.check_values` (the reference) and
+:func:`~lopd_kernels.topk_tail_kl_checks.check_targets_in_range` (the Python implementations,
+inside their custom ops: a device-side assert on CUDA); the C++ one checks in C++.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from torch import Tensor
 
 from lopd_kernels._constants import REFERENCE_DTYPES
 
-__all__ = ["check_inputs", "check_values"]
+__all__ = ["check_inputs"]
 
 
 def _check_positive_int_or_none(name: str, value: int | None) -> None:
@@ -85,14 +87,3 @@ def check_inputs(
             raise ValueError(f"bias must have shape [V] = [{vocab}], got {tuple(bias.shape)}")
         if bias.dtype != weight.dtype:
             raise TypeError(f"bias must have the weight's dtype {weight.dtype}, got {bias.dtype}")
-
-
-def check_values(targets: Tensor, vocab: int, ignore_index: int) -> None:
-    """Raises ValueError if a target is neither ``ignore_index`` nor in ``[0, V)``."""
-    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"targets[{i}] = {int(targets[i])} is outside [0, V={vocab}) and is not "
-            f"ignore_index ({ignore_index})"
-        )

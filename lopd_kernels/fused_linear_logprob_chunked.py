@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from lopd_kernels import gemm_f32 as gemm
-from lopd_kernels.fused_linear_logprob_checks import check_values
+from lopd_kernels.topk_tail_kl_checks import check_targets_in_range
 
 __all__ = [
     "BLOCK_BUDGET",
@@ -171,7 +171,7 @@ def blocked_fwd(
     states' dtype. Rows whose target is ``ignore_index`` output 0 everywhere.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
-    check_values(targets, vocab, ignore_index)
+    check_targets_in_range(targets, vocab, ignore_index, "targets")
     dev = hidden.device
     logprob = torch.zeros(n, dtype=torch.float32, device=dev)
     entropy = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=dev)

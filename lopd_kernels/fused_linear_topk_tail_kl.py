@@ -32,7 +32,7 @@ from lopd_kernels._backend import OpBackends
 from lopd_kernels._constants import KERNEL_DTYPES
 from lopd_kernels._custom_ops import CustomOps
 from lopd_kernels.bucket_math import effective_top_m, op_divergence, support_width
-from lopd_kernels.fused_linear_topk_tail_kl_checks import check_inputs, check_values
+from lopd_kernels.fused_linear_topk_tail_kl_checks import check_inputs
 from lopd_kernels.fused_linear_topk_tail_kl_chunked import (
     auto_chunk_rows,
     chunked_bwd,
@@ -47,6 +47,7 @@ from lopd_kernels.topk_tail_kl import (
     teacher_topk_mass,
     topk_tail_kl_reference,
 )
+from lopd_kernels.topk_tail_kl_checks import check_targets_in_range, check_values
 
 __all__ = [
     "auto_chunk_rows",
@@ -378,7 +379,7 @@ def fused_linear_topk_tail_kl(
     hs, ws, ht, wt = student_hidden, student_weight, teacher_hidden, teacher_weight
     m = check_inputs(hs, ws, ht, wt, target_ids, student_bias, teacher_bias, top_m, temperature,
                      divergence, ignore_index, chunk_size, beta, support)  # fmt: skip
-    check_values(target_ids, ws.shape[0], ignore_index)
+    check_targets_in_range(target_ids, ws.shape[0], ignore_index)
     target = target_ids.long()
     fp64 = torch.float64 in (hs.dtype, ht.dtype)
     div, div_beta = op_divergence(divergence, beta)

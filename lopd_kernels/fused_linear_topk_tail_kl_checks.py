@@ -2,8 +2,9 @@
 
 The scheme of :mod:`lopd_kernels.topk_tail_kl_checks`: :func:`check_inputs` reads only metadata
 (shapes, dtypes, devices, Python scalars; the scalar options the top-M + tail family shares are
-:func:`lopd_kernels.topk_tail_kl_checks.check_loss_options`); :func:`check_values` reads the
-targets (one host sync on a GPU).
+:func:`lopd_kernels.topk_tail_kl_checks.check_loss_options`). The targets are read by the
+family's one target check, :func:`lopd_kernels.topk_tail_kl_checks.check_targets_in_range`
+(a device-side assert on CUDA, no host sync).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch import Tensor
 
 from lopd_kernels.topk_tail_kl_checks import check_loss_options, check_support
 
-__all__ = ["check_inputs", "check_row_weights", "check_values"]
+__all__ = ["check_inputs", "check_row_weights"]
 
 
 def check_inputs(
@@ -101,16 +102,6 @@ def check_inputs(
         if b is not None and b.dtype != w.dtype:
             raise TypeError(f"{name} must have its weight's dtype {w.dtype}, got {b.dtype}")
     return top_m
-
-
-def check_values(target: Tensor, vocab: int, ignore_index: int) -> None:
-    """Raises ValueError if a target is neither ``ignore_index`` nor in ``[0, V)``."""
-    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
-    if bool(bad.any()):
-        raise ValueError(
-            f"target_ids must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
-            f"got {target[bad][:4].tolist()}"
-        )
 
 
 def check_row_weights(weights: dict[str, Tensor | float | None], n: int, device) -> None:

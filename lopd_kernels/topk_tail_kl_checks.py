@@ -90,15 +90,18 @@ def check_inputs(
     return 0 if top_m is None or top_m >= vocab else top_m
 
 
-def check_values(target_ids: Tensor, vocab: int, ignore_index: int) -> None:
-    """Raises if a target is neither ``ignore_index`` nor in ``[0, V)`` (reads the data)."""
+def check_values(
+    target_ids: Tensor, vocab: int, ignore_index: int, name: str = "target_ids"
+) -> None:
+    """Raises if a target is neither ``ignore_index`` nor in ``[0, V)`` (reads the data): the
+    one target check of every op of the family, ``name`` being the argument's name."""
     bad = (target_ids != ignore_index) & ((target_ids < 0) | (target_ids >= vocab))
     if bool(bad.any()):
         i = int(bad.flatten().nonzero()[0, 0])
         value = int(target_ids.flatten()[i])
+        where = f"{name}[{i}]" + (" (flattened)" if target_ids.dim() > 1 else "")
         raise ValueError(
-            f"target_ids[{i}] (flattened) = {value} is outside [0, V={vocab}) and is not "
-            f"ignore_index ({ignore_index})"
+            f"{where} = {value} is outside [0, V={vocab}) and is not ignore_index ({ignore_index})"
         )
 
 
@@ -173,7 +176,9 @@ def check_rows_have_mass(
         )
 
 
-def check_targets_in_range(target_ids: Tensor, vocab: int, ignore_index: int) -> None:
+def check_targets_in_range(
+    target_ids: Tensor, vocab: int, ignore_index: int, name: str = "target_ids"
+) -> None:
     """:func:`check_values` where a host read is free (CPU tensors, eager: ``ValueError``), else a
     device-side assert (CUDA tensors: no host synchronization per step). Called before every
     compiled kernel: the CUDA kernels index the logits with the targets unchecked. Under
@@ -181,9 +186,9 @@ def check_targets_in_range(target_ids: Tensor, vocab: int, ignore_index: int) ->
     their targets inside (``ValueError``)."""
     if target_ids.is_cuda:
         bad = (target_ids != ignore_index) & ((target_ids < 0) | (target_ids >= vocab))
-        torch._assert_async(~bad.any(), "target_ids outside [0, V) that are not ignore_index")
+        torch._assert_async(~bad.any(), f"{name} outside [0, V) that are not ignore_index")
     elif not torch.compiler.is_compiling():
-        check_values(target_ids, vocab, ignore_index)
+        check_values(target_ids, vocab, ignore_index, name)
 
 
 def check_support(support: str) -> None:

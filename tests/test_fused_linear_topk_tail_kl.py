@@ -406,7 +406,7 @@ def _args():
         (lambda a: a.__setitem__(2, a[2][:3]), {}, "teacher_hidden has 3 rows"),
         (lambda a: a.__setitem__(0, a[0][None]), {}, "student_hidden must be 2-D"),
         (lambda a: a.__setitem__(4, a[4].float()), {}, r"target_ids must be int64 \(or int32\)"),
-        (lambda a: a[4].__setitem__(0, 13), {}, r"target_ids must lie in \[0, 13\)"),
+        (lambda a: a[4].__setitem__(0, 13), {}, r"target_ids\[0\] = 13 is outside \[0, V=13\)"),
         (lambda a: a.__setitem__(1, a[1].double()), {}, "share its weight's dtype"),
         (lambda a: None, {"top_m": 0}, "top_m must be a positive int"),
         (lambda a: None, {"temperature": 0.0}, "temperature must be a finite number"),

@@ -242,7 +242,7 @@ def test_validation(weights, match):
 def test_targets_out_of_range_are_named():
     inputs, target = make_inputs(6, 8, 13)
     target[2] = 13
-    with pytest.raises(ValueError, match=r"target_ids\[2\] .* = 13 is outside \[0, V=13\)"):
+    with pytest.raises(ValueError, match=r"target_ids\[2\] = 13 is outside \[0, V=13\)"):
         fused_linear_topk_tail_kl_loss(*(inputs[n] for n in NAMES), target)
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from lopd_kernels.fused_linear_logprob_checks import check_values
 from lopd_kernels.fused_linear_logprob_chunked import finalize_rows
+from lopd_kernels.topk_tail_kl_checks import check_targets_in_range
 from lopd_kernels.triton._common import interpreting, upcast_for_interpreter
 from lopd_kernels.triton.fused_linear_logprob_kernels import _bwd_kernel, _fwd_kernel
 
@@ -43,7 +43,7 @@ def fused_linear_logprob_fwd_triton(
     """Launch the forward; same outputs as ``torch.ops.lopd.fused_linear_logprob_cpu_fwd``
     (the projection always ``[0]``)."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    check_values(targets, vocab, ignore_index)
+    check_targets_in_range(targets, vocab, ignore_index, "targets")
     dev = hidden.device
     logprob = torch.zeros(n, dtype=torch.float32, device=dev)
     entropy = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=dev)
