@@ -45,6 +45,13 @@ def test_teacher_support_kernels_bitwise_as_before(isa, monkeypatch):
     data = _recorded()
     if golden.build_key() != data["compiler"]:
         pytest.skip(f"digests recorded with {data['compiler']}, this build: {golden.build_key()}")
+    from lopd_kernels import _C
+
+    monkeypatch.delenv("LOPD_CPU_ISA", raising=False)
+    best = _C.cpu_isa()
+    if golden.ISAS.index(isa) > golden.ISAS.index(best):
+        # A capped request above the CPU falls back to another copy, whose bits differ.
+        pytest.skip(f"this CPU runs at most the {best} copy")
     monkeypatch.setenv("LOPD_CPU_ISA", isa)
     got = golden.case_digests(lk.topk_tail_kl)
     assert got == data["digests"][isa]
