@@ -50,6 +50,7 @@ from lopd.config import ConfigError, load_config
 from lopd.eval.stats import fmt, mean_se, verdict
 from lopd.eval.summary import BEHAVIOUR_METRICS
 from lopd.run.claim import refuse_used_runs
+from lopd.run.host_memory import configure_host_memory
 from lopd.run.run_dir import RunDir, RunDirError
 from lopd.trainer import Trainer
 
@@ -234,6 +235,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    configure_host_memory()  # before any model is loaded
     preset = args.preset or ("smoke" if args.quick else "default")
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     n_test = args.n_test if args.n_test is not None else (4 if args.quick else 64)

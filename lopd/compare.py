@@ -58,6 +58,7 @@ from lopd.config import COMPARE_BUDGETS, BankTooSmallError, ConfigError, load_co
 from lopd.eval.stats import fmt, mean_se, verdict
 from lopd.methods import METHODS
 from lopd.run.claim import clear_run_dir, refuse_used_runs
+from lopd.run.host_memory import configure_host_memory
 from lopd.run.run_dir import RunDir, RunDirError
 from lopd.trainer import Trainer
 
@@ -473,6 +474,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    configure_host_memory()  # before any model is loaded
     settings = settings_for(args.quick)
     settings.overrides += list(args.overrides)
     if args.budget is not None:

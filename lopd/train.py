@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from lopd.config import PRESETS, ConfigError, load_config
 from lopd.run.claim import read_saved_run
+from lopd.run.host_memory import configure_host_memory
 from lopd.run.run_dir import RunDir, RunDirError
 from lopd.trainer import Trainer
 
@@ -95,6 +96,7 @@ def build_config(args: argparse.Namespace):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    configure_host_memory()  # before any model is loaded
     try:
         cfg = build_config(args)
 
