@@ -220,6 +220,7 @@ def test_cli_table_and_bad_input(capsys):
     assert main(["--models", "qwen3-99b"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "qwen3-99b" in err
+    assert main(["--tokens", "0"]) == 2 and "tokens=0" in capsys.readouterr().err
     assert main(["--standins", "--tokens", "8192", "--action-tokens", "9000"]) == 2
     assert "action_tokens=9000" in capsys.readouterr().err
 

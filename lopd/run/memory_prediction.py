@@ -567,7 +567,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     unknown = [m for m in args.models if m not in MODELS]
-    tokens = args.tokens or (2048 if args.standins else 40_960)
+    if args.tokens is not None:
+        tokens = args.tokens
+    else:
+        tokens = 2048 if args.standins else 40_960
     action_tokens = 32 if args.action_tokens is None else args.action_tokens
     if unknown or tokens < 1 or args.world < 1 or not 0 < action_tokens <= tokens:
         print(
