@@ -1,6 +1,7 @@
-"""The memory prediction (lopd.run.memory_prediction): the arithmetic on a tiny shape against hand
-counts, the per-layer activation counts against what autograd saves in a Hugging Face Qwen3, and
-the weights, gradients and AdamW of the measured stand-in runs of docs/trainer.md."""
+"""The memory prediction (lopd.run.memory_prediction, lopd.run.model_shape): the arithmetic on a
+tiny shape against hand counts, the per-layer activation counts against what autograd saves in a
+Hugging Face Qwen3, and the weights, gradients and AdamW of the measured stand-in runs of
+docs/trainer.md."""
 
 from __future__ import annotations
 
