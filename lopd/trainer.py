@@ -112,6 +112,7 @@ class Trainer:
         self.lock: RunLock | None = None
         self.dist = Dist(cfg.model.device, cfg.threads)
         self.spec.check_parallel(cfg, self.dist.world)
+        self.spec.check_null_context(cfg)
         self.is_main = self.dist.is_main
         self.progress = progress and self.is_main
         self.run_dir = RunDir(cfg.run_dir)
@@ -196,6 +197,7 @@ class Trainer:
         self.context = MethodContext(
             models, self.engine, self.sampler, self.train_tasks, self.experience,
             latents0=latents0, latents=latents, seed=cfg.seed, rank=dist.rank,
+            null_context=cfg.lopd.null_context,
         )  # fmt: skip
         self.method = spec.build(self.context, cfg)
         self.optimizers = build_optimizers(

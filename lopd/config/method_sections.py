@@ -48,6 +48,10 @@ class LOPDConfig:
         fused_linear: compute the KL from final hidden states and ``lm_head`` with
             ``fused_linear_topk_tail_kl`` (no ``[N, V]`` logits; the default) instead of
             ``topk_tail_kl`` on the heads' ``[N, V]`` logits of the action rows (``false``).
+        null_context: the null-context control: the teacher's privileged context is emptied
+            (the same template with no demonstration, sibling or skill in it; LOPD's teacher
+            reads zero latents), so a method whose loss leaves the policy alone without
+            information should end where vanilla is. Every method with a teacher; not GRPO.
     """
 
     method: str = "lopd"
@@ -66,6 +70,7 @@ class LOPDConfig:
     dual_lr: float = 0.5
     beta_init: float = 0.0
     fused_linear: bool = True
+    null_context: bool = False
 
     def validate(self) -> None:
         at_least(1, lopd__tasks_per_step=self.tasks_per_step, lopd__micro_batch=self.micro_batch)

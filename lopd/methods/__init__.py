@@ -79,6 +79,7 @@ METHODS: dict[str, MethodSpec] = {
             GRPOMethod.from_config,
             "GRPO: group-normalized advantages, PPO-clip; no teacher",
             group_size=lambda cfg: cfg.grpo.group_size,
+            has_teacher=False,
         ),
         MethodSpec(
             "opsd",

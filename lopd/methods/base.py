@@ -77,6 +77,7 @@ class MethodContext:
         latents: c_phi of any task, the composer over the bank's retrievals (composer methods).
         seed: the run seed.
         rank: this process's rank.
+        null_context: ``lopd.null_context``: teachers read an emptied privileged context.
     """
 
     models: Models
@@ -88,6 +89,7 @@ class MethodContext:
     latents: TaskLatents | None = None
     seed: int = 0
     rank: int = 0
+    null_context: bool = False
 
     def step_tasks(self, step: int, size: int) -> list[Task]:
         """This rank's share of ``size`` training tasks drawn for step ``step``."""
@@ -147,6 +149,12 @@ class MethodBase:
         tasks = ctx.step_tasks(step, self.tasks_per_step)
         return ctx.engine.generate(self.models.student, tasks, seed=ctx.rollout_seed(step))
 
+    def privileged(self, text: str) -> str:
+        """The privileged text a teacher template is filled with: ``text``, or nothing under
+        ``lopd.null_context`` (the template itself stays, so the control differs from the method
+        only in the information the context carries)."""
+        return "" if self.ctx.null_context else text
+
     def loss(
         self, trajectories: Sequence[Trajectory], num_total: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -174,6 +182,8 @@ class MethodSpec:
         uses_bank: the trainer builds the experience bank (implied by ``uses_composer``).
         group_size: ``cfg -> G`` for methods that roll each task out G times (1 otherwise).
         supports_fsdp2: whether it runs under ``model.parallel=fsdp2``.
+        has_teacher: it distils from a teacher with a privileged context (``lopd.null_context``
+            can empty it).
     """
 
     name: str
@@ -183,11 +193,21 @@ class MethodSpec:
     uses_bank: bool = False
     group_size: Callable[[Config], int] = lambda cfg: 1
     supports_fsdp2: bool = True
+    has_teacher: bool = True
 
     @property
     def builds_bank(self) -> bool:
         """Whether the run collects the experience bank (its rollouts count toward the budget)."""
         return self.uses_bank or self.uses_composer
+
+    def check_null_context(self, cfg: Config) -> None:
+        """Raises:
+        ConfigError: ``lopd.null_context`` for a method without a teacher."""
+        if cfg.lopd.null_context and not self.has_teacher:
+            raise ConfigError(
+                f"lopd.null_context=true needs a method with a teacher; lopd.method={self.name} "
+                "has none (its null-context control is itself)"
+            )
 
     def check_parallel(self, cfg: Config, world: int) -> None:
         """FSDP2 runs every sharded forward as a collective: ranks need equal work.

@@ -167,14 +167,17 @@ class LOPDMethod(MethodBase):
         return loss, sums
 
     def latents(self, tasks: Sequence[Task]) -> torch.Tensor:
-        """The teacher's latent context, ``[B, J*K, d]``: c_phi, or c_phi0 for ``lopd-frozen``."""
-        if self.settings.frozen_composer:
+        """The teacher's latent context, ``[B, J*K, d]``: c_phi, c_phi0 for ``lopd-frozen``, or
+        zeros under ``lopd.null_context`` (no gradient reaches phi then)."""
+        if self.settings.frozen_composer or self.ctx.null_context:
             return self.cached_latents0(tasks)
         return self.task_latents(tasks)
 
     def cached_latents0(self, tasks: Sequence[Task]) -> torch.Tensor:
-        """c_phi0 of ``tasks`` from the cold start's cache, ``[B, J*K, d]``."""
-        return torch.stack([self.latents0[t.task_id] for t in tasks]).to(self.models.device)
+        """c_phi0 of ``tasks`` from the cold start's cache, ``[B, J*K, d]`` (zeros under
+        ``lopd.null_context``: the anchor is then zero too)."""
+        latents0 = torch.stack([self.latents0[t.task_id] for t in tasks]).to(self.models.device)
+        return torch.zeros_like(latents0) if self.ctx.null_context else latents0
 
     def teacher_sequence(self, traj: Trajectory) -> TeacherSequence:
         """The teacher's input for a trajectory (A.4): framing, J*K placeholders, continuation."""

@@ -61,7 +61,7 @@ class OPSDMethod(MethodBase):
 
     def teacher_sequence(self, traj: Trajectory) -> TextTeacherSequence:
         """The teacher's input: the first retrieved experience of the task as system text."""
-        gt_text = self.retrieved[traj.task.task_id][0]
+        gt_text = self.privileged(self.retrieved[traj.task.task_id][0])
         return build_text_teacher_sequence(
             self.models.tokenizer, traj, system_suffix=OPSD_SYSTEM_TEMPLATE.format(gt_text=gt_text)
         )

@@ -90,7 +90,7 @@ class SDFTMethod(MethodBase):
 
     def teacher_sequence(self, traj: Trajectory) -> TextTeacherSequence:
         """The teacher's input: the demonstration after the first user message."""
-        demo, _ = self.demonstration(traj.task.task_id)
+        demo = self.privileged(self.demonstration(traj.task.task_id)[0])
         return build_text_teacher_sequence(
             self.models.tokenizer, traj, user_suffix=SDFT_USER_TEMPLATE.format(demo_text=demo)
         )

@@ -104,7 +104,7 @@ class SDPOMethod(MethodBase):
 
     def teacher_sequence(self, traj: Trajectory) -> TextTeacherSequence:
         """The teacher's input: the sibling's solution after the first user message."""
-        solution = SDPO_USER_TEMPLATE.format(solution=traj.info["sibling_text"])
+        solution = SDPO_USER_TEMPLATE.format(solution=self.privileged(traj.info["sibling_text"]))
         return build_text_teacher_sequence(self.models.tokenizer, traj, user_suffix=solution)
 
     def loss(

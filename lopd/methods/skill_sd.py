@@ -44,6 +44,7 @@ rank's own rollouts), and not under ``model.parallel=fsdp2``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -175,13 +176,19 @@ class SkillSDMethod(MethodBase):
         for group, skill in zip(members, chosen):
             for t in group:
                 t.info["skill_id"] = None if skill is None else skill.skill_id
-                t.info["skill_text"] = None if skill is None else skill.text.render()
+                t.info["skill_text"] = None if skill is None else self.skill_text(skill.text)
         fallbacks = self.summarizer.fallbacks
         self.pending_skills = [
             (g[0].task, *self.summarizer.summarize(g, self.success_reward)) for g in members
         ]
         self.step_fallbacks = self.summarizer.fallbacks - fallbacks
         return trajs
+
+    def skill_text(self, text: SkillText) -> str:
+        """The rendered skill of the teacher prompt (its parts emptied under
+        ``lopd.null_context``)."""
+        parts = {k: self.privileged(v) for k, v in dataclasses.asdict(text).items()}
+        return SkillText(**parts).render()
 
     def teacher_sequence(self, traj: Trajectory) -> TextTeacherSequence:
         """The teacher's input: the chosen skill after the first user message."""
