@@ -7,7 +7,9 @@ rollout budget, then writes to ``--out``:
 * ``report.md``: a table of held-out reward (mean +- stderr over seeds, per-seed values, n) per
   method and the answers to the paper's three claims in miniature: does LOPD beat each baseline at
   equal budget; what fraction of GRPO's (and Skill-SD's) rollouts LOPD needs to reach its final
-  reward; does m = 0 fall below the frozen composer.
+  reward; does m = 0 fall below the frozen composer; and the rollouts-to-target table (the
+  rollouts each method needs to reach vanilla + 0.05 ... + 0.20 and the best final reward)
+  (:mod:`lopd.compare_report`).
 * ``learning_curve.png``: held-out reward against generated rollouts (mean over seeds).
 * ``results.json``: every run's summary and curve; ``runs/<method>-seed<k>/``: the run directories.
 
@@ -16,6 +18,9 @@ Usage::
     python -m lopd.compare                          # default comparison (8 methods x 3 seeds)
     python -m lopd.compare --quick                  # seconds-scale plumbing run (tests)
     python -m lopd.compare --seeds 0 1 --methods lopd grpo --out runs/cmp data.n_test=32
+    python -m lopd.compare --methods lopd opsd sdpo sdft skill-sd lopd.null_context=true
+                                                    # the null-context controls
+    python -m lopd.compare --from-results runs/compare/results.json   # rewrite the report only
 
 Settings. The runs use the ``compare`` preset (``--quick``: ``compare-quick``) of
 :mod:`lopd.config` and its rollout budget :data:`lopd.config.COMPARE_BUDGETS`.
@@ -38,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
@@ -51,11 +55,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from matplotlib.figure import Figure
-
-from lopd.atomic import atomic_write_text
+from lopd.compare_report import ALL_METHODS, write_report
 from lopd.config import COMPARE_BUDGETS, BankTooSmallError, ConfigError, load_config
-from lopd.eval.stats import fmt, mean_se, verdict
 from lopd.methods import METHODS
 from lopd.run.claim import clear_run_dir, refuse_used_runs
 from lopd.run.host_memory import configure_host_memory
@@ -63,9 +64,6 @@ from lopd.run.run_dir import RunDir, RunDirError
 from lopd.trainer import Trainer
 
 __all__ = ["ALL_METHODS", "CompareSettings", "main", "run_method", "settings_for", "write_report"]
-
-ALL_METHODS = tuple(METHODS)
-"""Every comparable method, in the order the report lists them."""
 
 # Within a seed, composer methods run first (they produce the bank, phi_0 and c_phi0 the others
 # reuse), then the other bank methods, then the bank-free ones.
@@ -246,203 +244,6 @@ def _progress_line(res: dict[str, Any]) -> str:
     )
 
 
-# ------------------------------------------------------------------------------ statistics
-def _by_method(results: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    out: dict[str, list[dict[str, Any]]] = {}
-    for r in results:
-        if r["error"] is None:
-            out.setdefault(r["method"], []).append(r)
-    for runs in out.values():
-        runs.sort(key=lambda r: r["seed"])
-    return out
-
-
-def _mean_curve(runs: Sequence[dict[str, Any]]) -> list[tuple[int, float, float]]:
-    """``(rollouts, mean, stderr)`` over seeds at every rollout count all runs evaluated at."""
-    common = set.intersection(*({x for x, _ in r["curve"]} for r in runs))
-    points = []
-    for x in sorted(common):
-        # The last evaluation at a rollout count is the one after training up to it.
-        ys = [[y for xx, y in r["curve"] if xx == x][-1] for r in runs]
-        mean, se = mean_se(ys)
-        points.append((x, mean, se))
-    return points
-
-
-def _paired(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> tuple[float, float, int]:
-    """Mean and stderr of per-seed differences of final held-out reward (seeds in both)."""
-    fa = {r["seed"]: r["final"]["reward_mean"] for r in a}
-    fb = {r["seed"]: r["final"]["reward_mean"] for r in b}
-    seeds = sorted(set(fa) & set(fb))
-    if not seeds:
-        return float("nan"), float("nan"), 0
-    mean, se = mean_se([fa[s] - fb[s] for s in seeds])
-    return mean, se, len(seeds)
-
-
-def _rollout_fraction(by: dict[str, list[dict[str, Any]]], ref: str, name: str) -> str:
-    """The fraction of ``ref``'s rollouts LOPD needs to reach ``ref``'s final held-out reward
-    (the paper's "less than 30% of the rollout budget of GRPO and Skill-SD")."""
-    if "lopd" not in by or ref not in by:
-        return f"- Fraction of {name}'s rollouts: needs both `lopd` and `{ref}` runs."
-    r_curve, l_curve = _mean_curve(by[ref]), _mean_curve(by["lopd"])
-    r_final_x, r_final, _ = r_curve[-1]
-    vanilla = r_curve[0][1]
-    reach = next((x for x, y, _ in l_curve if y >= r_final), None)
-    head = f"- **Rollouts LOPD needs to reach {name}'s final reward**"
-    if r_final <= vanilla:
-        return (
-            f"{head}: not meaningful here: {name}'s final held-out reward ({r_final:.3f}) does "
-            f"not exceed vanilla ({vanilla:.3f}), so any run 'reaches' it at 0 rollouts."
-        )
-    if reach is None:
-        return (
-            f"{head} ({r_final:.3f} after {r_final_x} rollouts): not reached within the budget "
-            f"(LOPD's mean curve peaks at {max(y for _, y, _ in l_curve):.3f})."
-        )
-    return (
-        f"{head} ({r_final:.3f} after {r_final_x} rollouts): {reach} rollouts (bank included) = "
-        f"{reach / r_final_x:.0%} of {name}'s (resolution: the evaluation interval; mean curves "
-        "over seeds)."
-    )
-
-
-def answers(results: Sequence[dict[str, Any]]) -> list[str]:
-    """The three claims, answered from the numbers (markdown bullet lines)."""
-    by = _by_method(results)
-    lines = []
-    if "lopd" in by:
-        for base in ALL_METHODS:
-            if base == "lopd" or base not in by:
-                continue
-            d, se, n = _paired(by["lopd"], by[base])
-            lines.append(
-                f"- **LOPD vs {base}** at equal budget: LOPD − {base} = {fmt(d, se)} "
-                f"(paired over {n} seed(s)) → {verdict(d, se)}."
-            )
-    else:
-        lines.append("- LOPD vs baselines: LOPD was not run (or failed).")
-    for ref, name in (("grpo", "GRPO"), ("skill-sd", "Skill-SD")):
-        lines.append(_rollout_fraction(by, ref, name))
-    if "lopd-m0" in by and "lopd-frozen" in by:
-        d, se, n = _paired(by["lopd-m0"], by["lopd-frozen"])
-        below = "yes" if d < 0 else ("no (equal)" if d == 0 else "no")
-        if d < 0 and not math.isnan(se) and -d <= 2 * se:
-            below = "below on average, but within 2 stderr (not significant)"
-        lines.append(
-            f"- **Does m = 0 fall below the frozen composer?** lopd-m0 − lopd-frozen = "
-            f"{fmt(d, se)} (paired over {n} seed(s)) → {below}."
-        )
-    else:
-        lines.append("- m = 0 vs frozen composer: needs both `lopd-m0` and `lopd-frozen` runs.")
-    return lines
-
-
-# ------------------------------------------------------------------------------ report
-def write_report(
-    results: Sequence[dict[str, Any]], out: Path, meta: dict[str, Any]
-) -> dict[str, Path]:
-    """Write ``report.md``, ``learning_curve.png`` and ``results.json`` under ``out``.
-
-    Args:
-        results: :func:`run_method` results.
-        out: output directory.
-        meta: settings, seeds, command and wall time to print in the report.
-
-    Returns:
-        ``{"report": ..., "plot": ..., "results": ...}`` paths.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    by = _by_method(results)
-    rows = [
-        "| method | held-out reward (mean ± stderr over seeds) | per seed | success rate | "
-        "n (seeds × tasks) | rollouts | wall s / run | s / step (rollout + loss & backward) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    vanilla = [r for runs in by.values() for r in runs]
-    if vanilla:
-        per_seed = {r["seed"]: r["vanilla"] for r in vanilla}
-        vals = [per_seed[s]["reward_mean"] for s in sorted(per_seed)]
-        succ = [per_seed[s]["success_rate"] for s in sorted(per_seed)]
-        rows.append(
-            f"| vanilla (no training) | {fmt(*mean_se(vals))} | "
-            f"{', '.join(f'{v:.3f}' for v in vals)} | {sum(succ) / len(succ):.3f} | "
-            f"{len(vals)} × {per_seed[min(per_seed)]['n']} | 0 | – | – |"
-        )
-    for method in ALL_METHODS:
-        if method not in by:
-            continue
-        runs = by[method]
-        vals = [r["final"]["reward_mean"] for r in runs]
-        succ = [r["final"]["success_rate"] for r in runs]
-        wall = sum(r["wall_seconds"] for r in runs) / len(runs)
-        rollouts = sorted({r["rollouts"] for r in runs})
-        secs = [r.get("step_seconds") for r in runs if r.get("step_seconds")]
-        per_step = "–"
-        if secs:
-            parts = {k: sum(x[k] for x in secs) / len(secs) for k in secs[0]}
-            per_step = (
-                f"{parts['step']:.2f} ({parts['rollout']:.2f} + {parts['loss_backward']:.2f})"
-            )
-        rows.append(
-            f"| {method} | {fmt(*mean_se(vals))} | {', '.join(f'{v:.3f}' for v in vals)} | "
-            f"{sum(succ) / len(succ):.3f} | {len(vals)} × {runs[0]['final']['n']} | "
-            f"{'/'.join(map(str, rollouts))} | {wall:.0f} | {per_step} |"
-        )
-    failed = [r for r in results if r["error"] is not None]
-    lines = [
-        "# LOPD vs baselines on the embedded tool-use world",
-        "",
-        f"Seeds: {meta['seeds']}. Budget: {meta['budget']} generated rollouts per run (bank "
-        f"included). Preset `{meta['preset']}` (`lopd/config/yaml/{meta['preset']}.yaml`)"
-        + (f" with overrides `{' '.join(meta['overrides'])}`" if meta["overrides"] else "")
-        + f". Total wall time {meta['wall_seconds'] / 60:.1f} min. "
-        f"Command: `{meta['command']}`.",
-        "",
-        "Held-out reward: greedy decoding, one rollout per held-out task, after training. "
-        "Stderr is over seeds (sample std / sqrt(seeds)); with one seed none is given "
-        "(per-task stderr is in results.json).",
-        "",
-        *rows,
-        "",
-        "## Answers",
-        "",
-        *answers(results),
-        "",
-        "![learning curve](learning_curve.png)",
-        "",
-    ]
-    if failed:
-        lines += ["## Failed runs", ""]
-        lines += [f"- {r['method']} seed {r['seed']}: `{r['error']}`" for r in failed]
-        lines.append("")
-    report = out / "report.md"
-    atomic_write_text(report, "\n".join(lines))
-    plot = out / "learning_curve.png"
-    _plot(by, plot)
-    res_file = out / "results.json"
-    atomic_write_text(res_file, json.dumps({"meta": meta, "runs": list(results)}, indent=1))
-    return {"report": report, "plot": plot, "results": res_file}
-
-
-def _plot(by: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    fig = Figure(figsize=(6.5, 4))
-    ax = fig.subplots()
-    for method in ALL_METHODS:
-        if method not in by:
-            continue
-        pts = _mean_curve(by[method])
-        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        ses = [0.0 if math.isnan(p[2]) else p[2] for p in pts]
-        ax.errorbar(xs, ys, yerr=ses, marker="o", ms=3, capsize=2, label=method)
-    ax.set_xlabel("generated rollouts (bank included)")
-    ax.set_ylabel("held-out reward")
-    ax.set_title("held-out reward vs rollouts (mean ± stderr over seeds)", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 # ------------------------------------------------------------------------------ CLI
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -468,12 +269,39 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="seeds run in parallel, one single-threaded process each (default: all seeds; 3 on "
         "2 cores measured 52 min, the third seed after the first two would take ~1.5x)",
     )
+    p.add_argument(
+        "--from-results",
+        default=None,
+        metavar="RESULTS_JSON",
+        help="run nothing: write the report of an earlier comparison's results.json into --out "
+        "(default: its directory)",
+    )
     p.add_argument("overrides", nargs="*", help="section.field=value applied to every run")
     return p.parse_args(argv)
 
 
+def _report_from(results_json: Path, out: str | None) -> int:
+    """``--from-results``: the report of a finished comparison, rewritten (a newer report
+    format, or results merged by hand)."""
+    try:
+        data = json.loads(results_json.read_text())
+        paths = write_report(data["runs"], Path(out) if out else results_json.parent, data["meta"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        why = f"{type(err).__name__}: {err}"
+        print(
+            f"lopd.compare: --from-results {str(results_json)!r}: not a readable results.json of "
+            f"python -m lopd.compare ({why})",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"[compare] wrote {paths['report']}, {paths['plot']}, {paths['results']}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_results is not None:
+        return _report_from(Path(args.from_results), args.out)
     configure_host_memory()  # before any model is loaded
     settings = settings_for(args.quick)
     settings.overrides += list(args.overrides)
