@@ -20,6 +20,8 @@ Usage::
     python -m lopd.compare --seeds 0 1 --methods lopd grpo --out runs/cmp data.n_test=32
     python -m lopd.compare --methods lopd opsd sdpo sdft skill-sd lopd.null_context=true
                                                     # the null-context controls
+    python -m lopd.compare --methods lopd-m0 lopd-m0.01 lopd-m0.02 lopd lopd-m0.1 lopd-frozen \
+        eval.with_composer=true --out runs/margin   # the margin sweep (paper Fig. 3)
     python -m lopd.compare --from-results runs/compare/results.json   # rewrite the report only
 
 Settings. The runs use the ``compare`` preset (``--quick``: ``compare-quick``) of
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -70,6 +73,30 @@ __all__ = ["ALL_METHODS", "CompareSettings", "main", "run_method", "settings_for
 _RUN_ORDER = tuple(
     sorted(ALL_METHODS, key=lambda m: (not METHODS[m].uses_composer, not METHODS[m].builds_bank))
 )
+_MARGIN_RUN = re.compile(r"lopd-m(\d+(?:\.\d+)?)")
+
+
+def resolve_run(name: str) -> tuple[str, list[str]]:
+    """The method and the extra overrides of a run name: a method of :data:`lopd.methods.METHODS`,
+    or ``lopd-m<m>``, LOPD with margin ``m`` (``lopd-m0.02``; the margin sweep; ``lopd-m0`` is
+    the registered ablation).
+
+    Raises:
+        ValueError: neither.
+    """
+    if name in METHODS:
+        return name, []
+    match = _MARGIN_RUN.fullmatch(name)
+    if match is None:
+        raise ValueError(
+            f"unknown method {name!r}: one of {', '.join(ALL_METHODS)}, or lopd-m<margin> "
+            "(e.g. lopd-m0.02)"
+        )
+    return "lopd", [f"lopd.margin={match.group(1)}"]
+
+
+def _run_order(name: str) -> tuple[int, str]:
+    return _RUN_ORDER.index(resolve_run(name)[0]), name
 
 
 @dataclass
@@ -97,13 +124,15 @@ def settings_for(quick: bool) -> CompareSettings:
     return CompareSettings(preset=preset, budget=COMPARE_BUDGETS[preset])
 
 
-def _config(settings: CompareSettings, method: str, seed: int, run_dir: Path, steps: int) -> Any:
+def _config(settings: CompareSettings, name: str, seed: int, run_dir: Path, steps: int) -> Any:
     every = [] if settings.eval_every is None else [f"eval.every={settings.eval_every}"]
+    method, extra = resolve_run(name)
     cfg = load_config(
         settings.preset,
         overrides=[
             *settings.overrides,
             f"lopd.method={method}",
+            *extra,
             f"seed={seed}",
             f"run_dir={json.dumps(str(run_dir))}",
             f"lopd.steps={steps}",
@@ -118,7 +147,8 @@ def _steps_for(settings: CompareSettings, method: str) -> tuple[int, int]:
     """``(steps, bank_rollouts)`` that spend ``settings.budget`` rollouts with ``method``."""
     cfg = _config(settings, "lopd", 0, Path("."), 0)
     tps = cfg.lopd.tasks_per_step
-    bank = cfg.data.n_train * cfg.bank.rollouts_per_task if METHODS[method].builds_bank else 0
+    builds_bank = METHODS[resolve_run(method)[0]].builds_bank
+    bank = cfg.data.n_train * cfg.bank.rollouts_per_task if builds_bank else 0
     if settings.budget <= bank:
         raise ValueError(
             f"budget={settings.budget} does not exceed the {bank} bank rollouts of {method!r}"
@@ -129,7 +159,7 @@ def _steps_for(settings: CompareSettings, method: str) -> tuple[int, int]:
 def _share(sources: Sequence[Path], dst: Path, method: str) -> None:
     """Copy the seed's shared phases from earlier run directories (see the module docstring)."""
     dst.mkdir(parents=True, exist_ok=True)
-    spec = METHODS[method]
+    spec = METHODS[resolve_run(method)[0]]
     target = RunDir(dst)
     for path in target.shared_phases(spec.builds_bank, spec.uses_composer):
         name = path.relative_to(target.root)
@@ -158,7 +188,10 @@ def run_method(
         ``{"method", "seed", "run_dir", "steps", "rollouts", "vanilla", "final", "curve",
         "step_seconds", "wall_seconds", "error"}``; ``curve`` is ``[[rollouts, held-out
         reward], ...]``; ``step_seconds`` the mean seconds per training step of its rollouts,
-        its losses and backward passes, and the whole step.
+        its losses and backward passes, and the whole step. LOPD and its ablations add
+        ``dual`` (``margin``, and per step the privilege ``delta`` and ``beta`` after the dual
+        update) and, under ``eval.with_composer``, ``base_composer_phi0`` and ``base_composer``
+        (the frozen base model generating with c_phi0 and with the trained c_phi).
     """
 
     run_dir = out / "runs" / f"{method}-seed{seed}"
@@ -178,7 +211,7 @@ def run_method(
         finally:
             trainer.close()
         bank = 0
-        if METHODS[method].builds_bank and files.bank_done.exists():
+        if METHODS[resolve_run(method)[0]].builds_bank and files.bank_done.exists():
             bank = int(json.loads(files.bank_done.read_text())["rollouts"])
         vanilla = summary["vanilla"]["reward_mean"]
         curve = [[0, vanilla]] + ([[bank, vanilla]] if bank else [])
@@ -192,6 +225,17 @@ def run_method(
             for part in ("rollout", "loss_backward", "step")
         }
         curve.append([int(summary["rollouts"]), summary["lopd"]["reward_mean"]])
+        settings_of = getattr(trainer.method, "settings", None)
+        if rows and "beta_next" in rows[0] and settings_of is not None:
+            # The privileged margin's dual ascent, step by step (the margin table).
+            result["dual"] = {
+                "margin": settings_of.margin,
+                "delta": [r["delta"] for r in rows],
+                "beta": [r["beta_next"] for r in rows],
+            }
+        for key in ("base_composer_phi0", "base_composer"):
+            if key in summary:
+                result[key] = summary[key]
         result.update(
             rollouts=int(summary["rollouts"]),
             bank_rollouts=bank,
@@ -224,7 +268,7 @@ def run_seed(
     the bank, phi_0 and c_phi0 the others reuse), then OPSD and SDFT, then the bank-free
     methods."""
     results, sources = [], []
-    for method in sorted(methods, key=_RUN_ORDER.index):
+    for method in sorted(methods, key=_run_order):
         res = run_method(settings, method, seed, out, sources, overwrite)
         print(_progress_line(res), flush=True)
         results.append(res)
@@ -245,6 +289,14 @@ def _progress_line(res: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------ CLI
+def _run_name(name: str) -> str:
+    try:
+        resolve_run(name)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return name
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m lopd.compare",
@@ -253,7 +305,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="seconds-scale plumbing run")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2 (quick: 0)")
-    p.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=ALL_METHODS)
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(ALL_METHODS),
+        type=_run_name,
+        help=f"{' '.join(ALL_METHODS)}, or lopd-m<margin> (LOPD with that margin, e.g. "
+        "lopd-m0.02: the margin sweep)",
+    )
     p.add_argument("--out", default=None, help="output directory (default runs/compare[-quick])")
     p.add_argument("--budget", type=int, default=None, help="rollouts per run (bank included)")
     p.add_argument("--eval-every", type=int, default=None, help="evaluation interval in steps")
@@ -315,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = _config(settings, "lopd", seeds[0], out, 0)
         for m in args.methods:
-            group = METHODS[m].group_size(cfg)
+            group = METHODS[resolve_run(m)[0]].group_size(cfg)
             if cfg.lopd.tasks_per_step % group:
                 raise ConfigError(
                     f"lopd.tasks_per_step={cfg.lopd.tasks_per_step} must be a multiple of the "

@@ -31,6 +31,7 @@ __all__ = [
     "ALL_METHODS",
     "TARGET_GAINS",
     "answers",
+    "margin_table",
     "rollouts_to_reach",
     "rollouts_to_target_table",
     "write_report",
@@ -44,13 +45,22 @@ TARGET_GAINS = (0.05, 0.10, 0.15, 0.20)
 
 
 # ------------------------------------------------------------------------------ statistics
+def _report_order(name: str) -> tuple[int, float, str]:
+    """Registered methods in :data:`ALL_METHODS` order, then margin runs (``lopd-m0.02``) by m."""
+    if name in ALL_METHODS:
+        return ALL_METHODS.index(name), 0.0, name
+    try:
+        return len(ALL_METHODS), float(name.removeprefix("lopd-m")), name
+    except ValueError:
+        return len(ALL_METHODS) + 1, 0.0, name
+
+
 def _by_method(results: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Successful runs per run name, in report order, each list by seed."""
     out: dict[str, list[dict[str, Any]]] = {}
-    for r in results:
+    for r in sorted(results, key=lambda r: (_report_order(r["method"]), r["seed"])):
         if r["error"] is None:
             out.setdefault(r["method"], []).append(r)
-    for runs in out.values():
-        runs.sort(key=lambda r: r["seed"])
     return out
 
 
@@ -109,8 +119,8 @@ def answers(results: Sequence[dict[str, Any]]) -> list[str]:
     by = _by_method(results)
     lines = []
     if "lopd" in by:
-        for base in ALL_METHODS:
-            if base == "lopd" or base not in by:
+        for base in by:
+            if base == "lopd":
                 continue
             d, se, n = _paired(by["lopd"], by[base])
             lines.append(
@@ -215,14 +225,69 @@ def rollouts_to_target_table(results: Sequence[dict[str, Any]]) -> list[str]:
         "| rollouts to reach | " + " | ".join(name for name, _ in targets) + " |",
         "|---|" + "---|" * len(targets),
     ]
-    for method in ALL_METHODS:
-        if method in needed:
-            cells = [_reach_cell(list(per_seed.values())) for per_seed in needed[method]]
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    for method, per_target in needed.items():
+        cells = [_reach_cell(list(per_seed.values())) for per_seed in per_target]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
     for ref, name in (("grpo", "GRPO"), ("skill-sd", "Skill-SD")):
         if "lopd" in needed and ref in needed:
             cells = [_fraction_cell(a, b) for a, b in zip(needed["lopd"], needed[ref])]
             lines.append(f"| LOPD / {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+# ------------------------------------------------------------------------------ the margin
+def _over_seeds(values: Sequence[float], digits: int = 3) -> str:
+    if not values:
+        return "–"
+    mean, se = mean_se(values)
+    return f"{mean:.{digits}f}" + ("" if math.isnan(se) else f" ± {se:.{digits}f}")
+
+
+def margin_table(results: Sequence[dict[str, Any]]) -> list[str]:
+    """The paper's margin ablation (Fig. 3) from the runs that record LOPD's dual ascent:
+    per run, m, the held-out reward, the share of steps whose privilege Delta met m, beta after
+    the last step (and its largest value), and base + trained phi minus base + phi_0 (both
+    generating with latents; ``eval.with_composer``), each mean +- stderr over seeds; then the
+    paper's order m = 0 < frozen < m >= 0.02 tested pairwise (markdown lines; none without
+    such runs)."""
+    by = {m: runs for m, runs in _by_method(results).items() if all("dual" in r for r in runs)}
+    if not by:
+        return []
+    lines = [
+        "| run | m | held-out reward | steps with Delta >= m | beta after the last step "
+        "(largest) | base + phi − base + phi_0 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, runs in by.items():
+        duals = [r["dual"] for r in runs]
+        margin = duals[0]["margin"]
+        met = [sum(d >= margin for d in x["delta"]) / max(len(x["delta"]), 1) for x in duals]
+        gain = [
+            r["base_composer"]["reward_mean"] - r["base_composer_phi0"]["reward_mean"]
+            for r in runs
+            if "base_composer" in r and "base_composer_phi0" in r
+        ]
+        lines.append(
+            f"| {name} | {margin:g}{' (phi frozen)' if name == 'lopd-frozen' else ''} | "
+            f"{_over_seeds([r['final']['reward_mean'] for r in runs])} | {_over_seeds(met, 2)} | "
+            f"{_over_seeds([x['beta'][-1] for x in duals], 2)} "
+            f"({max(max(x['beta']) for x in duals):.2f}) | {_over_seeds(gain)} |"
+        )
+    if "lopd-frozen" in by:
+        lines.append("")
+        shape = [("lopd-m0", "lopd-frozen")]
+        shape += [(m, "lopd-frozen") for m, runs in by.items() if runs[0]["dual"]["margin"] >= 0.02]
+        for a, b in shape:
+            if a in by and a != b:
+                d, se, n = _paired(by[a], by[b])
+                side = "above" if d > 0 else "below"
+                if d == 0:
+                    side = "equal"
+                elif math.isnan(se):
+                    side = f"{side} (one seed: no stderr)"
+                elif abs(d) <= 2 * se:
+                    side = f"{side}, within 2 stderr (not significant)"
+                lines.append(f"- {a} − {b} = {fmt(d, se)} (paired over {n} seed(s)): {side}.")
     return lines
 
 
@@ -257,10 +322,7 @@ def write_report(
             f"{', '.join(f'{v:.3f}' for v in vals)} | {sum(succ) / len(succ):.3f} | "
             f"{len(vals)} × {per_seed[min(per_seed)]['n']} | 0 | – | – |"
         )
-    for method in ALL_METHODS:
-        if method not in by:
-            continue
-        runs = by[method]
+    for method, runs in by.items():
         vals = [r["final"]["reward_mean"] for r in runs]
         succ = [r["final"]["success_rate"] for r in runs]
         wall = sum(r["wall_seconds"] for r in runs) / len(runs)
@@ -306,6 +368,12 @@ def write_report(
         "",
         *rollouts_to_target_table(results),
         "",
+        *_section(
+            "The margin",
+            "LOPD's privileged margin m (paper Fig. 3: m = 0 below the frozen composer, m >= 0.02 "
+            "above it). Delta is a step's privilege (eq. 12), beta its dual variable.",
+            margin_table(results),
+        ),
         "![learning curve](learning_curve.png)",
         "",
     ]
@@ -322,6 +390,10 @@ def write_report(
     return {"report": report, "plot": plot, "results": res_file}
 
 
+def _section(title: str, intro: str, body: list[str]) -> list[str]:
+    return [f"## {title}", "", intro, "", *body, ""] if body else []
+
+
 def _eval_interval(meta: dict[str, Any]) -> str:
     every = meta.get("eval_every")
     return "`eval.every` steps of the preset" if every is None else f"{every} steps"
@@ -330,10 +402,8 @@ def _eval_interval(meta: dict[str, Any]) -> str:
 def _plot(by: dict[str, list[dict[str, Any]]], path: Path) -> None:
     fig = Figure(figsize=(6.5, 4))
     ax = fig.subplots()
-    for method in ALL_METHODS:
-        if method not in by:
-            continue
-        pts = _mean_curve(by[method])
+    for method, runs in by.items():
+        pts = _mean_curve(runs)
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
         ses = [0.0 if math.isnan(p[2]) else p[2] for p in pts]
         ax.errorbar(xs, ys, yerr=ses, marker="o", ms=3, capsize=2, label=method)

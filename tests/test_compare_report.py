@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from lopd.compare import main
-from lopd.compare_report import rollouts_to_reach, rollouts_to_target_table
+from lopd.compare import main, resolve_run
+from lopd.compare_report import margin_table, rollouts_to_reach, rollouts_to_target_table
+from lopd.run.run_dir import RunDir
 
 
 def test_rollouts_to_reach_interpolates_between_evaluations():
@@ -88,3 +89,74 @@ def test_from_results_rewrites_the_report_and_bad_input_is_one_line(tmp_path, ca
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--from-results" in err[0], err
     assert main(["--from-results", str(tmp_path / "missing.json")]) == 2
+
+
+def _lopd_run(name, seed, final, margin, delta, beta, phi0=None, phi=None):
+    r = _run(name, seed, [[0, 0.3], [200, final]], 0.3)
+    r["dual"] = {"margin": margin, "delta": delta, "beta": beta}
+    if phi0 is not None:
+        r["base_composer_phi0"] = {"reward_mean": phi0}
+        r["base_composer"] = {"reward_mean": phi}
+    return r
+
+
+def test_margin_table_by_hand():
+    results = []
+    for seed, shift in ((0, 0.0), (1, 0.02)):
+        results += [
+            _lopd_run("lopd-m0", seed, 0.40 + shift, 0.0, [-0.1, 0.1], [0.05, 0.0], 0.5, 0.5),
+            _lopd_run("lopd-frozen", seed, 0.45 + shift, 0.05, [0.0, 0.0], [0.03, 0.05], 0.5, 0.5),
+            _lopd_run("lopd", seed, 0.50 + shift, 0.05, [0.1, 0.0, 0.06, 0.0], [0, 0.03, 0, 0.2]),
+            _lopd_run("lopd-m0.1", seed, 0.47 + 4 * shift, 0.1, [0.2], [0.0], 0.5, 0.6 + shift),
+            _run("grpo", seed, [[0, 0.3], [200, 0.6]], 0.3),  # no dual ascent: not in the table
+        ]
+    lines = margin_table(results)
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in lines[2:6]}
+    assert list(rows) == ["lopd", "lopd-frozen", "lopd-m0", "lopd-m0.1"]  # report order
+    assert rows["lopd"][:3] == ["0.05", "0.510 ± 0.010", "0.50 ± 0.00"]  # 2 of 4 steps met m
+    assert rows["lopd"][3:] == ["0.20 ± 0.00 (0.20)", "– |"]  # no composer evaluation
+    assert rows["lopd-frozen"][0] == "0.05 (phi frozen)" and rows["lopd-frozen"][2] == "0.00 ± 0.00"
+    assert rows["lopd-m0"][2:4] == ["0.50 ± 0.00", "0.00 ± 0.00 (0.05)"]
+    assert rows["lopd-m0.1"][0] == "0.1" and rows["lopd-m0.1"][4] == "0.110 ± 0.010 |"
+    assert "grpo" not in "\n".join(lines)
+    shape = "\n".join(lines[6:])
+    assert "- lopd-m0 − lopd-frozen = -0.050 ± 0.000 (paired over 2 seed(s)): below." in shape
+    assert "- lopd − lopd-frozen = 0.050 ± 0.000 (paired over 2 seed(s)): above." in shape
+    within = "lopd-m0.1 − lopd-frozen = 0.050 ± 0.030 (paired over 2 seed(s)): above, within 2"
+    assert within in shape
+    assert margin_table([r for r in results if r["method"] == "grpo"]) == []
+
+
+def test_margin_runs_are_named_by_their_margin():
+    assert resolve_run("lopd-m0.02") == ("lopd", ["lopd.margin=0.02"])
+    assert resolve_run("lopd-m0") == ("lopd-m0", [])  # the registered ablation
+    assert resolve_run("sdft") == ("sdft", [])
+    for bad in ("lopd-m", "lopd-mx", "lopd-m-0.1", "sft"):
+        with pytest.raises(ValueError, match="unknown method"):
+            resolve_run(bad)
+
+
+def test_quick_margin_sweep_shares_the_seeds_phases_and_reports_the_dual_ascent(tmp_path):
+    out = tmp_path / "cmp"
+    argv = ["--quick", "--out", str(out), "--methods", "lopd-m0.1", "lopd", "--jobs", "1"]
+    assert main([*argv, "eval.with_composer=true"]) == 0
+    runs = {r["method"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert list(runs) == ["lopd", "lopd-m0.1"]  # LOPD first: it builds the shared phases
+    for name, margin in (("lopd", 0.05), ("lopd-m0.1", 0.1)):
+        r = runs[name]
+        assert r["error"] is None and r["rollouts"] == 16
+        assert r["dual"]["margin"] == margin and len(r["dual"]["delta"]) == r["steps"] == 2
+        assert len(r["dual"]["beta"]) == 2 and r["dual"]["beta"][0] >= 0
+        assert 0 <= r["base_composer"]["reward_mean"] <= 1
+        assert 0 <= r["base_composer_phi0"]["reward_mean"] <= 1
+        cfg_text = (out / "runs" / f"{name}-seed0" / "config.yaml").read_text()
+        assert "method: lopd\n" in cfg_text and f"margin: {margin}\n" in cfg_text
+    # The same bank and phi_0, copied (copy2 keeps the time stamp), not rebuilt.
+    first, second = (RunDir(out / "runs" / f"{n}-seed0") for n in runs)
+    for a, b in zip(first.shared_phases(True, True), second.shared_phases(True, True)):
+        assert a.stat().st_mtime_ns == b.stat().st_mtime_ns, a.name
+    phi0 = [runs[n]["base_composer_phi0"]["task_rewards"] for n in runs]
+    assert phi0[0] == phi0[1]
+    report = (out / "report.md").read_text()
+    assert "## The margin" in report and "| lopd-m0.1 | 0.1 |" in report
+    assert "| lopd-m0.1 |" in report.split("## Answers")[0]  # in the reward table too
