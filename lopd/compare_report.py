@@ -309,8 +309,9 @@ def write_report(
     by = _by_method(results)
     rows = [
         "| method | held-out reward (mean ± stderr over seeds) | per seed | success rate | "
-        "n (seeds × tasks) | rollouts | wall s / run | s / step (rollout + loss & backward) |",
-        "|---|---|---|---|---|---|---|---|",
+        "n (seeds × tasks) | rollouts | wall s / run | s / step (rollout + loss & backward) | "
+        "− vanilla (paired over seeds) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     vanilla = [r for runs in by.values() for r in runs]
     if vanilla:
@@ -320,7 +321,7 @@ def write_report(
         rows.append(
             f"| vanilla (no training) | {fmt(*mean_se(vals))} | "
             f"{', '.join(f'{v:.3f}' for v in vals)} | {sum(succ) / len(succ):.3f} | "
-            f"{len(vals)} × {per_seed[min(per_seed)]['n']} | 0 | – | – |"
+            f"{len(vals)} × {per_seed[min(per_seed)]['n']} | 0 | – | – | – |"
         )
     for method, runs in by.items():
         vals = [r["final"]["reward_mean"] for r in runs]
@@ -337,7 +338,8 @@ def write_report(
         rows.append(
             f"| {method} | {fmt(*mean_se(vals))} | {', '.join(f'{v:.3f}' for v in vals)} | "
             f"{sum(succ) / len(succ):.3f} | {len(vals)} × {runs[0]['final']['n']} | "
-            f"{'/'.join(map(str, rollouts))} | {wall:.0f} | {per_step} |"
+            f"{'/'.join(map(str, rollouts))} | {wall:.0f} | {per_step} | "
+            f"{_versus_vanilla(runs)} |"
         )
     failed = [r for r in results if r["error"] is not None]
     lines = [
@@ -388,6 +390,18 @@ def write_report(
     res_file = out / "results.json"
     atomic_write_text(res_file, json.dumps({"meta": meta, "runs": list(results)}, indent=1))
     return {"report": report, "plot": plot, "results": res_file}
+
+
+def _versus_vanilla(runs: Sequence[dict[str, Any]]) -> str:
+    """Final minus vanilla held-out reward, paired within a seed, mean +- stderr over seeds, and
+    whether it is beyond 2 stderr (a null-context control should stay within)."""
+    diffs = [r["final"]["reward_mean"] - r["vanilla"]["reward_mean"] for r in runs]
+    d, se = mean_se(diffs)
+    if math.isnan(se):
+        return f"{d:+.3f} (one seed)"
+    side = "above" if d > 0 else "below"
+    where = "within 2 stderr" if abs(d) <= 2 * se else f"{side}, > 2 stderr"
+    return f"{d:+.3f} ± {se:.3f} ({where})"
 
 
 def _section(title: str, intro: str, body: list[str]) -> list[str]:

@@ -81,6 +81,9 @@ def test_from_results_rewrites_the_report_and_bad_input_is_one_line(tmp_path, ca
     report = (tmp_path / "again" / "report.md").read_text()
     assert "## Rollouts to target" in report and "| LOPD / GRPO | 250% ± 0%" in report
     assert "evaluations (every 8 steps)" in report
+    # Final minus vanilla, paired: GRPO +0.20 on both seeds, Skill-SD +0.05 on both.
+    assert "| +0.200 ± 0.000 (above, > 2 stderr) |" in report
+    assert report.count("| +0.050 ± 0.000 (above, > 2 stderr) |") == 1
     assert json.loads((tmp_path / "again" / "results.json").read_text())["runs"] == runs
     capsys.readouterr()
     for bad in ("{not json", json.dumps({"runs": []}), json.dumps([1])):
