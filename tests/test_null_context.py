@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lopd.config import ConfigError, load_config
+from lopd.eval.held_out import HeldOutEvaluator
 from lopd.methods import METHODS, OPSDMethod, SDFTMethod, SDPOMethod, SkillSDMethod
 from lopd.methods.groups import group_rollouts
 from lopd.methods.opsd import OPSD_SYSTEM_TEMPLATE
@@ -144,3 +145,16 @@ def test_quick_compare_runs_the_null_context_controls(tmp_path):
     for m in methods:
         cfg_text = (out / "runs" / f"{m}-seed0" / "config.yaml").read_text()
         assert "null_context: true" in cfg_text
+
+
+def test_base_composer_evaluation_generates_with_zero_latents(lopd_trainer):
+    tr = lopd_trainer
+    tasks = tr.evaluate.tasks[:3]
+    assert tr.evaluate.task_latents(tasks).abs().sum() > 0
+    cfg = copy.deepcopy(tr.cfg)
+    cfg.lopd.null_context = True
+    null_eval = HeldOutEvaluator(dataclasses.replace(tr.run_context, cfg=cfg), tr.evaluate.latents)
+    lat = null_eval.task_latents(tasks)
+    assert lat.shape == tr.evaluate.task_latents(tasks).shape and lat.abs().sum() == 0
+    result = null_eval("base_composer")
+    assert result["n"] == len(tr.evaluate.tasks) and 0 <= result["reward_mean"] <= 1

@@ -50,8 +50,9 @@ class LOPDConfig:
             ``topk_tail_kl`` on the heads' ``[N, V]`` logits of the action rows (``false``).
         null_context: the null-context control: the teacher's privileged context is emptied
             (the same template with no demonstration, sibling or skill in it; LOPD's teacher
-            reads zero latents), so a method whose loss leaves the policy alone without
-            information should end where vanilla is. Every method with a teacher; not GRPO.
+            reads zero latents, and so does the base model of ``eval.with_composer``), so a
+            method whose loss leaves the policy alone without information should end where
+            vanilla is. Every method with a teacher; not GRPO.
     """
 
     method: str = "lopd"

@@ -92,9 +92,19 @@ class HeldOutEvaluator:
             atomic_write_text(path, json.dumps(result))
         return result
 
+    def task_latents(self, tasks: list[Task]) -> torch.Tensor:
+        """The latents the base model generates with, ``[B, J*K, d]``: c_phi of ``tasks``, or
+        zeros under ``lopd.null_context`` (the null-context control's teacher, evaluated)."""
+        if self.latents is None:
+            raise ValueError("base_composer evaluation needs a composer")
+        with self.ctx.precision.autocast():
+            lat = self.latents(tasks)
+        return torch.zeros_like(lat) if self.ctx.cfg.lopd.null_context else lat
+
     @torch.no_grad()
     def rollout_with_latents(self) -> list[Trajectory]:
-        """The frozen base model rolled out on the held-out tasks with their c_phi injected."""
+        """The frozen base model rolled out on the held-out tasks with their c_phi injected
+        (:meth:`task_latents`)."""
         if self.latents is None:
             raise ValueError("base_composer evaluation needs a composer")
         tokenizer, pad_id, n = self.models.tokenizer, self.models.pad_id, self.num_placeholders
@@ -108,9 +118,7 @@ class HeldOutEvaluator:
         bs = self.chunk
         for i in range(0, len(self.tasks), bs):
             chunk = self.tasks[i : i + bs]
-            with self.ctx.precision.autocast():
-                lat = self.latents(chunk)
-            for task, lt in zip(chunk, lat):
+            for task, lt in zip(chunk, self.task_latents(chunk)):
                 env = env_factory(task)
                 ids = render_prompt(tokenizer, env.system_prompt(), env.reset(task), env.tools())
                 prompts.append(ids)
