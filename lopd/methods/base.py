@@ -201,8 +201,11 @@ class MethodSpec:
         return self.uses_bank or self.uses_composer
 
     def check_null_context(self, cfg: Config) -> None:
-        """Raises:
-        ConfigError: ``lopd.null_context`` for a method without a teacher."""
+        """Refuse the null-context control where there is no context to empty.
+
+        Raises:
+            ConfigError: ``lopd.null_context`` for a method without a teacher (GRPO).
+        """
         if cfg.lopd.null_context and not self.has_teacher:
             raise ConfigError(
                 f"lopd.null_context=true needs a method with a teacher; lopd.method={self.name} "
