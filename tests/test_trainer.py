@@ -485,3 +485,19 @@ def test_run_dir_names_every_file_once():
     assert rd.bank_done == rd.bank / "DONE" and rd.metrics.name == "metrics.jsonl"
     assert rd.shared_phases(builds_bank=False, uses_composer=False) == [rd.eval_vanilla]
     assert rd.shared_phases(True, True) == [rd.eval_vanilla, rd.bank, rd.phi0, rd.latents0]
+
+
+def test_a_run_without_training_steps_evaluates_and_finishes(tmp_path):
+    # lopd.steps=0: the bank, the cold start and every evaluation, no step (e.g. to evaluate
+    # the base model with latents); it once crashed at the end reading a metrics file no step
+    # had written.
+    run_dir = tmp_path / "run"
+    res = subprocess.run(
+        _train_cmd(run_dir, "lopd.steps=0"),
+        capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["lopd"]["task_rewards"] == summary["vanilla"]["task_rewards"]  # untrained
+    assert (run_dir / "metrics.jsonl").read_text() == ""
+    assert (run_dir / "reward_curve.png").stat().st_size > 1000
