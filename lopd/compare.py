@@ -9,7 +9,7 @@ rollout budget, then writes to ``--out``:
   equal budget; what fraction of GRPO's (and Skill-SD's) rollouts LOPD needs to reach its final
   reward; does m = 0 fall below the frozen composer; and the rollouts-to-target table (the
   rollouts each method needs to reach vanilla + 0.05 ... + 0.20 and the best final reward)
-  (:mod:`lopd.compare_report`).
+  (:mod:`lopd.eval.compare_report`).
 * ``learning_curve.png``: held-out reward against generated rollouts (mean over seeds).
 * ``results.json``: every run's summary and curve; ``runs/<method>-seed<k>/``: the run directories.
 
@@ -58,8 +58,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from lopd.compare_report import ALL_METHODS, write_report
 from lopd.config import COMPARE_BUDGETS, BankTooSmallError, ConfigError, load_config
+from lopd.eval.compare_report import ALL_METHODS, write_report
 from lopd.methods import METHODS
 from lopd.run.claim import clear_run_dir, refuse_used_runs
 from lopd.run.host_memory import configure_host_memory

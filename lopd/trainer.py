@@ -111,8 +111,7 @@ class Trainer:
         self.resume, self.overwrite, self.shared_phases = resume, overwrite, shared_phases
         self.lock: RunLock | None = None
         self.dist = Dist(cfg.model.device, cfg.threads)
-        self.spec.check_parallel(cfg, self.dist.world)
-        self.spec.check_null_context(cfg)
+        self.spec.check(cfg, self.dist.world)
         self.is_main = self.dist.is_main
         self.progress = progress and self.is_main
         self.run_dir = RunDir(cfg.run_dir)

@@ -576,7 +576,7 @@ def test_quick_compare_spends_equal_budgets_and_writes_the_report(tmp_path):
 
 
 def test_answers_compute_the_rollout_fraction_and_ablation_verdict():
-    from lopd.compare_report import answers
+    from lopd.eval.compare_report import answers
 
     def run(method, seed, curve):
         final = {"reward_mean": curve[-1][1], "reward_stderr": 0.0, "success_rate": 0.0, "n": 4}

@@ -1,4 +1,4 @@
-"""The comparison's report (lopd.compare_report): rollouts to reach a target read off learning
+"""The comparison's report (lopd.eval.compare_report): rollouts to reach a target read off learning
 curves by hand, the rollouts-to-target table with its per-seed fractions, and
 ``python -m lopd.compare --from-results`` rewriting a report without running anything."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from lopd.compare import main, resolve_run
-from lopd.compare_report import margin_table, rollouts_to_reach, rollouts_to_target_table
+from lopd.eval.compare_report import margin_table, rollouts_to_reach, rollouts_to_target_table
 from lopd.run.run_dir import RunDir
 
 

@@ -200,6 +200,16 @@ class MethodSpec:
         """Whether the run collects the experience bank (its rollouts count toward the budget)."""
         return self.uses_bank or self.uses_composer
 
+    def check(self, cfg: Config, world: int) -> None:
+        """Refuse, before anything is loaded, what this method cannot run with ``cfg`` on
+        ``world`` ranks (:meth:`check_null_context`, :meth:`check_parallel`).
+
+        Raises:
+            ConfigError: naming the setting.
+        """
+        self.check_null_context(cfg)
+        self.check_parallel(cfg, world)
+
     def check_null_context(self, cfg: Config) -> None:
         """Refuse the null-context control where there is no context to empty.
 
