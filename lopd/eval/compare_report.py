@@ -24,7 +24,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from lopd.atomic import atomic_write_text
-from lopd.eval.stats import fmt, mean_se, verdict
+from lopd.eval.stats import fmt, mean_se, side, verdict
 from lopd.methods import METHODS
 
 __all__ = [
@@ -237,10 +237,7 @@ def rollouts_to_target_table(results: Sequence[dict[str, Any]]) -> list[str]:
 
 # ------------------------------------------------------------------------------ the margin
 def _over_seeds(values: Sequence[float], digits: int = 3) -> str:
-    if not values:
-        return "–"
-    mean, se = mean_se(values)
-    return f"{mean:.{digits}f}" + ("" if math.isnan(se) else f" ± {se:.{digits}f}")
+    return fmt(*mean_se(values), digits) if values else "–"
 
 
 def margin_table(results: Sequence[dict[str, Any]]) -> list[str]:
@@ -280,14 +277,9 @@ def margin_table(results: Sequence[dict[str, Any]]) -> list[str]:
         for a, b in shape:
             if a in by and a != b:
                 d, se, n = _paired(by[a], by[b])
-                side = "above" if d > 0 else "below"
-                if d == 0:
-                    side = "equal"
-                elif math.isnan(se):
-                    side = f"{side} (one seed: no stderr)"
-                elif abs(d) <= 2 * se:
-                    side = f"{side}, within 2 stderr (not significant)"
-                lines.append(f"- {a} − {b} = {fmt(d, se)} (paired over {n} seed(s)): {side}.")
+                lines.append(
+                    f"- {a} − {b} = {fmt(d, se)} (paired over {n} seed(s)): {side(d, se)}."
+                )
     return lines
 
 
@@ -397,11 +389,8 @@ def _versus_vanilla(runs: Sequence[dict[str, Any]]) -> str:
     whether it is beyond 2 stderr (a null-context control should stay within)."""
     diffs = [r["final"]["reward_mean"] - r["vanilla"]["reward_mean"] for r in runs]
     d, se = mean_se(diffs)
-    if math.isnan(se):
-        return f"{d:+.3f} (one seed)"
-    side = "above" if d > 0 else "below"
-    where = "within 2 stderr" if abs(d) <= 2 * se else f"{side}, > 2 stderr"
-    return f"{d:+.3f} ± {se:.3f} ({where})"
+    spread = "" if math.isnan(se) else f" ± {se:.3f}"
+    return f"{d:+.3f}{spread} ({side(d, se)})"
 
 
 def _section(title: str, intro: str, body: list[str]) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["fmt", "mean_se", "verdict"]
+__all__ = ["fmt", "mean_se", "side", "verdict"]
 
 
 def mean_se(values: Sequence[float]) -> tuple[float, float]:
@@ -21,9 +21,22 @@ def mean_se(values: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
-def fmt(mean: float, se: float) -> str:
-    """``0.123 ± 0.045`` (``0.123`` when the error is unknown)."""
-    return f"{mean:.3f} ± {se:.3f}" if not math.isnan(se) else f"{mean:.3f}"
+def fmt(mean: float, se: float, digits: int = 3) -> str:
+    """``0.123 ± 0.045`` (``0.123`` when the error is unknown), ``digits`` after the point."""
+    if math.isnan(se):
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {se:.{digits}f}"
+
+
+def side(diff: float, se: float) -> str:
+    """Which side of zero a difference lies on and whether beyond two standard errors, in
+    words (the two-sided counterpart of :func:`verdict`)."""
+    if diff == 0:
+        return "equal"
+    where = "above" if diff > 0 else "below"
+    if math.isnan(se):
+        return f"{where} (one seed: no stderr)"
+    return f"{where}, > 2 stderr" if abs(diff) > 2 * se else f"{where}, within 2 stderr"
 
 
 def verdict(diff: float, se: float) -> str:
