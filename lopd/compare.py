@@ -60,7 +60,7 @@ from typing import Any
 
 from lopd.config import COMPARE_BUDGETS, BankTooSmallError, ConfigError, load_config
 from lopd.eval.compare_report import ALL_METHODS, write_report
-from lopd.methods import METHODS
+from lopd.methods import METHODS, MethodSpec
 from lopd.run.claim import clear_run_dir, refuse_used_runs
 from lopd.run.host_memory import configure_host_memory
 from lopd.run.run_dir import RunDir, RunDirError
@@ -93,6 +93,11 @@ def resolve_run(name: str) -> tuple[str, list[str]]:
             "(e.g. lopd-m0.02)"
         )
     return "lopd", [f"lopd.margin={match.group(1)}"]
+
+
+def _spec(name: str) -> MethodSpec:
+    """The registered method a run name trains (:func:`resolve_run`)."""
+    return METHODS[resolve_run(name)[0]]
 
 
 def _run_order(name: str) -> tuple[int, str]:
@@ -147,8 +152,7 @@ def _steps_for(settings: CompareSettings, method: str) -> tuple[int, int]:
     """``(steps, bank_rollouts)`` that spend ``settings.budget`` rollouts with ``method``."""
     cfg = _config(settings, "lopd", 0, Path("."), 0)
     tps = cfg.lopd.tasks_per_step
-    builds_bank = METHODS[resolve_run(method)[0]].builds_bank
-    bank = cfg.data.n_train * cfg.bank.rollouts_per_task if builds_bank else 0
+    bank = cfg.data.n_train * cfg.bank.rollouts_per_task if _spec(method).builds_bank else 0
     if settings.budget <= bank:
         raise ValueError(
             f"budget={settings.budget} does not exceed the {bank} bank rollouts of {method!r}"
@@ -159,7 +163,7 @@ def _steps_for(settings: CompareSettings, method: str) -> tuple[int, int]:
 def _share(sources: Sequence[Path], dst: Path, method: str) -> None:
     """Copy the seed's shared phases from earlier run directories (see the module docstring)."""
     dst.mkdir(parents=True, exist_ok=True)
-    spec = METHODS[resolve_run(method)[0]]
+    spec = _spec(method)
     target = RunDir(dst)
     for path in target.shared_phases(spec.builds_bank, spec.uses_composer):
         name = path.relative_to(target.root)
@@ -211,7 +215,7 @@ def run_method(
         finally:
             trainer.close()
         bank = 0
-        if METHODS[resolve_run(method)[0]].builds_bank and files.bank_done.exists():
+        if _spec(method).builds_bank and files.bank_done.exists():
             bank = int(json.loads(files.bank_done.read_text())["rollouts"])
         vanilla = summary["vanilla"]["reward_mean"]
         curve = [[0, vanilla]] + ([[bank, vanilla]] if bank else [])
@@ -225,11 +229,10 @@ def run_method(
             for part in ("rollout", "loss_backward", "step")
         }
         curve.append([int(summary["rollouts"]), summary["lopd"]["reward_mean"]])
-        settings_of = getattr(trainer.method, "settings", None)
-        if rows and "beta_next" in rows[0] and settings_of is not None:
+        if _spec(method).uses_composer:
             # The privileged margin's dual ascent, step by step (the margin table).
             result["dual"] = {
-                "margin": settings_of.margin,
+                "margin": trainer.method.settings.margin,
                 "delta": [r["delta"] for r in rows],
                 "beta": [r["beta_next"] for r in rows],
             }
@@ -374,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = _config(settings, "lopd", seeds[0], out, 0)
         for m in args.methods:
-            group = METHODS[resolve_run(m)[0]].group_size(cfg)
+            group = _spec(m).group_size(cfg)
             if cfg.lopd.tasks_per_step % group:
                 raise ConfigError(
                     f"lopd.tasks_per_step={cfg.lopd.tasks_per_step} must be a multiple of the "
