@@ -14,6 +14,7 @@ from lopd.envs import builtin_tasks, get_world
 from lopd.latent.injection import FRAMING
 from lopd.tiny.build import TinyBuildConfig, build_tiny, build_tokenizer, tiny_model_config
 from lopd.tiny.data import (
+    Episode,
     EpisodeSource,
     Mixture,
     experience_text,
@@ -21,6 +22,7 @@ from lopd.tiny.data import (
     sample_conventions,
     tokenizer_corpus,
 )
+from lopd.tiny.formats import FORMATS
 from lopd.tiny.sft import collate, greedy_hits, lm_loss, shared_prefix_len
 
 
@@ -39,8 +41,9 @@ def test_reference_is_another_train_task_under_the_same_conventions(train, token
     rng = random.Random(0)
     kinds = collections.Counter()
     for i in range(300):
-        target, ref = source.episode(rng, source.worlds[i % 3])
-        assert target.split == "train"
+        episode = source.episode(rng, source.worlds[i % 3])
+        target, ref = episode.target, episode.reference
+        assert target.split == "train" and episode.format == "lopd"
         if ref is None:
             kinds["bare"] += 1
             continue
@@ -49,7 +52,7 @@ def test_reference_is_another_train_task_under_the_same_conventions(train, token
         assert ref.spec["conventions"] == target.spec["conventions"]
         kinds["same" if ref.spec["template"] == target.spec["template"] else "other"] += 1
         if i < 30:
-            demo = source.demonstration(tokenizer, target, ref)
+            demo = source.demonstration(tokenizer, episode)
             user = demo.messages[1]["content"]
             assert user.startswith(FRAMING["tool_use"][0]) and user.endswith(target.instruction)
             assert experience_text(ref) in user and target.instruction not in user[:-1]
@@ -57,7 +60,7 @@ def test_reference_is_another_train_task_under_the_same_conventions(train, token
     assert 60 <= kinds["bare"] <= 120
     assert 0.65 <= kinds["same"] / (kinds["same"] + kinds["other"]) <= 0.85
     with pytest.raises(ValueError, match="own reference"):
-        source.demonstration(tokenizer, target, target)
+        source.demonstration(tokenizer, Episode(target, target))
 
 
 def test_conventions_are_drawn_uniformly():
@@ -79,9 +82,9 @@ def test_model_data_never_holds_a_heldout_task(monkeypatch):
     seen: list = []
     real = tiny_data.demonstration
 
-    def spy(tokenizer, task, user_message=None):
-        seen.append((task, user_message))
-        return real(tokenizer, task, user_message)
+    def spy(tokenizer, task, user_message=None, system_suffix=""):
+        seen.append((task, (user_message or "") + system_suffix or None))
+        return real(tokenizer, task, user_message, system_suffix)
 
     monkeypatch.setattr(tiny_data, "demonstration", spy)
     cfg = TinyBuildConfig(
@@ -98,6 +101,7 @@ def test_model_data_never_holds_a_heldout_task(monkeypatch):
         excerpt_batch_size=4,
         eval_tasks=0,
         threads=1,
+        formats=FORMATS,
     )
     build_tiny(cfg, out=None, verbose=False)
     assert len(seen) == 32 + 12 + 8  # the SFT's episodes and both curricula's excerpts
@@ -129,7 +133,7 @@ def test_shared_prefix_loss_equals_the_whole_forward(train, tokenizer):
 
     source = EpisodeSource(train, Mixture(bare=0.5))
     rng = random.Random(3)
-    demos = [source.demonstration(tokenizer, *source.episode(rng, "insurance")) for _ in range(4)]
+    demos = [source.demonstration(tokenizer, source.episode(rng, "insurance")) for _ in range(4)]
     torch.manual_seed(0)
     cfg = TinyBuildConfig(hidden_size=32, intermediate_size=64, num_layers=2, head_dim=16)
     model = Qwen3ForCausalLM(tiny_model_config(tokenizer, cfg))
@@ -187,8 +191,7 @@ def test_turn_excerpts_keep_the_instruction_and_the_last_tool_result(train, toke
     rng = random.Random(5)
     grounded = collections.Counter()
     for i in range(12):
-        target, ref = source.episode(rng, source.worlds[i % 3])
-        full = source.demonstration(tokenizer, target, ref)
+        full = source.demonstration(tokenizer, source.episode(rng, source.worlds[i % 3]))
         spans = action_spans(full)
         assert len(spans) == sum(m["role"] == "assistant" for m in full.messages)
         assert sum(e - s for s, e in spans) == sum(full.action_mask)

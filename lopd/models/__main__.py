@@ -4,6 +4,8 @@
   (:func:`lopd.tiny.build.build_tiny`; writes ``lopd/assets/tiny-qwen3`` by default).
 * ``probe-reference``: held-out reward of a model alone, with a retrieved reference trajectory,
   and with a mismatched one (:func:`lopd.tiny.probe.probe_reference`).
+* ``probe-formats``: val reward of a model alone and with one reference in each method's
+  privileged-context format (:func:`lopd.tiny.probe.probe_formats`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from lopd.atomic import atomic_write_text
 from lopd.envs import builtin_tasks, load_tasks_jsonl
 from lopd.models.loading import load_model
 from lopd.tiny.build import TINY_ASSET_DIR, TinyBuildConfig, build_tiny
-from lopd.tiny.probe import format_report, probe_reference
+from lopd.tiny.formats import FORMATS
+from lopd.tiny.probe import format_formats_report, format_report, probe_formats, probe_reference
 
 
 def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +35,27 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", default=None, help="write the JSON report here")
+
+
+def _write(report: dict, out: str | None) -> None:
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, json.dumps(report, indent=1) + "\n")
+
+
+def run_probe_formats(args: argparse.Namespace) -> int:
+    """Run the per-format probe on the built-in val split; prints the table, writes the JSON."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    train = builtin_tasks("tool_use", "train", seed=args.task_seed)
+    val = builtin_tasks("tool_use", "val", n=args.n, seed=args.task_seed)
+    report = probe_formats(model, tokenizer, train, val, formats=args.formats, seeds=args.seeds)
+    report["model"] = args.model or "tiny (lopd/assets/tiny-qwen3)"
+    report["tasks"] = f"built-in val split, task-set seed {args.task_seed}"
+    print(format_formats_report(report))
+    _write(report, args.out)
+    return 0
 
 
 def run_probe(args: argparse.Namespace) -> int:
@@ -52,9 +76,7 @@ def run_probe(args: argparse.Namespace) -> int:
     report["model"] = args.model or "tiny (lopd/assets/tiny-qwen3)"
     report["tasks"] = args.tasks or f"built-in, task-set seed {args.task_seed}"
     print(format_report(report))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
+    _write(report, args.out)
     return 0
 
 
@@ -71,15 +93,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--first-call-steps", type=int, default=TinyBuildConfig.first_call_steps)
     b.add_argument("--excerpt-steps", type=int, default=TinyBuildConfig.excerpt_steps)
     b.add_argument("--eval-tasks", type=int, default=TinyBuildConfig.eval_tasks)
+    b.add_argument(
+        "--formats",
+        nargs="+",
+        choices=[*FORMATS, "all"],
+        default=list(TinyBuildConfig.formats),
+        help="privileged-context formats of the reference episodes (all: every method's)",
+    )
     add_probe_arguments(
         sub.add_parser(
             "probe-reference",
             help="base model alone vs with a retrieved reference trajectory (held-out reward)",
         )
     )
+    f = sub.add_parser(
+        "probe-formats",
+        help="base model alone vs with a reference in each method's format (val reward)",
+    )
+    f.add_argument("--model", default=None, help="checkpoint directory (default: the tiny)")
+    f.add_argument("--task-seed", type=int, default=0, help="built-in task-set seed")
+    f.add_argument("--n", type=int, default=64, help="val tasks")
+    f.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    f.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    f.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    f.add_argument("--out", default=None, help="write the JSON report here")
     args = parser.parse_args(argv)
     if args.command == "probe-reference":
         return run_probe(args)
+    if args.command == "probe-formats":
+        return run_probe_formats(args)
     if args.command == "build-tiny":
         cfg = TinyBuildConfig(
             seed=args.seed,
@@ -88,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             first_call_steps=args.first_call_steps,
             excerpt_steps=args.excerpt_steps,
             eval_tasks=args.eval_tasks,
+            formats=FORMATS if "all" in args.formats else tuple(args.formats),
         )
         res = build_tiny(cfg, out=args.out)
         print(

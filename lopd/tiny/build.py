@@ -80,9 +80,11 @@ from lopd.tiny.data import (
     Mixture,
     demonstration,
     reference_env_factory,
+    same_template_plays,
     same_template_references,
     tokenizer_corpus,
 )
+from lopd.tiny.formats import framed_env_factory
 from lopd.tiny.sft import copy_batches, episode_batches, excerpt_batches, sft, warmup
 from lopd.types import Task
 
@@ -227,6 +229,8 @@ class TinyBuildConfig:
         min_count: tokenizer piece frequency threshold.
         bare_share: share of bare episodes in the training stream (the rest carry a reference).
         same_template_share: share of reference episodes whose reference has the same template.
+        formats: the privileged-context formats reference episodes are shown in, equal shares
+            (:mod:`lopd.tiny.formats`; ``("lopd",)``: the A.5 framing only).
         context_weight: loss weight of the non-action tokens after the system turn (actions 1).
         copy_warmup_steps: steps of the copy task (:func:`lopd.tiny.sft.copy_batches`) before
             the SFT, which grow the induction heads a pretrained LLM has.
@@ -272,6 +276,7 @@ class TinyBuildConfig:
     min_count: int = 2
     bare_share: float = 0.4
     same_template_share: float = 0.8
+    formats: tuple[str, ...] = ("lopd",)
     context_weight: float = 0.0
     copy_warmup_steps: int = 0
     copy_weight: float = 1.0
@@ -328,15 +333,21 @@ def evaluate_reward(
     seed: int = 0,
     batch_size: int = 32,
     references: dict[str, list[str]] | None = None,
+    make_env: Any = None,
 ) -> float:
     """Mean reward of rollouts under the default sampling (``GenerationConfig()``).
 
     Args:
         references: task id -> experience texts to show as a reference in the first user
             message (:class:`~lopd.tiny.data.ReferencePromptEnv`); ``None``: bare prompts.
+        make_env: task -> environment (e.g. :func:`lopd.tiny.formats.framed_env_factory`);
+            exclusive with ``references``.
     """
 
-    make_env = None if references is None else reference_env_factory(references)
+    if references is not None:
+        if make_env is not None:
+            raise ValueError("give references or make_env, not both")
+        make_env = reference_env_factory(references)
     trajs = rollout(
         model,
         tokenizer,
@@ -376,9 +387,10 @@ def build_tiny(
     t0 = time.perf_counter()
     try:
         train = _train_tasks()
-        tokenizer = build_tokenizer(tokenizer_corpus(train), cfg.min_count)
+        tokenizer = build_tokenizer(tokenizer_corpus(train, cfg.formats), cfg.min_count)
         log(f"tokenizer: {len(tokenizer)} tokens ({time.perf_counter() - t0:.0f}s)")
-        source = EpisodeSource(train, Mixture(cfg.bare_share, cfg.same_template_share))
+        mixture = Mixture(cfg.bare_share, cfg.same_template_share, tuple(cfg.formats))
+        source = EpisodeSource(train, mixture)
         torch.manual_seed(cfg.seed)
         model = Qwen3ForCausalLM(tiny_model_config(tokenizer, cfg))
         num_params = sum(p.numel() for p in model.parameters())
@@ -416,6 +428,7 @@ def build_tiny(
         digest = weights_hash(model)
         sft_seconds = time.perf_counter() - t0
         bare = ref = None
+        by_format: dict[str, float] = {}
         if cfg.eval_tasks:
             # Validation split only: the build never looks at the test split.
             val = builtin_tasks("tool_use", split="val", n=cfg.eval_tasks, seed=0)
@@ -426,12 +439,19 @@ def build_tiny(
                 f"val reward ({len(val)} tasks, temperature 0.7): bare {bare:.3f}, with a "
                 f"same-template train trajectory as reference {ref:.3f}"
             )
+            plays = same_template_plays(val, train, seed=cfg.seed)
+            for fmt in (f for f in cfg.formats if f != "lopd"):
+                by_format[fmt] = evaluate_reward(
+                    model, tokenizer, val, seed=cfg.seed, make_env=framed_env_factory(fmt, plays)
+                )
+                log(f"  the same reference in {fmt}'s format: {by_format[fmt]:.3f}")
         seconds = time.perf_counter() - t0
         info = {
             "weights_sha256": digest,
             "val_reward_bare": bare,
             "val_reward_reference": ref,
             "val_tasks": cfg.eval_tasks,
+            **({"val_reward_other_formats": by_format} if by_format else {}),
             "num_params": num_params,
             "final_loss": sum(losses[-20:]) / len(losses[-20:]),
             "sft_seconds": round(sft_seconds, 1),

@@ -9,11 +9,11 @@ properties (recipe and rationale: :mod:`lopd.models`):
   alternative per slot drawn uniformly), so no rule of the built-in task sets is more likely in
   the data than its alternative: a bare prompt gives the model nothing to tell them apart;
 * a **reference-conditioned** episode puts the successful (oracle) trajectory of *another* train
-  task of the same world, played under the *same* conventions, into the first user message, as
-  text in the paper's A.5 framing (:func:`lopd.latent.injection.frame_with_references`) and the
-  observation-lite layout of the experience bank (:func:`lopd.memory.format_experience`). Its ids
-  and numbers belong to another database, so the only thing worth taking from it is the
-  procedure: which tools, in which order.
+  task of the same world, played under the *same* conventions, into the prompt as text, in one
+  method's privileged-context format (:mod:`lopd.tiny.formats`; by default the paper's A.5
+  framing, :func:`lopd.latent.injection.frame_with_references`, around the experience bank's
+  layout, :func:`lopd.memory.format_experience`). Its ids and numbers belong to another database,
+  so the only thing worth taking from it is the procedure: which tools, in which order.
 
 Only train-split tasks enter the data; a reference is never the episode's own task (nor one with
 the same instruction).
@@ -34,10 +34,12 @@ from lopd.latent.composer import ENCODER_TEMPLATE
 from lopd.latent.injection import FRAMING, frame_with_references
 from lopd.memory.bank import BankEntry, format_experience
 from lopd.rollout.chat import encode, end_of_turn_id, render_observation, render_prompt_text
+from lopd.tiny.formats import FORMATS, frame_reference
 from lopd.types import Task, Trajectory
 
 __all__ = [
     "Demonstration",
+    "Episode",
     "EpisodeSource",
     "Mixture",
     "ReferencePromptEnv",
@@ -46,6 +48,7 @@ __all__ = [
     "experience_text",
     "oracle_play",
     "reference_env_factory",
+    "same_template_plays",
     "same_template_references",
     "sample_conventions",
     "tokenizer_corpus",
@@ -81,7 +84,9 @@ class Demonstration:
     context_start: int = 0
 
 
-def demonstration(tokenizer: Any, task: Task, user_message: str | None = None) -> Demonstration:
+def demonstration(
+    tokenizer: Any, task: Task, user_message: str | None = None, system_suffix: str = ""
+) -> Demonstration:
     """Play ``task``'s oracle actions in its environment and tokenize the conversation.
 
     Action turns are tokenized canonically (``tokenizer(text)``), observations and template
@@ -93,13 +98,14 @@ def demonstration(tokenizer: Any, task: Task, user_message: str | None = None) -
         task: a task with an oracle.
         user_message: the first user message (default: what the environment shows, the
             instruction); a reference-conditioned episode passes the framed message.
+        system_suffix: appended to the system message (OPSD's reference format).
     """
     envs = _envs()
     env = envs.make_env(task)
     user = env.reset(task)
     if user_message is not None:
         user = user_message
-    system, tools = env.system_prompt(), env.tools()
+    system, tools = env.system_prompt() + system_suffix, env.tools()
     text = render_prompt_text(tokenizer, system, user, tools)
     ids = encode(tokenizer, text)
     # The user message follows a newline (a token boundary), so the text before it encodes to a
@@ -236,16 +242,33 @@ class Mixture:
             of the same template (the rest: another template of the same world, which shares
             only the world-level rules, if any, so the model learns to weigh a reference by how
             similar its task is).
+        formats: the privileged-context formats (:data:`lopd.tiny.formats.FORMATS`) a
+            reference-conditioned episode is drawn from, in equal shares; each has the same
+            same-template / other-template mixture.
     """
 
     bare: float = 0.4
     same_template: float = 0.8
+    formats: tuple[str, ...] = ("lopd",)
 
     def __post_init__(self) -> None:
         for name in ("bare", "same_template"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {v}")
+        unknown = [f for f in self.formats if f not in FORMATS]
+        if not self.formats or unknown or len(set(self.formats)) != len(self.formats):
+            raise ValueError(f"formats must be distinct names of {FORMATS}, got {self.formats}")
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One drawn training episode: the target task, its reference (``None``: bare) and the
+    format the reference is shown in."""
+
+    target: Task
+    reference: Task | None
+    format: str = "lopd"
 
 
 class EpisodeSource:
@@ -271,41 +294,49 @@ class EpisodeSource:
             if len(ts) < 2:
                 raise ValueError(f"world {w!r} needs at least 2 tasks (a task and a reference)")
 
-    def episode(self, rng: random.Random, world: str) -> tuple[Task, Task | None]:
-        """Draw ``(target, reference)`` of ``world`` under fresh random conventions.
+    def episode(self, rng: random.Random, world: str) -> Episode:
+        """Draw an episode of ``world`` under fresh random conventions.
 
-        ``reference`` is ``None`` for a bare episode; otherwise another task of the world (never
-        the target, never one with the target's instruction) under the same conventions.
+        Its ``reference`` is ``None`` for a bare episode; otherwise another task of the world
+        (never the target, never one with the target's instruction) under the same conventions,
+        shown in one of the mixture's formats.
         """
         pool = self._by_world[world]
         conventions = sample_conventions(world, rng)
         target = rng.choice(pool)
         if rng.random() < self.mixture.bare:
-            return with_conventions(target, conventions), None
+            return Episode(with_conventions(target, conventions), None)
         others = [t for t in pool if t.instruction != target.instruction]
         template = target.spec["template"]
         same = [t for t in others if t.spec["template"] == template]
         other = [t for t in others if t.spec["template"] != template]
         candidates = same if (rng.random() < self.mixture.same_template or not other) else other
         reference = rng.choice(candidates or others)
-        return with_conventions(target, conventions), with_conventions(reference, conventions)
+        formats = self.mixture.formats
+        # A single format draws nothing, so the one-format stream is the earlier builds' stream.
+        fmt = formats[0] if len(formats) == 1 else rng.choice(formats)
+        return Episode(
+            with_conventions(target, conventions), with_conventions(reference, conventions), fmt
+        )
 
     def bare_episode(self, rng: random.Random, world: str) -> Task:
         """Draw a target task of ``world`` under fresh random conventions (no reference)."""
         conventions = sample_conventions(world, rng)
         return with_conventions(rng.choice(self._by_world[world]), conventions)
 
-    def demonstration(self, tokenizer: Any, target: Task, reference: Task | None) -> Demonstration:
-        """The tokenized episode: bare, or with ``reference``'s oracle trajectory as text."""
+    def demonstration(self, tokenizer: Any, episode: Episode) -> Demonstration:
+        """The tokenized episode: bare, or with its reference's oracle trajectory as text in the
+        episode's format."""
 
+        target, reference = episode.target, episode.reference
         if reference is None:
             return demonstration(tokenizer, target)
         if reference.task_id == target.task_id or reference.instruction == target.instruction:
             raise ValueError(f"task {target.task_id} cannot be its own reference")
-        user = frame_with_references(
-            target.instruction, target.domain, [experience_text(reference)]
+        framed = frame_reference(
+            episode.format, target.instruction, target.domain, oracle_play(reference)
         )
-        return demonstration(tokenizer, target, user_message=user)
+        return demonstration(tokenizer, target, framed.user, framed.system_suffix)
 
 
 class ReferencePromptEnv:
@@ -345,6 +376,18 @@ def same_template_references(
 ) -> dict[str, list[str]]:
     """For each task, the oracle trajectory of one ``pool`` task of the same world as text.
 
+    The references of :func:`same_template_plays` in the bank's layout: ``task_id -> [experience
+    text]``.
+    """
+    plays = same_template_plays(tasks, pool, seed, match)
+    return {k: [format_experience(BankEntry.from_trajectory(t))] for k, t in plays.items()}
+
+
+def same_template_plays(
+    tasks: Sequence[Task], pool: Sequence[Task], seed: int = 0, match: bool = True
+) -> dict[str, Trajectory]:
+    """For each task, the oracle trajectory of one ``pool`` task of the same world.
+
     Args:
         tasks: the tasks to give references.
         pool: candidate reference tasks (train split).
@@ -353,9 +396,9 @@ def same_template_references(
             world, the mismatched control).
 
     Returns:
-        ``task_id -> [experience text]``.
+        ``task_id -> `` the reference's oracle trajectory.
     """
-    out: dict[str, list[str]] = {}
+    out: dict[str, Trajectory] = {}
     for task in tasks:
         rng = random.Random(f"{seed}/{task.task_id}")
         cands = [
@@ -368,18 +411,18 @@ def same_template_references(
         ]
         if not cands:
             raise ValueError(f"no reference candidate for task {task.task_id}")
-        out[task.task_id] = [experience_text(rng.choice(cands))]
+        out[task.task_id] = oracle_play(rng.choice(cands))
     return out
 
 
-def tokenizer_corpus(tasks: Sequence[Task]) -> list[str]:
+def tokenizer_corpus(tasks: Sequence[Task], formats: Sequence[str] = ("lopd",)) -> list[str]:
     """Texts a tokenizer for the tool-use worlds must cover well.
 
     Per world: the system prompt and the tool list; per task (under every combination of the
     world's conventions): the instruction, each oracle action and its tool result; the worlds'
     lexicon (every name, city, product, coverage); the framing and experience texts a reference
-    arrives in (paper A.5 framing, the bank's layout, the composer's encoder template and the
-    OPSD teacher's system text), so a reference costs about one token per word.
+    arrives in (paper A.5 framing, the bank's layout, the composer's encoder template, and the
+    wording of every other format in ``formats``), so a reference costs about one token per word.
     """
 
     envs = _envs()
@@ -410,4 +453,10 @@ def tokenizer_corpus(tasks: Sequence[Task]) -> list[str]:
     header = format_experience(BankEntry("x", "x", "x", "x", "", 1.0))
     texts += [header, header, ENCODER_TEMPLATE, ENCODER_TEMPLATE]
     texts += [envs.TASK_COMPLETED] * 2
+    # Every other format's wording, around a reference of each world.
+    firsts = {t.world: t for t in reversed(tasks)}
+    for fmt in (f for f in formats if f != "lopd"):
+        for task in firsts.values():
+            framed = frame_reference(fmt, "", task.domain, oracle_play(task))
+            texts += [framed.system_suffix, framed.user] * 2
     return texts

@@ -16,6 +16,12 @@ Every condition is rolled out on the held-out tasks under the default sampling (
 top-p 0.95, top-k 20) for several sampling seeds. Reported per split and condition: the mean
 reward over seeds with its standard error over seeds, and each reference condition's gain over
 the bare prompt with a paired standard error over tasks (per-task rewards averaged over seeds).
+
+``python -m lopd.models probe-formats`` (:func:`probe_formats`) asks the same per method: the
+base model with one reference in each method's privileged-context format
+(:mod:`lopd.tiny.formats`) against the bare prompt, the reference being the same for every
+format (the oracle trajectory of a same-template train task), so the formats differ only in
+wording and place: paper 3.1's (a) for each method's teacher.
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ from typing import Any
 from lopd.latent.collect import collect_bank
 from lopd.memory import HiddenStateEmbedder, format_experience
 from lopd.rollout.multi_turn import GenerationConfig, rollout
-from lopd.tiny.data import reference_env_factory
+from lopd.tiny.data import reference_env_factory, same_template_plays
+from lopd.tiny.formats import FORMATS, framed_env_factory
 from lopd.types import Task
 
-__all__ = ["format_report", "probe_reference"]
+__all__ = ["format_formats_report", "format_report", "probe_formats", "probe_reference"]
 
 CONDITIONS = ("bare", "retrieved", "mismatched")
 
@@ -48,8 +55,11 @@ def _mean_se(xs: Sequence[float]) -> tuple[float, float]:
     return m, math.sqrt(var / n)
 
 
-def _rewards(model: Any, tokenizer: Any, tasks: list[Task], refs: Any, seed: int) -> list[float]:
-    make_env = None if refs is None else reference_env_factory(refs)
+def _rewards(
+    model: Any, tokenizer: Any, tasks: list[Task], refs: Any, seed: int, make_env: Any = None
+) -> list[float]:
+    if refs is not None:
+        make_env = reference_env_factory(refs)
     trajs = rollout(
         model, tokenizer, tasks, GenerationConfig(), seed=seed, batch_size=32, make_env=make_env
     )
@@ -181,5 +191,96 @@ def format_report(report: dict[str, Any]) -> str:
             f"| {split} | {r['n_tasks']} | "
             + " | ".join(cells + gains)
             + f" | {r['retrieved_same_template']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def probe_formats(
+    model: Any,
+    tokenizer: Any,
+    train: Sequence[Task],
+    tasks: Sequence[Task],
+    *,
+    formats: Sequence[str] = FORMATS,
+    seeds: Sequence[int] = (0, 1, 2),
+    log: Any = print,
+) -> dict[str, Any]:
+    """Held-out reward of the base model bare and with one reference in each format.
+
+    Args:
+        model, tokenizer: the frozen base model.
+        train: train-split tasks (the references' source).
+        tasks: the held-out tasks (the val split: this is a tuning measurement).
+        formats: the formats to measure (:data:`lopd.tiny.formats.FORMATS`).
+        seeds: sampling seeds of the rollouts (default sampling, temperature 0.7).
+        log: progress printer.
+
+    Returns:
+        ``{"n_tasks", "seeds", "seconds", "conditions": {name: {"mean", "stderr_over_seeds",
+        "per_seed", "minus_bare": {"mean", "stderr_paired_over_seeds",
+        "stderr_paired_over_tasks"}}}}`` with ``"bare"`` and every format as a condition.
+    """
+    t0 = time.perf_counter()
+    tasks = list(tasks)
+    plays = same_template_plays(tasks, train, seed=0)
+    conditions = ["bare", *formats]
+    per_seed: dict[str, list[list[float]]] = {c: [] for c in conditions}
+    for seed in seeds:
+        for c in conditions:
+            make_env = None if c == "bare" else framed_env_factory(c, plays)
+            per_seed[c].append(_rewards(model, tokenizer, tasks, None, seed, make_env))
+        log(
+            f"  seed {seed}: "
+            + ", ".join(f"{c} {sum(per_seed[c][-1]) / len(tasks):.3f}" for c in conditions)
+            + f" ({time.perf_counter() - t0:.0f}s)"
+        )
+    means = {c: [sum(r) / len(r) for r in per_seed[c]] for c in conditions}
+    per_task = {
+        c: [sum(r[i] for r in per_seed[c]) / len(seeds) for i in range(len(tasks))]
+        for c in conditions
+    }
+    out: dict[str, Any] = {}
+    for c in conditions:
+        m, se = _mean_se(means[c])
+        out[c] = {"mean": m, "stderr_over_seeds": se, "per_seed": means[c]}
+        if c != "bare":
+            gain, se_seeds = _mean_se([a - b for a, b in zip(means[c], means["bare"])])
+            _, se_tasks = _mean_se([a - b for a, b in zip(per_task[c], per_task["bare"])])
+            out[c]["minus_bare"] = {
+                "mean": gain,
+                "stderr_paired_over_seeds": se_seeds,
+                "stderr_paired_over_tasks": se_tasks,
+            }
+    return {
+        "n_tasks": len(tasks),
+        "seeds": list(seeds),
+        "reference": "a same-template train task's oracle trajectory, the same in every format",
+        "conditions": out,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def format_formats_report(report: dict[str, Any]) -> str:
+    """A markdown table of a :func:`probe_formats` report."""
+    lines = [
+        "| context | reward (mean ± stderr over seeds) | per seed | − bare (paired over seeds) "
+        "| − bare (paired over tasks) |",
+        "|---|---|---|---|---|",
+    ]
+    for c, r in report["conditions"].items():
+        gain = r.get("minus_bare")
+        cells = (
+            [
+                f"{gain['mean']:+.3f} ± {gain['stderr_paired_over_seeds']:.3f}",
+                f"{gain['mean']:+.3f} ± {gain['stderr_paired_over_tasks']:.3f}",
+            ]
+            if gain
+            else ["–", "–"]
+        )
+        per_seed = ", ".join(f"{x:.3f}" for x in r["per_seed"])
+        lines.append(
+            f"| {c} | {r['mean']:.3f} ± {r['stderr_over_seeds']:.3f} | {per_seed} | "
+            + " | ".join(cells)
+            + " |"
         )
     return "\n".join(lines)

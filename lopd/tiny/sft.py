@@ -28,7 +28,7 @@ from transformers import DynamicCache
 
 from lopd.envs.base import parse_tool_calls
 from lopd.rollout.batch import lm_head_logprobs
-from lopd.tiny.data import Demonstration, action_spans, turn_excerpt
+from lopd.tiny.data import Demonstration, Episode, action_spans, turn_excerpt
 from lopd_kernels.hf import decoder_of
 
 __all__ = ["collate", "greedy_hits", "lm_loss", "sft", "shared_prefix_len"]
@@ -273,7 +273,7 @@ def episode_batches(
         world = source.worlds[step % len(source.worlds)]
         step += 1
         yield [
-            source.demonstration(tokenizer, *source.episode(rng, world)) for _ in range(batch_size)
+            source.demonstration(tokenizer, source.episode(rng, world)) for _ in range(batch_size)
         ]
 
 
@@ -310,7 +310,7 @@ def excerpt_batches(
         demos = []
         for _ in range(batch_size):
             target = source.bare_episode(rng, rng.choice(source.worlds))
-            demo = source.demonstration(tokenizer, target, None)
+            demo = source.demonstration(tokenizer, Episode(target, None))
             if first_only:
                 demos.append(turn_excerpt(demo, 0, turn_start))
                 continue
