@@ -158,3 +158,19 @@ def test_probe_formats_reports_every_format_against_bare(shipped, train, tmp_pat
     argv = ["probe-formats", "--n", "2", "--seeds", "0", "--formats", "sdpo", "--out", str(out)]
     assert main(argv) == 0
     assert list(json.loads(out.read_text())["conditions"]) == ["bare", "sdpo"]
+
+
+def test_reference_excerpts_hold_the_reference_between_instruction_and_call(train, shipped):
+    """``excerpt_references``: the curricula's excerpts keep a format's reference in the user
+    turn, so the first call must be copied from the instruction across it."""
+    from lopd.tiny.sft import excerpt_batches
+
+    _, tok = shipped
+    source = EpisodeSource(train, Mixture(bare=0.0, formats=("sdpo",)))
+    batches = {
+        refs: next(excerpt_batches(source, tok, 4, seed=0, first_only=True, with_references=refs))
+        for refs in (False, True)
+    }
+    for refs, (ids, _attn, _labels, _w) in batches.items():
+        texts = [tok.decode(row) for row in ids.tolist()]
+        assert all(("Correct solution:" in t) == refs for t in texts)

@@ -258,6 +258,11 @@ class TinyBuildConfig:
             build with first calls only copies the first call's numbers (0.97 on 48 val tasks)
             but not the later calls' ids from tool results (0.15), hence the later turns.
         excerpt_batch_size: excerpts per curriculum step.
+        excerpt_references: the curricula's excerpts come from the training mixture (bare and
+            reference-conditioned episodes in every format) instead of bare episodes only.
+            A format that puts the reference *after* the instruction (SDFT's, SDPO's,
+            Skill-SD's) places another task's ids and names between the instruction and the
+            first call, where a copy circuit learnt on bare excerpts takes the nearest ones.
         sft_steps: optimizer steps.
         batch_size: episodes per step.
         lr: peak AdamW learning rate (linear warmup over 5% of the steps, cosine to 10%).
@@ -285,6 +290,7 @@ class TinyBuildConfig:
     first_call_steps: int = 400
     excerpt_steps: int = 300
     excerpt_batch_size: int = 32
+    excerpt_references: bool = False
     sft_steps: int = 400
     batch_size: int = 16
     lr: float = 3e-3
@@ -292,7 +298,8 @@ class TinyBuildConfig:
     threads: int = 1
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The recipe as JSON types (``build_info.json``'s ``config``)."""
+        return {**asdict(self), "formats": list(self.formats)}
 
 
 def tiny_model_config(tokenizer: Any, cfg: TinyBuildConfig) -> Any:
@@ -401,7 +408,12 @@ def build_tiny(
             log(f"copy warmup: {cfg.copy_warmup_steps} steps, final loss {warm[-1]:.4f}")
         if cfg.first_call_steps:
             firsts = excerpt_batches(
-                source, tokenizer, cfg.excerpt_batch_size, cfg.seed + 3, first_only=True
+                source,
+                tokenizer,
+                cfg.excerpt_batch_size,
+                cfg.seed + 3,
+                first_only=True,
+                with_references=cfg.excerpt_references,
             )
             warm = warmup(model, firsts, cfg.first_call_steps, cfg.lr)
             log(
@@ -409,7 +421,13 @@ def build_tiny(
                 f" ({time.perf_counter() - t0:.0f}s)"
             )
         if cfg.excerpt_steps:
-            excerpts = excerpt_batches(source, tokenizer, cfg.excerpt_batch_size, cfg.seed + 2)
+            excerpts = excerpt_batches(
+                source,
+                tokenizer,
+                cfg.excerpt_batch_size,
+                cfg.seed + 2,
+                with_references=cfg.excerpt_references,
+            )
             warm = warmup(model, excerpts, cfg.excerpt_steps, cfg.lr)
             log(
                 f"excerpt curriculum: {cfg.excerpt_steps} steps, final loss {warm[-1]:.4f}"

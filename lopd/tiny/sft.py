@@ -292,11 +292,19 @@ def is_grounded(demo: Demonstration, tokenizer: Any) -> bool:
 
 
 def excerpt_batches(
-    source: Any, tokenizer: Any, batch_size: int, seed: int, first_only: bool = False
+    source: Any,
+    tokenizer: Any,
+    batch_size: int,
+    seed: int,
+    first_only: bool = False,
+    with_references: bool = False,
 ) -> Iterator[tuple[torch.Tensor, ...]]:
     """Endless collated batches of short turn excerpts (:func:`~lopd.tiny.data.turn_excerpt`)
     of bare episodes, one random grounded action each (:func:`is_grounded`), no system turn,
-    worlds mixed; ``first_only``: always the first action (instruction -> first call).
+    worlds mixed; ``first_only``: always the first action (instruction -> first call);
+    ``with_references``: episodes drawn from the source's mixture (bare and
+    reference-conditioned, in its formats), so the first user turn may hold a reference whose
+    ids and names must *not* be copied.
 
     The tiny model's curriculum: at the start of training attention is spread evenly, so the
     gradient that teaches "take the key from the instruction" or "take the id from the tool
@@ -309,8 +317,12 @@ def excerpt_batches(
     while True:
         demos = []
         for _ in range(batch_size):
-            target = source.bare_episode(rng, rng.choice(source.worlds))
-            demo = source.demonstration(tokenizer, Episode(target, None))
+            world = rng.choice(source.worlds)
+            if with_references:
+                episode = source.episode(rng, world)
+            else:
+                episode = Episode(source.bare_episode(rng, world), None)
+            demo = source.demonstration(tokenizer, episode)
             if first_only:
                 demos.append(turn_excerpt(demo, 0, turn_start))
                 continue
