@@ -15,13 +15,15 @@ rollout budget, then writes to ``--out``:
 
 Usage::
 
-    python -m lopd.compare                          # default comparison (8 methods x 3 seeds)
+    python -m lopd.compare                          # default comparison (12 runs x 3 seeds)
     python -m lopd.compare --quick                  # seconds-scale plumbing run (tests)
     python -m lopd.compare --seeds 0 1 --methods lopd grpo --out runs/cmp data.n_test=32
     python -m lopd.compare --methods lopd opsd sdpo sdft skill-sd lopd.null_context=true
                                                     # the null-context controls
     python -m lopd.compare --methods lopd-m0 lopd-m0.01 lopd-m0.02 lopd lopd-m0.1 lopd-frozen \
         eval.with_composer=true --out runs/margin   # the margin sweep (paper Fig. 3)
+    python -m lopd.compare --methods opsd-a5 sdpo-a5 sdft-a5 skill-sd-a5 --out runs/a5
+                                                    # every text teacher in LOPD's framing
     python -m lopd.compare --from-results runs/compare/results.json   # rewrite the report only
 
 Settings. The runs use the ``compare`` preset (``--quick``: ``compare-quick``) of
@@ -74,23 +76,33 @@ _RUN_ORDER = tuple(
     sorted(ALL_METHODS, key=lambda m: (not METHODS[m].uses_composer, not METHODS[m].builds_bank))
 )
 _MARGIN_RUN = re.compile(r"lopd-m(\d+(?:\.\d+)?)")
+# Methods whose teacher reads text (a reference or a skill), so ``lopd.context_format`` applies.
+A5_METHODS = tuple(
+    m for m in ALL_METHODS if METHODS[m].has_teacher and not METHODS[m].uses_composer
+)
+# The default comparison: every method, and every text teacher once more in LOPD's framing (the
+# embedded tiny model reads a reference in that framing only: docs/trainer.md).
+DEFAULT_RUNS = ALL_METHODS + tuple(f"{m}-a5" for m in A5_METHODS)
 
 
 def resolve_run(name: str) -> tuple[str, list[str]]:
     """The method and the extra overrides of a run name: a method of :data:`lopd.methods.METHODS`,
-    or ``lopd-m<m>``, LOPD with margin ``m`` (``lopd-m0.02``; the margin sweep; ``lopd-m0`` is
-    the registered ablation).
+    ``lopd-m<m>``, LOPD with margin ``m`` (``lopd-m0.02``; the margin sweep; ``lopd-m0`` is
+    the registered ablation), or ``<method>-a5``, a text-teacher method (:data:`A5_METHODS`)
+    whose teacher reads its reference in LOPD's A.5 framing (``lopd.context_format=a5``).
 
     Raises:
-        ValueError: neither.
+        ValueError: none of these.
     """
     if name in METHODS:
         return name, []
+    if name.endswith("-a5") and name[: -len("-a5")] in A5_METHODS:
+        return name[: -len("-a5")], ["lopd.context_format=a5"]
     match = _MARGIN_RUN.fullmatch(name)
     if match is None:
         raise ValueError(
-            f"unknown method {name!r}: one of {', '.join(ALL_METHODS)}, or lopd-m<margin> "
-            "(e.g. lopd-m0.02)"
+            f"unknown method {name!r}: one of {', '.join(ALL_METHODS)}, lopd-m<margin> "
+            f"(e.g. lopd-m0.02), or <method>-a5 for {', '.join(A5_METHODS)}"
         )
     return "lopd", [f"lopd.margin={match.group(1)}"]
 
@@ -311,10 +323,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--methods",
         nargs="+",
-        default=list(ALL_METHODS),
+        default=list(DEFAULT_RUNS),
         type=_run_name,
-        help=f"{' '.join(ALL_METHODS)}, or lopd-m<margin> (LOPD with that margin, e.g. "
-        "lopd-m0.02: the margin sweep)",
+        help=f"default: {' '.join(DEFAULT_RUNS)}; any of {' '.join(ALL_METHODS)}, "
+        "lopd-m<margin> (LOPD with that margin, e.g. "
+        f"lopd-m0.02: the margin sweep), or <method>-a5 for {', '.join(A5_METHODS)} (its "
+        "teacher reads its reference in LOPD's A.5 framing: the same reader as LOPD)",
     )
     p.add_argument("--out", default=None, help="output directory (default runs/compare[-quick])")
     p.add_argument("--budget", type=int, default=None, help="rollouts per run (bank included)")

@@ -196,7 +196,7 @@ class Trainer:
         self.context = MethodContext(
             models, self.engine, self.sampler, self.train_tasks, self.experience,
             latents0=latents0, latents=latents, seed=cfg.seed, rank=dist.rank,
-            null_context=cfg.lopd.null_context,
+            null_context=cfg.lopd.null_context, context_format=cfg.lopd.context_format,
         )  # fmt: skip
         self.method = spec.build(self.context, cfg)
         self.optimizers = build_optimizers(

@@ -14,7 +14,11 @@ from lopd.methods.opsd import OPSD_SYSTEM_TEMPLATE
 from lopd.methods.sdft import SDFT_USER_TEMPLATE
 from lopd.methods.sdpo import SDPO_USER_TEMPLATE
 from lopd.methods.skills import RuleSkillSummarizer
-from lopd.methods.text_teacher import build_text_teacher_sequence
+from lopd.methods.text_teacher import (
+    build_text_teacher_sequence,
+    framed_teacher_sequence,
+    reference_text,
+)
 from lopd.models.__main__ import main
 from lopd.models.loading import load_model
 from lopd.rollout.chat import render_prompt
@@ -82,6 +86,44 @@ def test_a_text_format_is_the_prompt_its_methods_teacher_reads(shipped, train, f
     ids = render_prompt(tok, framed.system_prompt(), framed_user, framed.tools())
     assert ids == teacher.input_ids[: teacher.prompt_len]
     assert len(ids) > len(prompt) + 20  # the reference is in it
+
+
+def _student(tok, task):
+    """A student trajectory that is just ``task``'s bare prompt."""
+    bare = make_env(task)
+    user = bare.reset(task)
+    prompt = render_prompt(tok, bare.system_prompt(), user, bare.tools())
+    messages = [
+        {"role": "system", "content": bare.system_prompt()},
+        {"role": "user", "content": user},
+    ]
+    return Trajectory(
+        task=task,
+        messages=messages,
+        input_ids=list(prompt),
+        action_mask=[0] * len(prompt),
+        turn_spans=[],
+        prompt_len=len(prompt),
+        reward=0.0,
+    )
+
+
+def test_under_context_format_a5_a_text_teacher_reads_the_lopd_format(shipped, train):
+    """``lopd.context_format=a5``: a trajectory reference, as a text teacher builds it, is token
+    for token the probe's ``lopd`` format (the framing the tiny model was taught to read)."""
+    _, tok = shipped
+    task, reference = train[0], oracle_play(train[5])
+    student = _student(tok, task)
+    teacher = framed_teacher_sequence(
+        tok, student, reference_text(reference, "a5"), "a5", user_suffix="ignored under a5"
+    )
+    framed = FramedPromptEnv(make_env(task), "lopd", reference)
+    ids = render_prompt(tok, framed.system_prompt(), framed.reset(task), framed.tools())
+    assert ids == teacher.input_ids[: teacher.prompt_len]
+    own = framed_teacher_sequence(tok, student, "x", "own", user_suffix=" and x")
+    assert tok.decode(own.input_ids[: own.prompt_len]).count(" and x") == 1
+    with pytest.raises(ValueError, match="context_format must be"):
+        framed_teacher_sequence(tok, student, "x", "A5")
 
 
 def test_lopd_format_is_the_a5_framing_and_unknown_formats_are_refused(train):

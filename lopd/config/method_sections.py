@@ -12,7 +12,11 @@ from dataclasses import dataclass
 from lopd.config.checks import at_least, greater_than, in_unit_interval, one_of, optional_at_least
 from lopd_kernels import KL_DIVERGENCES
 
+# ``lopd.context_format``: each text teacher's own wording, or LOPD's A.5 framing for all.
+CONTEXT_FORMATS = ("own", "a5")
+
 __all__ = [
+    "CONTEXT_FORMATS",
     "GRPOConfig",
     "LOPDConfig",
     "OPSDConfig",
@@ -53,6 +57,13 @@ class LOPDConfig:
             reads zero latents, and so does the base model of ``eval.with_composer``), so a
             method whose loss leaves the policy alone without information should end where
             vanilla is. Every method with a teacher; not GRPO.
+        context_format: the wording a text-conditioned teacher (OPSD, SDFT, SDPO, Skill-SD)
+            reads its privileged context in: ``own`` (each method's paper wording and place:
+            OPSD's system template, SDFT's and SDPO's user templates with the trajectory's
+            trace, Skill-SD's skill block) or ``a5`` (every one of them in LOPD's A.5 framing
+            of the first user message, a trajectory as the bank's A.3 experience text: the
+            wording LOPD's latents and the embedded tiny model's references use, so every
+            teacher has the same reader). LOPD's teacher reads A.5 either way; GRPO has none.
     """
 
     method: str = "lopd"
@@ -72,8 +83,10 @@ class LOPDConfig:
     beta_init: float = 0.0
     fused_linear: bool = True
     null_context: bool = False
+    context_format: str = "own"
 
     def validate(self) -> None:
+        one_of(CONTEXT_FORMATS, lopd__context_format=self.context_format)
         at_least(1, lopd__tasks_per_step=self.tasks_per_step, lopd__micro_batch=self.micro_batch)
         at_least(
             0,

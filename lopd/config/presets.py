@@ -94,10 +94,10 @@ def _paper() -> Config:
 
 
 def _compare() -> Config:
-    """One run of the default comparison (``python -m lopd.compare``, 8 methods x 3 seeds).
+    """One run of the default comparison (``python -m lopd.compare``, 12 runs x 3 seeds).
 
     The paper's budget shape in miniature: :data:`COMPARE_BUDGETS` (640) generated rollouts per
-    run, bank included, learning curves on 64 held-out tasks (greedy, every 17 steps), 48 train
+    run, bank included, learning curves on 64 held-out tasks (greedy, every 8 steps), 48 train
     tasks, 6 environment steps of <= 48 tokens, two bank rollouts per train task, the default's
     300 cold-start steps (chosen on val), 8 rollouts per step (``lopd.steps`` is set per method
     from the budget). Measured: 52.3 minutes on 2 CPU cores (``--jobs 3``, 2026-12-02).
@@ -112,7 +112,7 @@ def _compare() -> Config:
     cfg.bank.rollouts_per_task = 2
     cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 8, 8
     cfg.eval.with_composer = False
-    cfg.eval.every = 17
+    cfg.eval.every = 8
     cfg.checkpoint_every = 0
     cfg.log_every = 1000
     return cfg

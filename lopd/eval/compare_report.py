@@ -46,9 +46,12 @@ TARGET_GAINS = (0.05, 0.10, 0.15, 0.20)
 
 # ------------------------------------------------------------------------------ statistics
 def _report_order(name: str) -> tuple[int, float, str]:
-    """Registered methods in :data:`ALL_METHODS` order, then margin runs (``lopd-m0.02``) by m."""
+    """Registered methods in :data:`ALL_METHODS` order, each method's ``-a5`` run (its teacher in
+    LOPD's framing) right after it, then margin runs (``lopd-m0.02``) by m."""
     if name in ALL_METHODS:
         return ALL_METHODS.index(name), 0.0, name
+    if name.endswith("-a5") and name.removesuffix("-a5") in ALL_METHODS:
+        return ALL_METHODS.index(name.removesuffix("-a5")), 0.5, name
     try:
         return len(ALL_METHODS), float(name.removeprefix("lopd-m")), name
     except ValueError:

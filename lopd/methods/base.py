@@ -78,6 +78,8 @@ class MethodContext:
         seed: the run seed.
         rank: this process's rank.
         null_context: ``lopd.null_context``: teachers read an emptied privileged context.
+        context_format: ``lopd.context_format``: the wording text teachers read their
+            privileged context in (``own`` or ``a5``, :mod:`lopd.methods.text_teacher`).
     """
 
     models: Models
@@ -90,6 +92,7 @@ class MethodContext:
     seed: int = 0
     rank: int = 0
     null_context: bool = False
+    context_format: str = "own"
 
     def step_tasks(self, step: int, size: int) -> list[Task]:
         """This rank's share of ``size`` training tasks drawn for step ``step``."""
@@ -202,24 +205,32 @@ class MethodSpec:
 
     def check(self, cfg: Config, world: int) -> None:
         """Refuse, before anything is loaded, what this method cannot run with ``cfg`` on
-        ``world`` ranks (:meth:`check_null_context`, :meth:`check_parallel`).
+        ``world`` ranks (:meth:`check_teacher_settings`, :meth:`check_parallel`).
 
         Raises:
             ConfigError: naming the setting.
         """
-        self.check_null_context(cfg)
+        self.check_teacher_settings(cfg)
         self.check_parallel(cfg, world)
 
-    def check_null_context(self, cfg: Config) -> None:
-        """Refuse the null-context control where there is no context to empty.
+    def check_teacher_settings(self, cfg: Config) -> None:
+        """Refuse the settings of a teacher's context where there is no teacher.
 
         Raises:
-            ConfigError: ``lopd.null_context`` for a method without a teacher (GRPO).
+            ConfigError: ``lopd.null_context`` or a non-default ``lopd.context_format`` for a
+                method without a teacher (GRPO).
         """
-        if cfg.lopd.null_context and not self.has_teacher:
+        if self.has_teacher:
+            return
+        if cfg.lopd.null_context:
             raise ConfigError(
                 f"lopd.null_context=true needs a method with a teacher; lopd.method={self.name} "
                 "has none (its null-context control is itself)"
+            )
+        if cfg.lopd.context_format != "own":
+            raise ConfigError(
+                f"lopd.context_format={cfg.lopd.context_format} needs a method with a teacher; "
+                f"lopd.method={self.name} has none"
             )
 
     def check_parallel(self, cfg: Config, world: int) -> None:

@@ -19,7 +19,7 @@ from lopd.methods.base import DistillSpec, MethodBase, MethodContext
 from lopd.methods.rows import distill_loss
 from lopd.methods.text_teacher import (
     TextTeacherSequence,
-    build_text_teacher_sequence,
+    framed_teacher_sequence,
     text_teacher_hidden,
 )
 from lopd.rollout.batch import ActionRows, lm_head
@@ -62,8 +62,12 @@ class OPSDMethod(MethodBase):
     def teacher_sequence(self, traj: Trajectory) -> TextTeacherSequence:
         """The teacher's input: the first retrieved experience of the task as system text."""
         gt_text = self.privileged(self.retrieved[traj.task.task_id][0])
-        return build_text_teacher_sequence(
-            self.models.tokenizer, traj, system_suffix=OPSD_SYSTEM_TEMPLATE.format(gt_text=gt_text)
+        return framed_teacher_sequence(
+            self.models.tokenizer,
+            traj,
+            gt_text,
+            self.ctx.context_format,
+            system_suffix=OPSD_SYSTEM_TEMPLATE.format(gt_text=gt_text),
         )
 
     def loss(

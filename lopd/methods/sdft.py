@@ -31,7 +31,8 @@ from lopd.methods.ema import EMATeacher
 from lopd.methods.rows import distill_loss
 from lopd.methods.text_teacher import (
     TextTeacherSequence,
-    build_text_teacher_sequence,
+    framed_teacher_sequence,
+    reference_text,
     text_teacher_hidden,
 )
 from lopd.rollout.batch import ActionRows, lm_head
@@ -72,7 +73,7 @@ class SDFTMethod(MethodBase):
             held = best.get(t.task.task_id)
             if held is None or t.reward > held.reward:
                 best[t.task.task_id] = t
-        self.own_demos = {k: t.trace_text() or "(no tool calls)" for k, t in best.items()}
+        self.own_demos = {k: reference_text(t, ctx.context_format) for k, t in best.items()}
         self.spec = spec
         self.teacher = EMATeacher(ctx.models.student, ema_rate)
 
@@ -91,8 +92,12 @@ class SDFTMethod(MethodBase):
     def teacher_sequence(self, traj: Trajectory) -> TextTeacherSequence:
         """The teacher's input: the demonstration after the first user message."""
         demo = self.privileged(self.demonstration(traj.task.task_id)[0])
-        return build_text_teacher_sequence(
-            self.models.tokenizer, traj, user_suffix=SDFT_USER_TEMPLATE.format(demo_text=demo)
+        return framed_teacher_sequence(
+            self.models.tokenizer,
+            traj,
+            demo,
+            self.ctx.context_format,
+            user_suffix=SDFT_USER_TEMPLATE.format(demo_text=demo),
         )
 
     def loss(

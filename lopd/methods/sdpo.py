@@ -25,7 +25,8 @@ from lopd.methods.groups import group_rollouts
 from lopd.methods.rows import DISTILL_METRICS, distill_loss, zero_loss
 from lopd.methods.text_teacher import (
     TextTeacherSequence,
-    build_text_teacher_sequence,
+    framed_teacher_sequence,
+    reference_text,
     text_teacher_hidden,
 )
 from lopd.rollout.batch import ActionRows, lm_head
@@ -100,12 +101,18 @@ class SDPOMethod(MethodBase):
                 if j != i and s.info["group"] == t.info["group"] and s.reward >= self.success_reward
             ]
             pick = siblings[int(rng.integers(len(siblings)))] if siblings else None
-            t.info["sibling_text"] = (pick.trace_text() or "(no tool calls)") if pick else None
+            t.info["sibling_text"] = reference_text(pick, ctx.context_format) if pick else None
 
     def teacher_sequence(self, traj: Trajectory) -> TextTeacherSequence:
         """The teacher's input: the sibling's solution after the first user message."""
-        solution = SDPO_USER_TEMPLATE.format(solution=self.privileged(traj.info["sibling_text"]))
-        return build_text_teacher_sequence(self.models.tokenizer, traj, user_suffix=solution)
+        solution = self.privileged(traj.info["sibling_text"])
+        return framed_teacher_sequence(
+            self.models.tokenizer,
+            traj,
+            solution,
+            self.ctx.context_format,
+            user_suffix=SDPO_USER_TEMPLATE.format(solution=solution),
+        )
 
     def loss(
         self, trajectories: Sequence[Trajectory], num_total: int

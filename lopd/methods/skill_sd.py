@@ -66,7 +66,7 @@ from lopd.methods.skills import (
 )
 from lopd.methods.text_teacher import (
     TextTeacherSequence,
-    build_text_teacher_sequence,
+    framed_teacher_sequence,
     text_teacher_hidden,
 )
 from lopd.rollout.batch import ActionRows, lm_head, lm_head_logprobs
@@ -192,8 +192,9 @@ class SkillSDMethod(MethodBase):
 
     def teacher_sequence(self, traj: Trajectory) -> TextTeacherSequence:
         """The teacher's input: the chosen skill after the first user message."""
-        return build_text_teacher_sequence(
-            self.models.tokenizer, traj, user_suffix=traj.info["skill_text"]
+        skill = traj.info["skill_text"]
+        return framed_teacher_sequence(
+            self.models.tokenizer, traj, skill.strip(), self.ctx.context_format, user_suffix=skill
         )
 
     # -------------------------------------------------------------- 4: the loss
