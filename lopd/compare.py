@@ -207,7 +207,8 @@ def run_method(
         its losses and backward passes, and the whole step. LOPD and its ablations add
         ``dual`` (``margin``, and per step the privilege ``delta`` and ``beta`` after the dual
         update) and, under ``eval.with_composer``, ``base_composer_phi0`` and ``base_composer``
-        (the frozen base model generating with c_phi0 and with the trained c_phi).
+        (the frozen base model generating with c_phi0 and with the trained c_phi). Methods with
+        a teacher add ``teacher`` (:func:`teacher_trace`).
     """
 
     run_dir = out / "runs" / f"{method}-seed{seed}"
@@ -251,6 +252,8 @@ def run_method(
         for key in ("base_composer_phi0", "base_composer"):
             if key in summary:
                 result[key] = summary[key]
+        if _spec(method).has_teacher:
+            result["teacher"] = teacher_trace(rows)
         result.update(
             rollouts=int(summary["rollouts"]),
             bank_rollouts=bank,
@@ -270,6 +273,35 @@ def run_method(
         result.update(error=msg, trace=traceback.format_exc())
     result["wall_seconds"] = time.perf_counter() - t0
     return result
+
+
+def teacher_trace(rows: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
+    """How far each step's teacher is from the student, from a run's ``metrics.jsonl`` rows:
+    per step its ``kl`` (the method's divergence on the action tokens it distils) and the
+    student's minus the teacher's mean log-prob of the student's action tokens (``None`` where
+    the step distilled nothing, e.g. SDPO without a successful sibling)."""
+    trace: dict[str, list[float | None]] = {"kl": [], "logprob_gap": []}
+    for row in rows:
+        distilled = "kl" in row and (
+            row.get("distilled", 1.0) > 0 and row.get("skill_guided", 1.0) > 0
+        )
+        trace["kl"].append(row["kl"] if distilled else None)
+        gap = None
+        if distilled and "teacher_logprob" in row and "student_logprob" in row:
+            gap = row["student_logprob"] - row["teacher_logprob"]
+        trace["logprob_gap"].append(gap)
+    return trace
+
+
+def fill_teacher_traces(results: Sequence[dict[str, Any]]) -> None:
+    """Add :func:`teacher_trace` to results written before it existed, from their run
+    directories' ``metrics.jsonl`` where those are still on disk."""
+    for r in results:
+        if r.get("error") is None and "teacher" not in r and _spec(r["method"]).has_teacher:
+            metrics = RunDir(Path(r.get("run_dir") or "")).metrics
+            if r.get("run_dir") and metrics.exists():
+                rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+                r["teacher"] = teacher_trace(rows)
 
 
 def run_seed(
@@ -361,6 +393,7 @@ def _report_from(results_json: Path, out: str | None) -> int:
     format, or results merged by hand)."""
     try:
         data = json.loads(results_json.read_text())
+        fill_teacher_traces(data["runs"])
         paths = write_report(data["runs"], Path(out) if out else results_json.parent, data["meta"])
     except (OSError, ValueError, KeyError, TypeError) as err:
         why = f"{type(err).__name__}: {err}"

@@ -539,6 +539,21 @@ def test_lopd_frozen_reads_c_phi0_and_gives_the_composer_no_gradient(lopd_traine
 
 
 # ----------------------------------------------------------------------------- compare
+def test_a5_runs_are_the_text_teachers_in_lopds_framing_and_run_by_default():
+    from lopd.compare import A5_METHODS, DEFAULT_RUNS, resolve_run
+    from lopd.eval.compare_report import _report_order
+
+    assert A5_METHODS == ("opsd", "sdpo", "sdft", "skill-sd")
+    assert DEFAULT_RUNS[-4:] == ("opsd-a5", "sdpo-a5", "sdft-a5", "skill-sd-a5")
+    assert resolve_run("sdft-a5") == ("sdft", ["lopd.context_format=a5"])
+    assert resolve_run("sdft") == ("sdft", [])
+    for bad in ("grpo-a5", "lopd-a5", "lopd-frozen-a5", "sdft-a6"):
+        with pytest.raises(ValueError, match="unknown method"):
+            resolve_run(bad)
+    order = sorted(["skill-sd-a5", "lopd-m0.02", "sdft", "opsd-a5", "opsd"], key=_report_order)
+    assert order == ["opsd", "opsd-a5", "sdft", "skill-sd-a5", "lopd-m0.02"]
+
+
 def test_quick_compare_spends_equal_budgets_and_writes_the_report(tmp_path):
     from lopd.compare import main
 
@@ -569,6 +584,10 @@ def test_quick_compare_spends_equal_budgets_and_writes_the_report(tmp_path):
         assert sec["step"] == pytest.approx(sum(x["seconds_step"] for x in rows) / len(rows))
         assert 0 < sec["rollout"] + sec["loss_backward"] <= sec["step"]
     assert "s / step (rollout + loss & backward)" in report
+    assert "## The teachers" in report and "| sdft | " in report.split("## The teachers")[1]
+    teachers = {r["method"]: r.get("teacher") for r in runs}
+    assert teachers["grpo"] is None and len(teachers["sdft"]["kl"]) == 2
+    assert teachers["sdft"]["kl"][0] > 0  # SDFT distils from its first step
     steps = {r["method"]: (r["steps"], r["bank_rollouts"]) for r in runs}
     assert steps == {"lopd": (2, 8), "sdft": (2, 8), "grpo": (4, 0), "skill-sd": (4, 0)}
     skill_rows = (out / "runs" / "skill-sd-seed0" / "metrics.jsonl").read_text().splitlines()

@@ -8,8 +8,13 @@ import json
 
 import pytest
 
-from lopd.compare import main, resolve_run
-from lopd.eval.compare_report import margin_table, rollouts_to_reach, rollouts_to_target_table
+from lopd.compare import fill_teacher_traces, main, resolve_run, teacher_trace
+from lopd.eval.compare_report import (
+    margin_table,
+    rollouts_to_reach,
+    rollouts_to_target_table,
+    teacher_table,
+)
 from lopd.run.run_dir import RunDir
 
 
@@ -170,3 +175,35 @@ def test_quick_margin_sweep_shares_the_seeds_phases_and_reports_the_dual_ascent(
     report = (out / "report.md").read_text()
     assert "## The margin" in report and "| lopd-m0.1 | 0.1 |" in report
     assert "| lopd-m0.1 |" in report.split("## Answers")[0]  # in the reward table too
+
+
+def test_teacher_trace_and_table_by_hand(tmp_path):
+    rows = [
+        {"kl": 0.0, "distilled": 0.0, "student_logprob": -0.1, "teacher_logprob": 0.0},  # none
+        {"kl": 0.6, "distilled": 2.0, "student_logprob": -0.1, "teacher_logprob": -0.5},
+        {"kl": 0.2, "distilled": 1.0},
+        {"kl": 0.0, "skill_guided": 0.0},
+        {"reward_mean": 0.3},  # a row without the method's divergence
+    ]
+    trace = teacher_trace(rows)
+    assert trace["kl"] == [None, 0.6, 0.2, None, None]
+    assert trace["logprob_gap"] == [None, pytest.approx(0.4), None, None, None]
+    runs = [_run("sdft", s, [[0, 0.3], [200, 0.1]], 0.3) for s in (0, 1)]
+    runs[0]["teacher"] = trace
+    runs[1]["teacher"] = {"kl": [0.4, 0.1], "logprob_gap": [0.2, 0.0]}
+    # First distilled step: 0.6 and 0.4; mean over the run 0.4 and 0.25; last 0.2 and 0.1;
+    # the log-prob gap at the first step 0.4 and 0.2.
+    assert teacher_table(runs)[2] == (
+        "| sdft | 0.500 ± 0.100 | 0.325 ± 0.075 | 0.150 ± 0.050 | 0.300 ± 0.100 |"
+    )
+    assert teacher_table([_run("grpo", 0, [[0, 0.3], [200, 0.4]], 0.3)]) == []
+    # Results written before the trace existed get it from their run directory.
+    run_dir = tmp_path / "sdft-seed0"
+    run_dir.mkdir()
+    RunDir(run_dir).metrics.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    old = _run("sdft", 0, [[0, 0.3], [200, 0.1]], 0.3)
+    old["run_dir"] = str(run_dir)
+    gone = _run("opsd", 0, [[0, 0.3], [200, 0.1]], 0.3)
+    gone["run_dir"] = str(tmp_path / "deleted")
+    fill_teacher_traces([old, gone])
+    assert old["teacher"] == trace and "teacher" not in gone

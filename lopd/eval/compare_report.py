@@ -34,6 +34,7 @@ __all__ = [
     "margin_table",
     "rollouts_to_reach",
     "rollouts_to_target_table",
+    "teacher_table",
     "write_report",
 ]
 
@@ -286,6 +287,33 @@ def margin_table(results: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+# ------------------------------------------------------------------------------ the teachers
+def teacher_table(results: Sequence[dict[str, Any]]) -> list[str]:
+    """How far each method's teacher is from its student (runs with a ``teacher`` trace): the
+    divergence its loss computes at the first step it distilled, its mean over the run and at
+    the last distilled step, and the student's minus the teacher's mean log-prob of the
+    student's action tokens at the first step (> 0: the teacher finds the student's own tokens
+    less likely), each mean +- stderr over seeds (markdown lines; none without such runs)."""
+    by = {m: runs for m, runs in _by_method(results).items() if all("teacher" in r for r in runs)}
+    if not by:
+        return []
+    lines = [
+        "| run | divergence at the first distilled step | mean over the run | at the last "
+        "distilled step | student − teacher log-prob at the first step |",
+        "|---|---|---|---|---|",
+    ]
+    for name, runs in by.items():
+        kls = [[k for k in r["teacher"]["kl"] if k is not None] for r in runs]
+        gaps = [[g for g in r["teacher"]["logprob_gap"] if g is not None] for r in runs]
+        kls = [k for k in kls if k]
+        firsts = [k[0] for k in kls]
+        lines.append(
+            f"| {name} | {_over_seeds(firsts)} | {_over_seeds([sum(k) / len(k) for k in kls])} "
+            f"| {_over_seeds([k[-1] for k in kls])} | {_over_seeds([g[0] for g in gaps if g])} |"
+        )
+    return lines
+
+
 # ------------------------------------------------------------------------------ report
 def write_report(
     results: Sequence[dict[str, Any]], out: Path, meta: dict[str, Any]
@@ -370,6 +398,15 @@ def write_report(
             "LOPD's privileged margin m (paper Fig. 3: m = 0 below the frozen composer, m >= 0.02 "
             "above it). Delta is a step's privilege (eq. 12), beta its dual variable.",
             margin_table(results),
+        ),
+        *_section(
+            "The teachers",
+            "How far each teacher is from its student on the student's own rollouts (the "
+            "divergence the method's loss computes: forward or reverse KL over its support; "
+            "Skill-SD's sampled-token reverse KL). A teacher that cannot read its context sits "
+            "far from the student from the first step on; `-a5` runs put the same text in "
+            "LOPD's framing.",
+            teacher_table(results),
         ),
         "![learning curve](learning_curve.png)",
         "",
