@@ -25,6 +25,8 @@ Usage::
     python -m lopd.compare --methods opsd-a5 sdpo-a5 sdft-a5 skill-sd-a5 --out runs/a5
                                                     # every text teacher in LOPD's framing
     python -m lopd.compare --from-results runs/compare/results.json   # rewrite the report only
+    python -m lopd.compare --from-runs runs/compare  # the report of the runs a stopped
+                                                    # comparison finished (same settings)
 
 Settings. The runs use the ``compare`` preset (``--quick``: ``compare-quick``) of
 :mod:`lopd.config` and its rollout budget :data:`lopd.config.COMPARE_BUDGETS`.
@@ -224,44 +226,10 @@ def run_method(
         cfg = _config(settings, method, seed, run_dir, steps)
         trainer = Trainer(cfg, progress=False, shared_phases=True)
         try:
-            summary = trainer.run()
+            trainer.run()
         finally:
             trainer.close()
-        bank = 0
-        if _spec(method).builds_bank and files.bank_done.exists():
-            bank = int(json.loads(files.bank_done.read_text())["rollouts"])
-        vanilla = summary["vanilla"]["reward_mean"]
-        curve = [[0, vanilla]] + ([[bank, vanilla]] if bank else [])
-        rows = [json.loads(line) for line in files.metrics.read_text().splitlines()]
-        for row in rows:
-            if "eval_reward_mean" in row:
-                curve.append([int(row["rollouts"]), row["eval_reward_mean"]])
-        # Where a training step's time goes (means over steps; evaluation not included).
-        result["step_seconds"] = {
-            part: sum(r.get(f"seconds_{part}", 0.0) for r in rows) / max(len(rows), 1)
-            for part in ("rollout", "loss_backward", "step")
-        }
-        curve.append([int(summary["rollouts"]), summary["lopd"]["reward_mean"]])
-        if _spec(method).uses_composer:
-            # The privileged margin's dual ascent, step by step (the margin table).
-            result["dual"] = {
-                "margin": trainer.method.settings.margin,
-                "delta": [r["delta"] for r in rows],
-                "beta": [r["beta_next"] for r in rows],
-            }
-        for key in ("base_composer_phi0", "base_composer"):
-            if key in summary:
-                result[key] = summary[key]
-        if _spec(method).has_teacher:
-            result["teacher"] = teacher_trace(rows)
-        result.update(
-            rollouts=int(summary["rollouts"]),
-            bank_rollouts=bank,
-            vanilla=summary["vanilla"],
-            final=summary["lopd"],
-            curve=curve,
-            error=None,
-        )
+        result.update(collect_run(method, run_dir))
     except Exception as err:  # a failed run is reported, the comparison goes on
         msg = f"{type(err).__name__}: {err}"
         if isinstance(err, BankTooSmallError) and err.bank_size == 0:
@@ -272,6 +240,57 @@ def run_method(
             )
         result.update(error=msg, trace=traceback.format_exc())
     result["wall_seconds"] = time.perf_counter() - t0
+    return result
+
+
+def collect_run(method: str, run_dir: Path) -> dict[str, Any]:
+    """The result fields of a finished run of ``method`` (see :func:`run_method`), read from its
+    run directory alone (``summary.json``, ``metrics.jsonl``, the bank's marker), so a
+    comparison that was stopped keeps the runs it finished (``--from-runs``).
+
+    Raises:
+        OSError, ValueError, KeyError: the run directory holds no finished run.
+    """
+    files = RunDir(run_dir)
+    summary = json.loads(files.summary.read_text())
+    bank = 0
+    if _spec(method).builds_bank and files.bank_done.exists():
+        bank = int(json.loads(files.bank_done.read_text())["rollouts"])
+    vanilla = summary["vanilla"]["reward_mean"]
+    curve = [[0, vanilla]] + ([[bank, vanilla]] if bank else [])
+    rows = [json.loads(line) for line in files.metrics.read_text().splitlines()]
+    for row in rows:
+        if "eval_reward_mean" in row:
+            curve.append([int(row["rollouts"]), row["eval_reward_mean"]])
+    curve.append([int(summary["rollouts"]), summary["lopd"]["reward_mean"]])
+    result: dict[str, Any] = {
+        # Where a training step's time goes (means over steps; evaluation not included).
+        "step_seconds": {
+            part: sum(r.get(f"seconds_{part}", 0.0) for r in rows) / max(len(rows), 1)
+            for part in ("rollout", "loss_backward", "step")
+        }
+    }
+    if _spec(method).uses_composer:
+        # The privileged margin's dual ascent, step by step (the margin table).
+        steps = [r for r in rows if "beta_next" in r]
+        result["dual"] = {
+            "margin": steps[0]["margin"] if steps else None,
+            "delta": [r["delta"] for r in steps],
+            "beta": [r["beta_next"] for r in steps],
+        }
+    for key in ("base_composer_phi0", "base_composer"):
+        if key in summary:
+            result[key] = summary[key]
+    if _spec(method).has_teacher:
+        result["teacher"] = teacher_trace(rows)
+    result.update(
+        rollouts=int(summary["rollouts"]),
+        bank_rollouts=bank,
+        vanilla=summary["vanilla"],
+        final=summary["lopd"],
+        curve=curve,
+        error=None,
+    )
     return result
 
 
@@ -384,6 +403,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="run nothing: write the report of an earlier comparison's results.json into --out "
         "(default: its directory)",
     )
+    p.add_argument(
+        "--from-runs",
+        default=None,
+        metavar="DIR",
+        help="run nothing: the report of the finished runs under DIR/runs (a comparison that was "
+        "stopped, or several merged into one folder); give the settings the runs used",
+    )
     p.add_argument("overrides", nargs="*", help="section.field=value applied to every run")
     return p.parse_args(argv)
 
@@ -407,6 +433,66 @@ def _report_from(results_json: Path, out: str | None) -> int:
     return 0
 
 
+def results_from_runs(runs: Path) -> list[dict[str, Any]]:
+    """The results of the finished runs under ``runs`` (``<run name>-seed<k>/`` folders with a
+    ``summary.json``), in the order a comparison runs them; unfinished ones are named on stderr
+    and left out."""
+    results = []
+    for run_dir in sorted(runs.glob("*-seed*")):
+        name, _, seed = run_dir.name.rpartition("-seed")
+        try:
+            resolve_run(name)
+            seed_k = int(seed)
+        except ValueError:
+            continue  # not a run of lopd.compare
+        if not RunDir(run_dir).summary.exists():
+            print(
+                f"[compare] {run_dir.name}: not finished (no summary.json), left out",
+                file=sys.stderr,
+            )
+            continue
+        result: dict[str, Any] = {"method": name, "seed": seed_k, "run_dir": str(run_dir)}
+        try:
+            result.update(collect_run(name, run_dir))
+            summary = json.loads(RunDir(run_dir).summary.read_text())
+            result["steps"] = len([r for r in _metric_rows(run_dir) if "step" in r])
+            result["wall_seconds"] = summary["wall_seconds"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{run_dir.name}: not a readable finished run ({err!r})") from None
+        results.append(result)
+    results.sort(key=lambda r: (r["seed"], _run_order(r["method"])))
+    return results
+
+
+def _metric_rows(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
+
+
+def _report_from_runs(folder: Path, settings: CompareSettings, argv: Sequence[str]) -> int:
+    """``--from-runs``: the report of the finished runs under ``folder/runs``."""
+    try:
+        results = results_from_runs(folder / "runs")
+        if not results:
+            raise ValueError("no finished run of python -m lopd.compare there")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        print(f"lopd.compare: --from-runs {str(folder)!r}: {err}", file=sys.stderr)
+        return 2
+    per_seed: dict[int, float] = {}
+    for r in results:
+        per_seed[r["seed"]] = per_seed.get(r["seed"], 0.0) + r["wall_seconds"]
+    meta = {
+        **asdict(settings),
+        "seeds": sorted(per_seed),
+        "methods": sorted({r["method"] for r in results}, key=_run_order),
+        # The runs' own wall times, summed per seed; the seeds are taken to have run side by side.
+        "wall_seconds": max(per_seed.values()),
+        "command": "python -m lopd.compare " + " ".join(argv),
+    }
+    paths = write_report(results, folder, meta)
+    print(f"[compare] wrote {paths['report']}, {paths['plot']}, {paths['results']}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_results is not None:
@@ -418,6 +504,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.budget = args.budget
     if args.eval_every is not None:
         settings.eval_every = args.eval_every
+    if args.from_runs is not None:
+        return _report_from_runs(
+            Path(args.from_runs), settings, argv if argv is not None else sys.argv[1:]
+        )
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     out = Path(args.out or ("runs/compare-quick" if args.quick else "runs/compare"))
     jobs = args.jobs if args.jobs is not None else len(seeds)

@@ -592,6 +592,21 @@ def test_quick_compare_spends_equal_budgets_and_writes_the_report(tmp_path):
     assert steps == {"lopd": (2, 8), "sdft": (2, 8), "grpo": (4, 0), "skill-sd": (4, 0)}
     skill_rows = (out / "runs" / "skill-sd-seed0" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(skill_rows[-1])["skills"] == 4.0  # one skill per step's task group
+    lopd_rows = (out / "runs" / "lopd-seed0" / "metrics.jsonl").read_text().splitlines()
+    assert all(json.loads(x)["margin"] == 0.05 for x in lopd_rows)  # the run records its m
+
+    # A stopped comparison keeps what it finished: --from-runs rebuilds the same results from
+    # the run directories alone, and names an unfinished run instead of failing on it.
+    (out / "runs" / "sdpo-seed0").mkdir()
+    rc = main(["--quick", "--from-runs", str(out)])
+    assert rc == 0
+    again = json.loads((out / "results.json").read_text())["runs"]
+    keys = ("method", "seed", "steps", "rollouts", "bank_rollouts", "curve", "final", "teacher")
+    assert [{k: r.get(k) for k in keys} for r in again] == [
+        {k: r.get(k) for k in keys} for r in runs
+    ]
+    assert [r.get("dual") for r in again] == [r.get("dual") for r in runs]
+    assert "| lopd |" in (out / "report.md").read_text()
 
 
 def test_answers_compute_the_rollout_fraction_and_ablation_verdict():

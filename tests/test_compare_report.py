@@ -99,6 +99,17 @@ def test_from_results_rewrites_the_report_and_bad_input_is_one_line(tmp_path, ca
     assert main(["--from-results", str(tmp_path / "missing.json")]) == 2
 
 
+def test_from_runs_bad_input_is_one_line(tmp_path, capsys):
+    assert main(["--from-runs", str(tmp_path)]) == 2  # no runs at all
+    run = tmp_path / "runs" / "grpo-seed0"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text("{damaged")
+    assert main(["--from-runs", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(e.startswith("lopd.compare: --from-runs") for e in err), err
+    assert "no finished run" in err[0] and "grpo-seed0" in err[1]
+
+
 def _lopd_run(name, seed, final, margin, delta, beta, phi0=None, phi=None):
     r = _run(name, seed, [[0, 0.3], [200, final]], 0.3)
     r["dual"] = {"margin": margin, "delta": delta, "beta": beta}

@@ -192,7 +192,8 @@ class LOPDMethod(MethodBase):
         s = self.settings
         before = self.beta
         self.beta = dual_update(before, s.margin, means["delta"], s.dual_lr)
-        return {"beta": before, "beta_next": self.beta}
+        # The margin too, so a finished run's metrics say which m its dual ascent used.
+        return {"beta": before, "beta_next": self.beta, "margin": s.margin}
 
     def state_dict(self) -> dict[str, Any]:
         return {"beta": self.beta}
