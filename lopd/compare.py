@@ -246,7 +246,9 @@ def run_method(
 def collect_run(method: str, run_dir: Path) -> dict[str, Any]:
     """The result fields of a finished run of ``method`` (see :func:`run_method`), read from its
     run directory alone (``summary.json``, ``metrics.jsonl``, the bank's marker), so a
-    comparison that was stopped keeps the runs it finished (``--from-runs``).
+    comparison that was stopped keeps the runs it finished (``--from-runs``). ``steps`` counts
+    the steps the run logged; ``wall_seconds`` is the trainer's own (:func:`run_method` replaces
+    it with the time it measured around the trainer).
 
     Raises:
         OSError, ValueError, KeyError: the run directory holds no finished run.
@@ -272,11 +274,10 @@ def collect_run(method: str, run_dir: Path) -> dict[str, Any]:
     }
     if _spec(method).uses_composer:
         # The privileged margin's dual ascent, step by step (the margin table).
-        steps = [r for r in rows if "beta_next" in r]
         result["dual"] = {
-            "margin": steps[0]["margin"] if steps else None,
-            "delta": [r["delta"] for r in steps],
-            "beta": [r["beta_next"] for r in steps],
+            "margin": rows[0]["margin"] if rows else None,
+            "delta": [r["delta"] for r in rows],
+            "beta": [r["beta_next"] for r in rows],
         }
     for key in ("base_composer_phi0", "base_composer"):
         if key in summary:
@@ -284,11 +285,13 @@ def collect_run(method: str, run_dir: Path) -> dict[str, Any]:
     if _spec(method).has_teacher:
         result["teacher"] = teacher_trace(rows)
     result.update(
+        steps=sum("step" in r for r in rows),
         rollouts=int(summary["rollouts"]),
         bank_rollouts=bank,
         vanilla=summary["vanilla"],
         final=summary["lopd"],
         curve=curve,
+        wall_seconds=summary["wall_seconds"],
         error=None,
     )
     return result
@@ -454,18 +457,11 @@ def results_from_runs(runs: Path) -> list[dict[str, Any]]:
         result: dict[str, Any] = {"method": name, "seed": seed_k, "run_dir": str(run_dir)}
         try:
             result.update(collect_run(name, run_dir))
-            summary = json.loads(RunDir(run_dir).summary.read_text())
-            result["steps"] = len([r for r in _metric_rows(run_dir) if "step" in r])
-            result["wall_seconds"] = summary["wall_seconds"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{run_dir.name}: not a readable finished run ({err!r})") from None
         results.append(result)
     results.sort(key=lambda r: (r["seed"], _run_order(r["method"])))
     return results
-
-
-def _metric_rows(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
 
 
 def _report_from_runs(folder: Path, settings: CompareSettings, argv: Sequence[str]) -> int:
