@@ -12,8 +12,10 @@ from lopd.latent.injection import FRAMING
 from lopd.models.loading import load_model
 from lopd.rollout.multi_turn import GenerationConfig, rollout
 from lopd.tiny.build import (
+    FORMATS_ASSET_DIR,
     SPECIAL_TOKENS,
     TINY_ASSET_DIR,
+    TINY_RECIPES,
     TinyBuildConfig,
     build_tiny,
     build_tokenizer,
@@ -99,6 +101,56 @@ def test_build_is_deterministic(tmp_path):
     assert tok.chat_template == a["tokenizer"].chat_template
     info = json.loads((tmp_path / "a" / "build_info.json").read_text())
     assert info["weights_sha256"] == a["weights_sha256"] and info["config"]["seed"] == 3
+
+
+def test_build_continues_from_init(tmp_path):
+    """A recipe with ``init`` trains on from a model's weights and keeps its tokenizer (the
+    five-format reader continues from the default model); the start's hash is recorded."""
+    start = build_tiny(TinyBuildConfig(seed=3, **SMALL), out=tmp_path / "start", verbose=False)
+    cfg = TinyBuildConfig(
+        **{**SMALL, "init": str(tmp_path / "start"), "formats": ("sdft", "skill-sd")},
+        excerpt_references=True,
+    )
+    a = build_tiny(cfg, out=tmp_path / "a", verbose=False)
+    b = build_tiny(cfg, out=None, verbose=False)
+    assert a["weights_sha256"] == b["weights_sha256"] != start["weights_sha256"]
+    assert a["init_weights_sha256"] == start["weights_sha256"]
+    assert a["tokenizer"].get_vocab() == start["tokenizer"].get_vocab()
+    info = json.loads((tmp_path / "a" / "build_info.json").read_text())
+    assert info["config"]["init"] == str(tmp_path / "start")
+    with pytest.raises(FileNotFoundError, match="neither a shipped asset nor a checkpoint"):
+        build_tiny(TinyBuildConfig(**{**SMALL, "init": str(tmp_path / "none")}), verbose=False)
+
+
+def test_build_tiny_command_takes_a_recipe_and_overrides(tmp_path, capsys):
+    from lopd.models.__main__ import main
+
+    start = tmp_path / "start"
+    build_tiny(TinyBuildConfig(seed=3, **SMALL), out=start, verbose=False)
+    small = {k: v for k, v in SMALL.items() if k not in ("sft_steps", "first_call_steps")}
+    recipe = TinyBuildConfig(**{**small, "init": str(start)}, formats=("sdpo",))
+    argv = ["build-tiny", "--recipe", "small", "--out", str(tmp_path / "m")]
+    argv += ["--sft-steps", "1", "--first-call-steps", "0", "--seed", "5"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(TINY_RECIPES, "small", recipe)
+        assert main(argv) == 0
+    info = json.loads((tmp_path / "m" / "build_info.json").read_text())
+    assert info["config"]["sft_steps"] == 1 and info["config"]["first_call_steps"] == 0
+    assert info["config"]["seed"] == 5 and info["config"]["formats"] == ["sdpo"]
+    assert info["config"]["excerpt_steps"] == SMALL["excerpt_steps"]
+    assert "built in" in capsys.readouterr().out
+
+
+def test_shipped_formats_asset(shipped):
+    """The five-format reader: the recipe ``tiny-qwen3-formats`` continued from the shipped
+    default (its recorded start is the default's weights), same tokenizer and shape."""
+    model, tok = load_model(FORMATS_ASSET_DIR)
+    info = json.loads((FORMATS_ASSET_DIR / "build_info.json").read_text())
+    assert info["weights_sha256"] == weights_hash(model)
+    assert info["config"] == TINY_RECIPES["tiny-qwen3-formats"].to_dict()
+    assert info["init_weights_sha256"] == weights_hash(shipped[0])
+    assert tok.get_vocab() == shipped[1].get_vocab()
+    assert set(info["val_reward_other_formats"]) == {"opsd", "sdft", "sdpo", "skill-sd"}
 
 
 def test_shipped_asset(shipped):

@@ -1,7 +1,9 @@
 """``python -m lopd.models``: build the tiny default model, or probe what a reference is worth.
 
-* ``build-tiny``: the embedded tiny Qwen3, deterministically from a seed
-  (:func:`lopd.tiny.build.build_tiny`; writes ``lopd/assets/tiny-qwen3`` by default).
+* ``build-tiny``: a shipped tiny Qwen3, deterministically from its recipe
+  (:data:`lopd.tiny.build.TINY_RECIPES`, :func:`lopd.tiny.build.build_tiny`; ``--recipe
+  tiny-qwen3``, the default, writes ``lopd/assets/tiny-qwen3``, ``--recipe tiny-qwen3-formats``
+  the five-format reader ``lopd/assets/tiny-qwen3-formats``).
 * ``probe-reference``: held-out reward of a model alone, with a retrieved reference trajectory,
   and with a mismatched one (:func:`lopd.tiny.probe.probe_reference`).
 * ``probe-formats``: val reward of a model alone and with one reference in each method's
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +23,7 @@ import torch
 from lopd.atomic import atomic_write_text
 from lopd.envs import builtin_tasks, load_tasks_jsonl
 from lopd.models.loading import load_model
-from lopd.tiny.build import TINY_ASSET_DIR, TinyBuildConfig, build_tiny
+from lopd.tiny.build import ASSETS_DIR, TINY_RECIPES, build_tiny
 from lopd.tiny.formats import FORMATS
 from lopd.tiny.probe import format_formats_report, format_report, probe_formats, probe_reference
 
@@ -85,19 +88,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m lopd.models", description=__doc__.split("\n")[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("build-tiny", help="build the tiny default model deterministically")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--out", default=str(TINY_ASSET_DIR), help="output directory")
-    b.add_argument("--threads", type=int, default=TinyBuildConfig.threads)
-    b.add_argument("--sft-steps", type=int, default=TinyBuildConfig.sft_steps)
-    b.add_argument("--first-call-steps", type=int, default=TinyBuildConfig.first_call_steps)
-    b.add_argument("--excerpt-steps", type=int, default=TinyBuildConfig.excerpt_steps)
-    b.add_argument("--eval-tasks", type=int, default=TinyBuildConfig.eval_tasks)
+    b = sub.add_parser("build-tiny", help="build a shipped tiny model deterministically")
+    b.add_argument(
+        "--recipe",
+        choices=sorted(TINY_RECIPES),
+        default="tiny-qwen3",
+        help="which shipped model (tiny-qwen3-formats: the five-format reader)",
+    )
+    b.add_argument("--out", default=None, help="output directory (default: its shipped asset)")
+    for flag in ("seed", "threads", "sft-steps", "first-call-steps", "excerpt-steps", "eval-tasks"):
+        b.add_argument(f"--{flag}", type=int, default=None, help="override the recipe's")
     b.add_argument(
         "--formats",
         nargs="+",
         choices=[*FORMATS, "all"],
-        default=list(TinyBuildConfig.formats),
+        default=None,
         help="privileged-context formats of the reference episodes (all: every method's)",
     )
     add_probe_arguments(
@@ -123,16 +128,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "probe-formats":
         return run_probe_formats(args)
     if args.command == "build-tiny":
-        cfg = TinyBuildConfig(
-            seed=args.seed,
-            threads=args.threads,
-            sft_steps=args.sft_steps,
-            first_call_steps=args.first_call_steps,
-            excerpt_steps=args.excerpt_steps,
-            eval_tasks=args.eval_tasks,
-            formats=FORMATS if "all" in args.formats else tuple(args.formats),
-        )
-        res = build_tiny(cfg, out=args.out)
+        tunable = ("seed", "threads", "sft_steps", "first_call_steps", "excerpt_steps")
+        overrides = {k: v for k in (*tunable, "eval_tasks") if (v := getattr(args, k)) is not None}
+        if args.formats is not None:
+            overrides["formats"] = FORMATS if "all" in args.formats else tuple(args.formats)
+        cfg = dataclasses.replace(TINY_RECIPES[args.recipe], **overrides)
+        res = build_tiny(cfg, out=args.out or ASSETS_DIR / args.recipe)
         print(
             f"built in {res['seconds']:.0f}s: weights sha256 {res['weights_sha256'][:16]}, "
             f"val reward bare {res['val_reward_bare']}, with reference "

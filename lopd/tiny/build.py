@@ -46,6 +46,16 @@ reference 0.242) the model copied words from the instruction (names, cities, cov
 whatever the reference said; now most bare failures are the procedure, which a reference
 supplies. ``python -m lopd.models probe-reference`` measures the same with retrieved references.
 
+**The five-format reader** (``lopd/assets/tiny-qwen3-formats``, recipe
+:data:`TINY_RECIPES` ``["tiny-qwen3-formats"]``, ``build-tiny --recipe tiny-qwen3-formats``): the
+default model reads a reference in LOPD's A.5 framing only, so the baselines' teachers (OPSD's
+system message; SDFT's, SDPO's and Skill-SD's text after the instruction) would be judged through
+a reader they were never given. This model continues from the default on the same stages with
+every format in equal shares (``excerpt_references``: the first call is learnt with another
+task's ids between the instruction and the call), so each method's teacher reads its own
+context; ``python -m lopd.models probe-formats --model lopd/assets/tiny-qwen3-formats`` measures
+each format's worth (docs/trainer.md).
+
 Bitwise reproducibility holds for a fixed torch version, CPU and thread count (the build pins the
 thread count, ``--threads``).
 """
@@ -69,7 +79,13 @@ from typing import Any
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from lopd.envs import builtin_tasks
 from lopd.rollout.chat import TINY_CHAT_TEMPLATE
@@ -84,13 +100,16 @@ from lopd.tiny.data import (
     same_template_references,
     tokenizer_corpus,
 )
-from lopd.tiny.formats import framed_env_factory
+from lopd.tiny.formats import FORMATS, framed_env_factory
 from lopd.tiny.sft import copy_batches, episode_batches, excerpt_batches, sft, warmup
 from lopd.types import Task
 
 __all__ = [
+    "ASSETS_DIR",
+    "FORMATS_ASSET_DIR",
     "SPECIAL_TOKENS",
     "TINY_ASSET_DIR",
+    "TINY_RECIPES",
     "Demonstration",
     "EpisodeSource",
     "Mixture",
@@ -105,8 +124,12 @@ __all__ = [
     "weights_hash",
 ]
 
-TINY_ASSET_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen3"
+ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
+"""The package's shipped assets (the tiny models, the coding tasks)."""
+TINY_ASSET_DIR = ASSETS_DIR / "tiny-qwen3"
 """Where the shipped tiny model lives (config, safetensors, tokenizer, build_info.json)."""
+FORMATS_ASSET_DIR = ASSETS_DIR / "tiny-qwen3-formats"
+"""The shipped five-format reader (:data:`TINY_RECIPES` ``["tiny-qwen3-formats"]``)."""
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 """Qwen3's chat special tokens, in id order after the base vocabulary."""
@@ -269,6 +292,10 @@ class TinyBuildConfig:
         eval_tasks: val-split tasks rolled out after the build, bare and with a reference
             (``0`` skips the evaluation).
         threads: torch CPU threads during the build (pinned for bitwise reproducibility).
+        init: a model to continue from instead of building a tokenizer and initializing from
+            the seed: the name of a shipped asset under ``lopd/assets`` (``"tiny-qwen3"``) or a
+            checkpoint directory; its weights and tokenizer carry over and every stage above
+            trains on from there (``""``: from scratch).
     """
 
     seed: int = 0
@@ -296,10 +323,43 @@ class TinyBuildConfig:
     lr: float = 3e-3
     eval_tasks: int = 60
     threads: int = 1
+    init: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe as JSON types (``build_info.json``'s ``config``)."""
         return {**asdict(self), "formats": list(self.formats)}
+
+
+TINY_RECIPES: dict[str, TinyBuildConfig] = {
+    "tiny-qwen3": TinyBuildConfig(),
+    # The default model reads a reference in LOPD's A.5 framing only; with the reference after
+    # the instruction (SDFT's, SDPO's, Skill-SD's wording) it scores ~0. Trained from scratch on
+    # all five formats, a model learns none of them well, so this one continues from the
+    # default: first calls with a reference in any format (the copy of the instruction's key
+    # across another task's ids), then later turns, then full episodes, at a third of the
+    # learning rate (at the default's 3e-3 every format ends lower).
+    "tiny-qwen3-formats": TinyBuildConfig(
+        init="tiny-qwen3",
+        formats=FORMATS,
+        bare_share=0.2,
+        excerpt_references=True,
+        first_call_steps=400,
+        excerpt_steps=200,
+        sft_steps=700,
+        lr=1e-3,
+    ),
+}
+"""The shipped tiny models' recipes by asset name (``build-tiny --recipe``)."""
+
+
+def _load_init(init: str) -> tuple[Any, Any]:
+    """The weights and tokenizer a build continues from (:attr:`TinyBuildConfig.init`)."""
+    path = ASSETS_DIR / init if (ASSETS_DIR / init / "config.json").exists() else Path(init)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"init {init!r} is neither a shipped asset nor a checkpoint")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    return model, tokenizer
 
 
 def tiny_model_config(tokenizer: Any, cfg: TinyBuildConfig) -> Any:
@@ -394,12 +454,18 @@ def build_tiny(
     t0 = time.perf_counter()
     try:
         train = _train_tasks()
-        tokenizer = build_tokenizer(tokenizer_corpus(train, cfg.formats), cfg.min_count)
-        log(f"tokenizer: {len(tokenizer)} tokens ({time.perf_counter() - t0:.0f}s)")
         mixture = Mixture(cfg.bare_share, cfg.same_template_share, tuple(cfg.formats))
         source = EpisodeSource(train, mixture)
-        torch.manual_seed(cfg.seed)
-        model = Qwen3ForCausalLM(tiny_model_config(tokenizer, cfg))
+        init_digest = None
+        if cfg.init:
+            model, tokenizer = _load_init(cfg.init)
+            init_digest = weights_hash(model)
+            log(f"continuing from {cfg.init} (weights sha256 {init_digest[:16]})")
+        else:
+            tokenizer = build_tokenizer(tokenizer_corpus(train, cfg.formats), cfg.min_count)
+            log(f"tokenizer: {len(tokenizer)} tokens ({time.perf_counter() - t0:.0f}s)")
+            torch.manual_seed(cfg.seed)
+            model = Qwen3ForCausalLM(tiny_model_config(tokenizer, cfg))
         num_params = sum(p.numel() for p in model.parameters())
         log(f"model: Qwen3ForCausalLM, {num_params / 1e6:.2f} M parameters")
         if cfg.copy_warmup_steps:
@@ -466,6 +532,7 @@ def build_tiny(
         seconds = time.perf_counter() - t0
         info = {
             "weights_sha256": digest,
+            **({"init_weights_sha256": init_digest} if init_digest else {}),
             "val_reward_bare": bare,
             "val_reward_reference": ref,
             "val_tasks": cfg.eval_tasks,
