@@ -411,7 +411,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="DIR",
         help="run nothing: the report of the finished runs under DIR/runs (a comparison that was "
-        "stopped, or several merged into one folder); give the settings the runs used",
+        "stopped, or several merged into one folder) into --out (default: DIR); give the "
+        "settings the runs used",
     )
     p.add_argument("overrides", nargs="*", help="section.field=value applied to every run")
     return p.parse_args(argv)
@@ -464,8 +465,11 @@ def results_from_runs(runs: Path) -> list[dict[str, Any]]:
     return results
 
 
-def _report_from_runs(folder: Path, settings: CompareSettings, argv: Sequence[str]) -> int:
-    """``--from-runs``: the report of the finished runs under ``folder/runs``."""
+def _report_from_runs(
+    folder: Path, out: str | None, settings: CompareSettings, argv: Sequence[str]
+) -> int:
+    """``--from-runs``: the report of the finished runs under ``folder/runs``, written into
+    ``out`` (``None``: ``folder``)."""
     try:
         results = results_from_runs(folder / "runs")
         if not results:
@@ -484,7 +488,7 @@ def _report_from_runs(folder: Path, settings: CompareSettings, argv: Sequence[st
         "wall_seconds": max(per_seed.values()),
         "command": "python -m lopd.compare " + " ".join(argv),
     }
-    paths = write_report(results, folder, meta)
+    paths = write_report(results, Path(out) if out else folder, meta)
     print(f"[compare] wrote {paths['report']}, {paths['plot']}, {paths['results']}")
     return 0
 
@@ -502,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.eval_every = args.eval_every
     if args.from_runs is not None:
         return _report_from_runs(
-            Path(args.from_runs), settings, argv if argv is not None else sys.argv[1:]
+            Path(args.from_runs), args.out, settings, argv if argv is not None else sys.argv[1:]
         )
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     out = Path(args.out or ("runs/compare-quick" if args.quick else "runs/compare"))

@@ -607,6 +607,12 @@ def test_quick_compare_spends_equal_budgets_and_writes_the_report(tmp_path):
     ]
     assert [r.get("dual") for r in again] == [r.get("dual") for r in runs]
     assert "| lopd |" in (out / "report.md").read_text()
+    # --out puts the report elsewhere and leaves the runs' folder as it was.
+    before = (out / "results.json").read_bytes()
+    assert main(["--quick", "--from-runs", str(out), "--out", str(out / "elsewhere")]) == 0
+    assert (out / "results.json").read_bytes() == before
+    moved = json.loads((out / "elsewhere" / "results.json").read_text())["runs"]
+    assert [r["method"] for r in moved] == [r["method"] for r in again]
 
 
 def test_answers_compute_the_rollout_fraction_and_ablation_verdict():
