@@ -120,6 +120,9 @@ def test_build_continues_from_init(tmp_path):
     assert info["config"]["init"] == str(tmp_path / "start")
     with pytest.raises(FileNotFoundError, match="neither a shipped asset nor a checkpoint"):
         build_tiny(TinyBuildConfig(**{**SMALL, "init": str(tmp_path / "none")}), verbose=False)
+    wider = TinyBuildConfig(**{**SMALL, "init": str(tmp_path / "start"), "hidden_size": 64})
+    with pytest.raises(ValueError, match=r"another architecture: hidden_size 32 \(recipe 64\)"):
+        build_tiny(wider, verbose=False)
 
 
 def test_build_tiny_command_takes_a_recipe_and_overrides(tmp_path, capsys):

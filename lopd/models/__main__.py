@@ -128,8 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "probe-formats":
         return run_probe_formats(args)
     if args.command == "build-tiny":
-        tunable = ("seed", "threads", "sft_steps", "first_call_steps", "excerpt_steps")
-        overrides = {k: v for k in (*tunable, "eval_tasks") if (v := getattr(args, k)) is not None}
+        flags = ("seed", "threads", "sft_steps", "first_call_steps", "excerpt_steps", "eval_tasks")
+        overrides = {k: v for k in flags if (v := getattr(args, k)) is not None}
         if args.formats is not None:
             overrides["formats"] = FORMATS if "all" in args.formats else tuple(args.formats)
         cfg = dataclasses.replace(TINY_RECIPES[args.recipe], **overrides)

@@ -46,15 +46,9 @@ reference 0.242) the model copied words from the instruction (names, cities, cov
 whatever the reference said; now most bare failures are the procedure, which a reference
 supplies. ``python -m lopd.models probe-reference`` measures the same with retrieved references.
 
-**The five-format reader** (``lopd/assets/tiny-qwen3-formats``, recipe
-:data:`TINY_RECIPES` ``["tiny-qwen3-formats"]``, ``build-tiny --recipe tiny-qwen3-formats``): the
-default model reads a reference in LOPD's A.5 framing only, so the baselines' teachers (OPSD's
-system message; SDFT's, SDPO's and Skill-SD's text after the instruction) would be judged through
-a reader they were never given. This model continues from the default on the same stages with
-every format in equal shares (``excerpt_references``: the first call is learnt with another
-task's ids between the instruction and the call), so each method's teacher reads its own
-context; ``python -m lopd.models probe-formats --model lopd/assets/tiny-qwen3-formats`` measures
-each format's worth (docs/trainer.md).
+**The five-format reader** (``lopd/assets/tiny-qwen3-formats``, ``build-tiny --recipe
+tiny-qwen3-formats``) continues from the default with a reference in every method's format, so
+each baseline's teacher reads its own context (docs/trainer.md, "A reader for every format").
 
 Bitwise reproducibility holds for a fixed torch version, CPU and thread count (the build pins the
 thread count, ``--threads``).
@@ -332,12 +326,9 @@ class TinyBuildConfig:
 
 TINY_RECIPES: dict[str, TinyBuildConfig] = {
     "tiny-qwen3": TinyBuildConfig(),
-    # The default model reads a reference in LOPD's A.5 framing only; with the reference after
-    # the instruction (SDFT's, SDPO's, Skill-SD's wording) it scores ~0. Trained from scratch on
-    # all five formats, a model learns none of them well, so this one continues from the
-    # default: first calls with a reference in any format (the copy of the instruction's key
-    # across another task's ids), then later turns, then full episodes, at a third of the
-    # learning rate (at the default's 3e-3 every format ends lower).
+    # From scratch on all five formats a model learns none of them well, so this one continues
+    # from the default (which copies from the instruction) at a third of its learning rate (at
+    # 3e-3 every format ends lower); docs/trainer.md, "A reader for every format".
     "tiny-qwen3-formats": TinyBuildConfig(
         init="tiny-qwen3",
         formats=FORMATS,
@@ -352,13 +343,26 @@ TINY_RECIPES: dict[str, TinyBuildConfig] = {
 """The shipped tiny models' recipes by asset name (``build-tiny --recipe``)."""
 
 
-def _load_init(init: str) -> tuple[Any, Any]:
-    """The weights and tokenizer a build continues from (:attr:`TinyBuildConfig.init`)."""
+_HEADS = ("num_attention_heads", "num_key_value_heads")
+
+
+def _load_init(cfg: TinyBuildConfig) -> tuple[Any, Any]:
+    """The weights and tokenizer a build continues from (:attr:`TinyBuildConfig.init`); an init
+    whose architecture is not the recipe's is refused (``build_info.json`` would misstate it)."""
+    init = cfg.init
     path = ASSETS_DIR / init if (ASSETS_DIR / init / "config.json").exists() else Path(init)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"init {init!r} is neither a shipped asset nor a checkpoint")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    want = tiny_model_config(tokenizer, cfg)
+    differ = [
+        f"{k} {getattr(model.config, k)} (recipe {getattr(want, k)})"
+        for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "head_dim", *_HEADS)
+        if getattr(model.config, k) != getattr(want, k)
+    ]
+    if differ:
+        raise ValueError(f"init {init!r} has another architecture: {', '.join(differ)}")
     return model, tokenizer
 
 
@@ -458,7 +462,7 @@ def build_tiny(
         source = EpisodeSource(train, mixture)
         init_digest = None
         if cfg.init:
-            model, tokenizer = _load_init(cfg.init)
+            model, tokenizer = _load_init(cfg)
             init_digest = weights_hash(model)
             log(f"continuing from {cfg.init} (weights sha256 {init_digest[:16]})")
         else:
