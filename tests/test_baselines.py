@@ -538,6 +538,14 @@ def test_lopd_frozen_reads_c_phi0_and_gives_the_composer_no_gradient(lopd_traine
     assert any(p.grad is not None for p in tr.models.student.parameters())
 
 
+def test_the_held_out_log_names_the_method_whose_student_is_evaluated(trainer, capsys):
+    # The summary's key is ``lopd`` for every method's student; the log line names the method.
+    result = trainer.evaluate("lopd")
+    out = capsys.readouterr().out
+    assert f"eval opsd student: reward {result['reward_mean']:.3f}" in out
+    assert "eval lopd" not in out
+
+
 # ----------------------------------------------------------------------------- compare
 def test_a5_runs_are_the_text_teachers_in_lopds_framing_and_run_by_default():
     from lopd.compare import A5_METHODS, DEFAULT_RUNS, resolve_run

@@ -74,8 +74,10 @@ class HeldOutEvaluator:
                 # Per-task rewards (task order) for paired comparisons across evaluations.
                 result["task_rewards"] = [float(t.reward) for t in trajs]
                 result["seconds"] = time.perf_counter() - t0
+                # ``lopd`` names the trained student of every method (the summary's key).
+                label = f"{self.ctx.cfg.lopd.method} student" if which == "lopd" else which
                 self.ctx.log(
-                    f"eval {which}: reward {result['reward_mean']:.3f} ± "
+                    f"eval {label}: reward {result['reward_mean']:.3f} ± "
                     f"{result['reward_stderr']:.3f} (n={result['n']}), "
                     f"success {result['success_rate']:.3f}"
                 )
