@@ -13,7 +13,7 @@ from lopd.envs import builtin_tasks, make_env
 from lopd.methods.opsd import OPSD_SYSTEM_TEMPLATE
 from lopd.methods.sdft import SDFT_USER_TEMPLATE
 from lopd.methods.sdpo import SDPO_USER_TEMPLATE
-from lopd.methods.skills import RuleSkillSummarizer
+from lopd.methods.skills import RuleSkillSummarizer, SkillText
 from lopd.methods.text_teacher import (
     build_text_teacher_sequence,
     framed_teacher_sequence,
@@ -39,18 +39,21 @@ def shipped():
     return load_model()
 
 
-def _teacher_suffixes(fmt: str, reference: Trajectory) -> tuple[str, str]:
-    """(system_suffix, user_suffix) as each method's teacher builds them from ``reference``."""
-    trace = reference.trace_text()
+def _teacher_suffixes(fmt: str, reference: Trajectory | None) -> tuple[str, str]:
+    """(system_suffix, user_suffix) as each method's teacher builds them from ``reference``
+    (``None``: under ``lopd.null_context``, where every privileged text is empty)."""
+    trace = reference.trace_text() if reference else ""
     if fmt == "opsd":
         from lopd.memory.bank import BankEntry, format_experience
 
-        gt = format_experience(BankEntry.from_trajectory(reference))
+        gt = format_experience(BankEntry.from_trajectory(reference)) if reference else ""
         return OPSD_SYSTEM_TEMPLATE.format(gt_text=gt), ""
     if fmt == "sdft":
         return "", SDFT_USER_TEMPLATE.format(demo_text=trace)
     if fmt == "sdpo":
         return "", SDPO_USER_TEMPLATE.format(solution=trace)
+    if reference is None:
+        return "", SkillText("", "", "").render()
     skill = RuleSkillSummarizer().text([reference], success=1.0)
     return "", skill.render()
 
@@ -86,6 +89,30 @@ def test_a_text_format_is_the_prompt_its_methods_teacher_reads(shipped, train, f
     ids = render_prompt(tok, framed.system_prompt(), framed_user, framed.tools())
     assert ids == teacher.input_ids[: teacher.prompt_len]
     assert len(ids) > len(prompt) + 20  # the reference is in it
+
+
+@pytest.mark.parametrize("fmt", ["opsd", "sdft", "sdpo", "skill-sd"])
+def test_an_emptied_format_is_the_null_context_teachers_prompt(shipped, train, fmt):
+    """``probe-formats --emptied`` shows the base model, token for token, the prompt a teacher
+    reads under ``lopd.null_context``: the template, nothing of the reference."""
+    _, tok = shipped
+    task, reference = train[0], oracle_play(train[5])
+    student = _student(tok, task)
+    system_suffix, user_suffix = _teacher_suffixes(fmt, None)
+    teacher = build_text_teacher_sequence(
+        tok, student, system_suffix=system_suffix, user_suffix=user_suffix
+    )
+    framed = FramedPromptEnv(make_env(task), fmt, reference, emptied=True)
+    user = framed.reset(task)  # first: it sets the system message's suffix
+    ids = render_prompt(tok, framed.system_prompt(), user, framed.tools())
+    assert ids == teacher.input_ids[: teacher.prompt_len]
+    assert len(ids) > student.prompt_len  # the template stays
+    full = FramedPromptEnv(make_env(task), fmt, reference)
+    user = full.reset(task)
+    full_ids = render_prompt(tok, full.system_prompt(), user, full.tools())
+    assert len(full_ids) > len(ids) + 20  # the reference is gone
+    lopd_text = frame_reference("lopd", "hi", task.domain, reference, emptied=True).user
+    assert reference.trace_text() not in lopd_text and "hi" in lopd_text
 
 
 def _student(tok, task):
@@ -200,6 +227,8 @@ def test_probe_formats_reports_every_format_against_bare(shipped, train, tmp_pat
     argv = ["probe-formats", "--n", "2", "--seeds", "0", "--formats", "sdpo", "--out", str(out)]
     assert main(argv) == 0
     assert list(json.loads(out.read_text())["conditions"]) == ["bare", "sdpo"]
+    assert main([*argv, "--emptied"]) == 0
+    assert json.loads(out.read_text())["reference"].startswith("none: each format's template")
 
 
 def test_reference_excerpts_hold_the_reference_between_instruction_and_call(train, shipped):

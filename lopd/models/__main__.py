@@ -53,7 +53,9 @@ def run_probe_formats(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model)
     train = builtin_tasks("tool_use", "train", seed=args.task_seed)
     val = builtin_tasks("tool_use", "val", n=args.n, seed=args.task_seed)
-    report = probe_formats(model, tokenizer, train, val, formats=args.formats, seeds=args.seeds)
+    report = probe_formats(
+        model, tokenizer, train, val, formats=args.formats, seeds=args.seeds, emptied=args.emptied
+    )
     report["model"] = args.model or "tiny (lopd/assets/tiny-qwen3)"
     report["tasks"] = f"built-in val split, task-set seed {args.task_seed}"
     print(format_formats_report(report))
@@ -120,6 +122,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     f.add_argument("--n", type=int, default=64, help="val tasks")
     f.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     f.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    f.add_argument(
+        "--emptied",
+        action="store_true",
+        help="each template with nothing in it (the null-context controls' teachers)",
+    )
     f.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     f.add_argument("--out", default=None, help="write the JSON report here")
     args = parser.parse_args(argv)

@@ -23,6 +23,7 @@ base model (paper 3.1's (a), per method).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from lopd.memory.bank import BankEntry, format_experience
 from lopd.methods.opsd import OPSD_SYSTEM_TEMPLATE
 from lopd.methods.sdft import SDFT_USER_TEMPLATE
 from lopd.methods.sdpo import SDPO_USER_TEMPLATE
-from lopd.methods.skills import RuleSkillSummarizer
+from lopd.methods.skills import RuleSkillSummarizer, SkillText
 from lopd.types import Task, Trajectory
 
 __all__ = ["FORMATS", "FramedPrompt", "FramedPromptEnv", "frame_reference", "framed_env_factory"]
@@ -54,7 +55,9 @@ class FramedPrompt:
     user: str
 
 
-def frame_reference(fmt: str, user: str, domain: str, reference: Trajectory) -> FramedPrompt:
+def frame_reference(
+    fmt: str, user: str, domain: str, reference: Trajectory, *, emptied: bool = False
+) -> FramedPrompt:
     """``user`` (the first user message) with ``reference`` in the format ``fmt``.
 
     Args:
@@ -62,16 +65,23 @@ def frame_reference(fmt: str, user: str, domain: str, reference: Trajectory) -> 
         user: the bare first user message (the instruction).
         domain: the task's domain (the A.5 framing's wording).
         reference: a successful trajectory of another task (its ``trace`` and ``reward``).
+        emptied: the format's template with nothing in it, as a teacher reads it under
+            ``lopd.null_context`` (:meth:`lopd.methods.base.MethodBase.privileged`; the skill's
+            parts emptied; ``lopd``: the framing around an empty experience, the text twin of
+            the zero latents).
 
     Raises:
         ValueError: an unknown format.
     """
-    trace = reference.trace_text() or "(no tool calls)"
-    if fmt == "lopd":
-        experience = format_experience(BankEntry.from_trajectory(reference))
-        return FramedPrompt("", frame_with_references(user, domain, [experience]))
-    if fmt == "opsd":
-        experience = format_experience(BankEntry.from_trajectory(reference))
+
+    def fill(text: str) -> str:
+        return "" if emptied else text
+
+    trace = fill(reference.trace_text() or "(no tool calls)")
+    if fmt in ("lopd", "opsd"):
+        experience = fill(format_experience(BankEntry.from_trajectory(reference)))
+        if fmt == "lopd":
+            return FramedPrompt("", frame_with_references(user, domain, [experience]))
         return FramedPrompt(OPSD_SYSTEM_TEMPLATE.format(gt_text=experience), user)
     if fmt == "sdft":
         return FramedPrompt("", user + SDFT_USER_TEMPLATE.format(demo_text=trace))
@@ -79,7 +89,8 @@ def frame_reference(fmt: str, user: str, domain: str, reference: Trajectory) -> 
         return FramedPrompt("", user + SDPO_USER_TEMPLATE.format(solution=trace))
     if fmt == "skill-sd":
         skill = RuleSkillSummarizer().text([reference], success=reference.reward)
-        return FramedPrompt("", user + skill.render())
+        parts = {k: fill(v) for k, v in dataclasses.asdict(skill).items()}
+        return FramedPrompt("", user + SkillText(**parts).render())
     raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
 
 
@@ -93,18 +104,22 @@ class FramedPromptEnv:
         env: the task's environment.
         fmt: one of :data:`FORMATS`.
         reference: the successful trajectory to show.
+        emptied: show the format's template with nothing in it (:func:`frame_reference`).
     """
 
-    def __init__(self, env: Any, fmt: str, reference: Trajectory) -> None:
+    def __init__(self, env: Any, fmt: str, reference: Trajectory, emptied: bool = False) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
         self._env = env
         self._fmt = fmt
         self._reference = reference
+        self._emptied = emptied
         self._system_suffix = ""
 
     def reset(self, task: Task) -> str:
-        framed = frame_reference(self._fmt, self._env.reset(task), task.domain, self._reference)
+        framed = frame_reference(
+            self._fmt, self._env.reset(task), task.domain, self._reference, emptied=self._emptied
+        )
         self._system_suffix = framed.system_suffix
         return framed.user
 
@@ -115,13 +130,15 @@ class FramedPromptEnv:
         return getattr(self._env, name)
 
 
-def framed_env_factory(fmt: str, references: Mapping[str, Trajectory], make_env: Any = None) -> Any:
+def framed_env_factory(
+    fmt: str, references: Mapping[str, Trajectory], make_env: Any = None, emptied: bool = False
+) -> Any:
     """A ``make_env`` for :func:`lopd.rollout.multi_turn.rollout`: each task's environment
     (``make_env``, default :func:`lopd.envs.make_env`) with its reference
-    (``references[task_id]``) in the format ``fmt``."""
+    (``references[task_id]``) in the format ``fmt`` (``emptied``: the template alone)."""
     inner = make_env or lopd.envs.make_env
 
     def make(task: Task) -> FramedPromptEnv:
-        return FramedPromptEnv(inner(task), fmt, references[task.task_id])
+        return FramedPromptEnv(inner(task), fmt, references[task.task_id], emptied)
 
     return make

@@ -203,9 +203,13 @@ def probe_formats(
     *,
     formats: Sequence[str] = FORMATS,
     seeds: Sequence[int] = (0, 1, 2),
+    emptied: bool = False,
     log: Any = print,
 ) -> dict[str, Any]:
     """Held-out reward of the base model bare and with one reference in each format.
+
+    With ``emptied`` each format's template carries nothing (the teacher of the null-context
+    control, ``lopd.null_context``): whether the template alone moves the base model.
 
     Args:
         model, tokenizer: the frozen base model.
@@ -213,6 +217,7 @@ def probe_formats(
         tasks: the held-out tasks (the val split: this is a tuning measurement).
         formats: the formats to measure (:data:`lopd.tiny.formats.FORMATS`).
         seeds: sampling seeds of the rollouts (default sampling, temperature 0.7).
+        emptied: fill every template with nothing instead of the reference.
         log: progress printer.
 
     Returns:
@@ -227,7 +232,7 @@ def probe_formats(
     per_seed: dict[str, list[list[float]]] = {c: [] for c in conditions}
     for seed in seeds:
         for c in conditions:
-            make_env = None if c == "bare" else framed_env_factory(c, plays)
+            make_env = None if c == "bare" else framed_env_factory(c, plays, emptied=emptied)
             per_seed[c].append(_rewards(model, tokenizer, tasks, None, seed, make_env))
         log(
             f"  seed {seed}: "
@@ -254,7 +259,9 @@ def probe_formats(
     return {
         "n_tasks": len(tasks),
         "seeds": list(seeds),
-        "reference": "a same-template train task's oracle trajectory, the same in every format",
+        "reference": "none: each format's template emptied (the null-context teacher)"
+        if emptied
+        else "a same-template train task's oracle trajectory, the same in every format",
         "conditions": out,
         "seconds": round(time.perf_counter() - t0, 1),
     }
