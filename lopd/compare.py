@@ -83,7 +83,7 @@ A5_METHODS = tuple(
     m for m in ALL_METHODS if METHODS[m].has_teacher and not METHODS[m].uses_composer
 )
 # The default comparison: every method, and every text teacher once more in LOPD's framing (the
-# embedded tiny model reads a reference in that framing only: docs/trainer.md).
+# embedded tiny model reads a reference in that framing only: docs/results.md).
 DEFAULT_RUNS = ALL_METHODS + tuple(f"{m}-a5" for m in A5_METHODS)
 
 

@@ -102,7 +102,7 @@ def _compare() -> Config:
     300 cold-start steps (chosen on val), 8 rollouts per step (``lopd.steps`` is set per method
     from the budget). Wall time on 2 CPU cores (``--jobs 3``): 52.3 minutes for the eight methods
     evaluated every 17 steps (2026-12-02); the twelve runs evaluated every 8 steps take about
-    2.5 hours (from the per-run wall times of docs/trainer.md, 2026-12-06).
+    2.5 hours (from the per-run wall times of docs/results.md, 2026-12-06).
     """
     cfg = _default()
     cfg.run_dir = "runs/compare"

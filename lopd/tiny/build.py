@@ -48,7 +48,7 @@ supplies. ``python -m lopd.models probe-reference`` measures the same with retri
 
 **The five-format reader** (``lopd/assets/tiny-qwen3-formats``, ``build-tiny --recipe
 tiny-qwen3-formats``) continues from the default with a reference in every method's format, so
-each baseline's teacher reads its own context (docs/trainer.md, "A reader for every format").
+each baseline's teacher reads its own context (docs/results.md, "A reader for every format").
 
 Bitwise reproducibility holds for a fixed torch version, CPU and thread count (the build pins the
 thread count, ``--threads``).
@@ -328,7 +328,7 @@ TINY_RECIPES: dict[str, TinyBuildConfig] = {
     "tiny-qwen3": TinyBuildConfig(),
     # From scratch on all five formats a model learns none of them well, so this one continues
     # from the default (which copies from the instruction) at a third of its learning rate (at
-    # 3e-3 every format ends lower); docs/trainer.md, "A reader for every format".
+    # 3e-3 every format ends lower); docs/results.md, "A reader for every format".
     "tiny-qwen3-formats": TinyBuildConfig(
         init="tiny-qwen3",
         formats=FORMATS,
