@@ -27,6 +27,7 @@ Usage::
     python -m lopd.compare --from-results runs/compare/results.json   # rewrite the report only
     python -m lopd.compare --from-runs runs/compare  # the report of the runs a stopped
                                                     # comparison finished (same settings)
+    python -m lopd.compare --from-runs runs/a --from-runs runs/b --out runs/ab   # merged
 
 Settings. The runs use the ``compare`` preset (``--quick``: ``compare-quick``) of
 :mod:`lopd.config` and its rollout budget :data:`lopd.config.COMPARE_BUDGETS`.
@@ -408,11 +409,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--from-runs",
+        action="append",
         default=None,
         metavar="DIR",
         help="run nothing: the report of the finished runs under DIR/runs (a comparison that was "
-        "stopped, or several merged into one folder) into --out (default: DIR); give the "
-        "settings the runs used",
+        "stopped) into --out (default: the first DIR); repeat it to merge the runs of several "
+        "comparisons; give the settings the runs used",
     )
     p.add_argument("overrides", nargs="*", help="section.field=value applied to every run")
     return p.parse_args(argv)
@@ -466,17 +468,28 @@ def results_from_runs(runs: Path) -> list[dict[str, Any]]:
 
 
 def _report_from_runs(
-    folder: Path, out: str | None, settings: CompareSettings, argv: Sequence[str]
+    folders: Sequence[Path], out: str | None, settings: CompareSettings, argv: Sequence[str]
 ) -> int:
-    """``--from-runs``: the report of the finished runs under ``folder/runs``, written into
-    ``out`` (``None``: ``folder``)."""
-    try:
-        results = results_from_runs(folder / "runs")
-        if not results:
-            raise ValueError("no finished run of python -m lopd.compare there")
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        print(f"lopd.compare: --from-runs {str(folder)!r}: {err}", file=sys.stderr)
-        return 2
+    """``--from-runs``: the report of the finished runs under every ``folder/runs``, written
+    into ``out`` (``None``: the first folder). A run (method and seed) found in two folders is
+    refused: the report would hold it twice."""
+    results: list[dict[str, Any]] = []
+    seen: dict[tuple[str, int], Path] = {}
+    for folder in folders:
+        try:
+            found = results_from_runs(folder / "runs")
+            if not found:
+                raise ValueError("no finished run of python -m lopd.compare there")
+            for r in found:
+                key = (r["method"], r["seed"])
+                if key in seen:
+                    raise ValueError(f"{r['method']}-seed{r['seed']} is also in {str(seen[key])!r}")
+                seen[key] = folder
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            print(f"lopd.compare: --from-runs {str(folder)!r}: {err}", file=sys.stderr)
+            return 2
+        results += found
+    results.sort(key=lambda r: (r["seed"], _run_order(r["method"])))
     per_seed: dict[int, float] = {}
     for r in results:
         per_seed[r["seed"]] = per_seed.get(r["seed"], 0.0) + r["wall_seconds"]
@@ -488,7 +501,7 @@ def _report_from_runs(
         "wall_seconds": max(per_seed.values()),
         "command": "python -m lopd.compare " + " ".join(argv),
     }
-    paths = write_report(results, Path(out) if out else folder, meta)
+    paths = write_report(results, Path(out) if out else folders[0], meta)
     print(f"[compare] wrote {paths['report']}, {paths['plot']}, {paths['results']}")
     return 0
 
@@ -506,7 +519,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.eval_every = args.eval_every
     if args.from_runs is not None:
         return _report_from_runs(
-            Path(args.from_runs), args.out, settings, argv if argv is not None else sys.argv[1:]
+            [Path(d) for d in args.from_runs],
+            args.out,
+            settings,
+            argv if argv is not None else sys.argv[1:],
         )
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     out = Path(args.out or ("runs/compare-quick" if args.quick else "runs/compare"))

@@ -562,7 +562,7 @@ def test_a5_runs_are_the_text_teachers_in_lopds_framing_and_run_by_default():
     assert order == ["opsd", "opsd-a5", "sdft", "skill-sd-a5", "lopd-m0.02"]
 
 
-def test_quick_compare_spends_equal_budgets_and_writes_the_report(tmp_path):
+def test_quick_compare_spends_equal_budgets_and_writes_the_report(tmp_path, capsys):
     from lopd.compare import main
 
     out = tmp_path / "cmp"
@@ -621,6 +621,25 @@ def test_quick_compare_spends_equal_budgets_and_writes_the_report(tmp_path):
     assert (out / "results.json").read_bytes() == before
     moved = json.loads((out / "elsewhere" / "results.json").read_text())["runs"]
     assert [r["method"] for r in moved] == [r["method"] for r in again]
+    # Runs of two comparisons merge into one report (each folder's runs, no symlinks needed).
+    second = tmp_path / "second" / "runs"
+    second.mkdir(parents=True)
+    for name in ("grpo-seed0", "sdft-seed0"):
+        (out / "runs" / name).rename(second / name)
+    merged = tmp_path / "merged"
+    argv = ["--quick", "--from-runs", str(out), "--from-runs", str(second.parent)]
+    assert main([*argv, "--out", str(merged)]) == 0
+    both = json.loads((merged / "results.json").read_text())["runs"]
+    assert [{k: r.get(k) for k in keys} for r in both] == [
+        {k: r.get(k) for k in keys} for r in runs
+    ]
+    # A run found in two of the folders would be counted twice: one line, nothing written.
+    capsys.readouterr()
+    (merged / "report.md").unlink()
+    assert main([*argv, "--from-runs", str(out), "--out", str(merged)]) == 2
+    err = [e for e in capsys.readouterr().err.splitlines() if not e.startswith("[compare]")]
+    assert len(err) == 1 and "lopd-seed0 is also in" in err[0], err  # [compare]: unfinished runs
+    assert not (merged / "report.md").exists()
 
 
 def test_answers_compute_the_rollout_fraction_and_ablation_verdict():
