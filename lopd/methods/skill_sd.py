@@ -44,7 +44,6 @@ rank's own rollouts), and not under ``model.parallel=fsdp2``.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -187,8 +186,7 @@ class SkillSDMethod(MethodBase):
     def skill_text(self, text: SkillText) -> str:
         """The rendered skill of the teacher prompt (its parts emptied under
         ``lopd.null_context``)."""
-        parts = {k: self.privileged(v) for k, v in dataclasses.asdict(text).items()}
-        return SkillText(**parts).render()
+        return text.map(self.privileged).render()
 
     def teacher_sequence(self, traj: Trajectory) -> TextTeacherSequence:
         """The teacher's input: the chosen skill after the first user message."""

@@ -31,7 +31,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -93,6 +93,10 @@ class SkillText:
     def render(self) -> str:
         """The skill as appended to the teacher's first user message."""
         return SKILL_USER_TEMPLATE.format(**dataclasses.asdict(self))
+
+    def map(self, fn: Callable[[str], str]) -> SkillText:
+        """The skill with ``fn`` applied to each part (emptied under ``lopd.null_context``)."""
+        return SkillText(**{k: fn(v) for k, v in dataclasses.asdict(self).items()})
 
 
 @dataclasses.dataclass

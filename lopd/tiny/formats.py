@@ -23,7 +23,6 @@ base model (paper 3.1's (a), per method).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,7 @@ from lopd.memory.bank import BankEntry, format_experience
 from lopd.methods.opsd import OPSD_SYSTEM_TEMPLATE
 from lopd.methods.sdft import SDFT_USER_TEMPLATE
 from lopd.methods.sdpo import SDPO_USER_TEMPLATE
-from lopd.methods.skills import RuleSkillSummarizer, SkillText
+from lopd.methods.skills import RuleSkillSummarizer
 from lopd.types import Task, Trajectory
 
 __all__ = ["FORMATS", "FramedPrompt", "FramedPromptEnv", "frame_reference", "framed_env_factory"]
@@ -89,8 +88,7 @@ def frame_reference(
         return FramedPrompt("", user + SDPO_USER_TEMPLATE.format(solution=trace))
     if fmt == "skill-sd":
         skill = RuleSkillSummarizer().text([reference], success=reference.reward)
-        parts = {k: fill(v) for k, v in dataclasses.asdict(skill).items()}
-        return FramedPrompt("", user + SkillText(**parts).render())
+        return FramedPrompt("", user + skill.map(fill).render())
     raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
 
 
