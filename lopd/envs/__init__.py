@@ -18,6 +18,9 @@ import random
 from importlib import resources
 
 from lopd.envs import worlds as _worlds  # noqa: F401  (registers the built-in worlds)
+from lopd.envs.acebench.env import AceBenchEnv
+from lopd.envs.acebench.env import oracle_actions as acebench_oracle_actions
+from lopd.envs.acebench.spec import WORLD as ACEBENCH_WORLD
 from lopd.envs.base import (
     CODING_SYSTEM_PROMPT,
     TASK_COMPLETED,
@@ -32,6 +35,9 @@ from lopd.envs.base import (
 from lopd.envs.bfcl import BfclEnv
 from lopd.envs.bfcl import oracle_actions as bfcl_oracle_actions
 from lopd.envs.coding import CodingEnv, TestReport, coding_prompt, extract_code, run_tests
+from lopd.envs.envscaler import EnvScalerEnv
+from lopd.envs.envscaler import oracle_actions as envscaler_oracle_actions
+from lopd.envs.envscaler_spec import WORLD as ENVSCALER_WORLD
 from lopd.envs.humaneval import HumanEvalEnv
 from lopd.envs.loaders import (
     TaskFormatError,
@@ -42,6 +48,7 @@ from lopd.envs.loaders import (
     task_from_record,
 )
 from lopd.envs.sandbox import SandboxLimits, SandboxResult, run_python, run_sandboxed
+from lopd.envs.task_files import load_task_file, missing_requirement
 from lopd.envs.tool_use import (
     ToolError,
     ToolSpec,
@@ -64,16 +71,22 @@ def make_env(task: Task, max_steps: int | None = None) -> Env:
 
     Args:
         task: the task; its ``domain`` picks the env class, and its ``world`` among the
-            benchmark envs (``"bfcl"``: :class:`lopd.envs.bfcl.BfclEnv`, ``"humaneval"``:
+            benchmark envs (``"bfcl"``: :class:`lopd.envs.bfcl.BfclEnv`, ``"envscaler"``:
+            :class:`lopd.envs.envscaler.EnvScalerEnv`, ``"acebench"``:
+            :class:`lopd.envs.acebench.env.AceBenchEnv`, ``"humaneval"``:
             :class:`lopd.envs.humaneval.HumanEvalEnv`).
-        max_steps: override the tool-use step cap (default 30; BFCL: no cap beyond its per-turn
-            limit; coding is always one turn).
+        max_steps: override the tool-use step cap (default 30; ACEBench 20; BFCL: no cap beyond
+            its per-turn limit; coding is always one turn).
 
     Raises:
         ValueError: unknown ``task.domain``.
     """
     if task.domain == "tool_use" and task.world == "bfcl":
         return BfclEnv(max_steps=max_steps)
+    if task.domain == "tool_use" and task.world == ENVSCALER_WORLD:
+        return EnvScalerEnv() if max_steps is None else EnvScalerEnv(max_steps=max_steps)
+    if task.domain == "tool_use" and task.world == ACEBENCH_WORLD:
+        return AceBenchEnv() if max_steps is None else AceBenchEnv(max_steps=max_steps)
     if task.domain == "tool_use":
         return ToolUseEnv() if max_steps is None else ToolUseEnv(max_steps=max_steps)
     if task.domain == "coding" and task.world == "humaneval":
@@ -128,7 +141,8 @@ def oracle_actions(task: Task) -> list[str]:
     """A correct sequence of assistant turns (model text) that earns reward 1.0.
 
     Tool use: one Qwen3 ``<tool_call>`` turn per oracle call, then ``Task Completed``; BFCL:
-    the ground truth of each user turn as parallel calls, then ``Task Completed``.
+    the ground truth of each user turn as parallel calls, then ``Task Completed``; EnvScaler:
+    ``spec["oracle"]`` (its release has none); ACEBench: ``spec["oracle"]`` or its milestones.
     Coding: one turn with the reference solution (``spec["solution"]``) in a python fence.
 
     Raises:
@@ -136,6 +150,10 @@ def oracle_actions(task: Task) -> list[str]:
     """
     if task.domain == "tool_use" and task.world == "bfcl":
         return bfcl_oracle_actions(task)
+    if task.domain == "tool_use" and task.world == ENVSCALER_WORLD:
+        return envscaler_oracle_actions(task)
+    if task.domain == "tool_use" and task.world == ACEBENCH_WORLD:
+        return acebench_oracle_actions(task)
     if task.domain == "tool_use":
         return [format_tool_call(c) for c in oracle_calls(task)] + [TASK_COMPLETED]
     if task.domain == "coding":
@@ -150,8 +168,10 @@ __all__ = [
     "CODING_SYSTEM_PROMPT",
     "TASK_COMPLETED",
     "TOOL_USE_SYSTEM_PROMPT",
+    "AceBenchEnv",
     "CodingEnv",
     "Env",
+    "EnvScalerEnv",
     "SandboxLimits",
     "SandboxResult",
     "TaskFormatError",
@@ -171,8 +191,10 @@ __all__ = [
     "from_taco",
     "get_world",
     "is_task_completed",
+    "load_task_file",
     "load_tasks_jsonl",
     "make_env",
+    "missing_requirement",
     "oracle_actions",
     "parse_tool_calls",
     "register_world",

@@ -5,12 +5,18 @@ Native format: one :class:`~lopd.types.Task` per line, as ``Task.to_dict()`` wri
     {"task_id": "...", "domain": "tool_use"|"coding", "world": "...", "instruction": "...",
      "spec": {...}, "split": "train"|"val"|"test"}
 
-For tool use, ``world`` must be a registered world (:func:`lopd.envs.register_world`) and the spec
-holds the initial database (``"db"``, or a ``"seed"`` for the world's generator) and the
-final-state ``"checks"`` (see :mod:`lopd.envs.tool_use`): that is how EnvScaler-derived tasks are
-brought in, with a world class implementing their tools; or ``world`` is ``"bfcl"`` and the spec
-is a BFCL multi-turn entry (:func:`lopd.envs.bfcl_data.task_from_entry`). For coding, see
-:mod:`lopd.envs.coding` (``world`` ``"humaneval"``: :mod:`lopd.envs.humaneval`).
+For tool use, ``world`` is one of
+
+* a registered world (:func:`lopd.envs.register_world`): the spec holds the initial database
+  (``"db"``, or a ``"seed"`` for the world's generator) and the final-state ``"checks"`` (see
+  :mod:`lopd.envs.tool_use`);
+* ``"envscaler"``: an EnvScaler task with its environment's class code and checks
+  (:mod:`lopd.envs.envscaler_spec`; EnvScaler's release files themselves load through
+  :func:`lopd.envs.task_files.load_task_file`);
+* ``"acebench"``: an ACEBench agent task (:mod:`lopd.envs.acebench.spec`);
+* ``"bfcl"``: a BFCL multi-turn entry (:func:`lopd.envs.bfcl_data.task_from_entry`).
+
+For coding, see :mod:`lopd.envs.coding` (``world`` ``"humaneval"``: :mod:`lopd.envs.humaneval`).
 
 :func:`load_tasks_jsonl` also accepts, line by line,
 
@@ -42,7 +48,11 @@ from pathlib import Path
 from typing import Any
 
 from lopd.atomic import atomic_write_text
+from lopd.envs.acebench.spec import WORLD as ACEBENCH_WORLD
+from lopd.envs.acebench.spec import validate_spec as validate_acebench_spec
 from lopd.envs.bfcl_data import validate_spec
+from lopd.envs.envscaler_spec import WORLD as ENVSCALER_WORLD
+from lopd.envs.envscaler_spec import validate_spec as validate_envscaler_spec
 from lopd.envs.tool_use import evaluate_checks, get_world
 from lopd.types import Task
 
@@ -58,6 +68,11 @@ hundreds of MB may abort the process rather than raise."""
 
 class TaskFormatError(ValueError):
     """A JSONL line that is not a valid task in any supported format (message names the line)."""
+
+
+class SkippedItemWarning(UserWarning):
+    """An item of a benchmark's release file that was skipped while loading (the message names
+    the file, the item and why, and ends in "item skipped" or "file skipped")."""
 
 
 SPLITS = ("train", "val", "test")
@@ -134,9 +149,14 @@ def _validate(task: Task, where: str) -> Task:
         raise TaskFormatError(f"{where}: spec must be an object")
     if task.domain == "coding":
         _check_coding_tests(task.spec, where)
-    elif task.world == "bfcl":
+    elif task.world in ("bfcl", ENVSCALER_WORLD, ACEBENCH_WORLD):
+        validate = {
+            "bfcl": validate_spec,
+            ENVSCALER_WORLD: validate_envscaler_spec,
+            ACEBENCH_WORLD: validate_acebench_spec,
+        }[task.world]
         try:
-            validate_spec(task.spec)
+            validate(task.spec)
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise TaskFormatError(f"{where}: {e}") from None
     else:
