@@ -5,6 +5,16 @@ Benchmarks (``--bench``):
 * ``bfcl-multi-turn``: BFCL v3 multi-turn, the four categories base / miss_func / miss_param /
   long_context (200 entries each, :mod:`lopd.envs.bfcl`). Score per category = 100 x the
   fraction of entries BFCL's checker accepts; ``overall`` = their mean (the paper's BFCL-v3).
+* ``envscaler``: EnvScaler's held-out tasks (:mod:`lopd.envs.envscaler`; ``--tasks`` names its
+  release directory or a tasks JSONL; the test split unless ``--split train``). Score = 100 x the
+  mean reward (checks held / checks), the paper's EnvScaler figure; the class code and the checks
+  run in the sandbox only.
+* ``acebench``: ACEBench's agent tasks (:mod:`lopd.envs.acebench`; ``--data`` names its
+  ``data_all/data_en``), categories ``multi_step`` (20) and ``multi_turn`` (30; ``--split``
+  picks one). Score = 100 x ACEBench's end-to-end accuracy, with its process accuracy beside it;
+  ``overall`` weighs the categories by task count. Multi-turn needs ``--user-model PATH`` (a local
+  chat model plays ACEBench's user, :mod:`lopd.envs.acebench.user`): ``--split multi_turn``
+  without one is refused, and without ``--split`` only multi-step runs. At most 20 steps.
 * ``humaneval``: the 164 HumanEval tasks (:mod:`lopd.envs.humaneval`), pass@1 = 100 x the
   fraction solved with one sample per task.
 * ``builtin``: the built-in tool-use worlds' held-out split (120 tasks, 40 per world); score per
@@ -41,6 +51,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,13 +62,18 @@ from lopd.atomic import atomic_write_text
 from lopd.config import PRESETS
 from lopd.config.checks import checkpoint_dir_problem
 from lopd.envs import save_tasks_jsonl
+from lopd.envs.loaders import SkippedItemWarning
 from lopd.eval.benchmark import (
+    BENCH_STEPS,
     BENCHES,
     CODE_BUDGET,
     MAX_STEPS,
     TOOL_BUDGET,
+    BenchSource,
+    bench_metrics,
     evaluate_tasks,
     load_bench,
+    overall_score,
     render_markdown,
 )
 from lopd.models.loading import load_model
@@ -77,14 +93,28 @@ TINY_STEPS: int = _TINY_GEN.max_steps
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m lopd.evaluate",
-        description="Evaluate a model on BFCL v3 multi-turn, HumanEval or the built-in worlds.",
+        description="Evaluate a model on BFCL v3 multi-turn, EnvScaler, ACEBench, HumanEval or the "
+        "built-in worlds.",
     )
     p.add_argument("--bench", required=True, choices=BENCHES)
     p.add_argument(
         "--model", default=None, help="local HF checkpoint directory (default: the tiny model)"
     )
     p.add_argument("--n", type=int, default=None, help="first N tasks of each category")
-    p.add_argument("--split", default="all", choices=("all", "train", "test"))
+    p.add_argument(
+        "--split",
+        default="all",
+        choices=("all", "train", "test", "multi_step", "multi_turn"),
+        help="train/test (BFCL, EnvScaler, builtin), multi_step/multi_turn (ACEBench)",
+    )
+    p.add_argument("--tasks", default=None, help="EnvScaler: release directory or tasks JSONL")
+    p.add_argument("--data", default=None, help="ACEBench: its data directory (data_all/data_en)")
+    p.add_argument(
+        "--user-model", default=None, help="ACEBench multi-turn: local chat model playing the user"
+    )
+    p.add_argument(
+        "--user-device", default=None, help="where the user model runs (default: --device)"
+    )
     p.add_argument("--categories", nargs="+", default=None, help="BFCL categories to run")
     p.add_argument("--out", default=None, help="output directory (default runs/eval/<bench>)")
     p.add_argument("--device", default="cpu")
@@ -160,6 +190,17 @@ def _check_out_dir(out: Path) -> None:
 
 def _check_args(args: argparse.Namespace) -> None:
     """Every argument problem as one ``ValueError`` line, before anything is loaded."""
+    for flag, value, bench in (
+        ("--tasks", args.tasks, "envscaler"),
+        ("--data", args.data, "acebench"),
+        ("--user-model", args.user_model, "acebench"),
+    ):
+        if value is not None and args.bench != bench:
+            raise ValueError(f"{flag} applies to --bench {bench} only, not {args.bench}")
+    if args.user_model is not None:
+        problem = checkpoint_dir_problem(args.user_model)
+        if problem is not None:
+            raise ValueError(f"--user-model {args.user_model} {problem}")
     if args.export_tasks is not None:
         _check_export_path(Path(args.export_tasks))
         return
@@ -185,6 +226,15 @@ def _check_args(args: argparse.Namespace) -> None:
     _check_out_dir(_out_dir(args))
 
 
+def _split_label(args: argparse.Namespace) -> str:
+    """The split the results are of, as the run chose it."""
+    if args.split == "all" and args.bench in ("builtin", "envscaler"):
+        return "test"
+    if args.split == "all" and args.bench == "acebench":
+        return "multi_step + multi_turn" if args.user_model else "multi_step"
+    return args.split
+
+
 def _out_dir(args: argparse.Namespace) -> Path:
     return Path(args.out or Path("runs") / "eval" / args.bench)
 
@@ -192,12 +242,25 @@ def _out_dir(args: argparse.Namespace) -> Path:
 def main(argv: Sequence[str] | None = None, *, log: Callable[[str], None] | None = None) -> int:
     args = parse_args(argv)
     say = log or (lambda msg: print(f"[lopd.evaluate] {msg}", flush=True))
+    source = BenchSource(
+        tasks=args.tasks,
+        data=args.data,
+        user_model=args.user_model,
+        user_device=args.user_device or args.device,
+    )
     try:
         _check_args(args)
-        cats = load_bench(args.bench, args.n, args.split, args.categories)
-    except (ValueError, ImportError, RuntimeError) as err:
+        with warnings.catch_warnings(record=True) as skipped:
+            warnings.simplefilter("always", SkippedItemWarning)
+            cats = load_bench(args.bench, args.n, args.split, args.categories, source)
+        for w in skipped:
+            if issubclass(w.category, SkippedItemWarning):
+                say(str(w.message))
+    except (ValueError, ImportError, RuntimeError, OSError) as err:
         print(f"lopd.evaluate: {err}", file=sys.stderr)
         return 2
+    if args.bench == "acebench" and args.split == "all" and args.user_model is None:
+        say("multi_turn not run: it needs --user-model PATH (a local chat model plays the user)")
     if args.export_tasks is not None:
         tasks = [t for ts in cats.values() for t in ts]
         save_tasks_jsonl(tasks, args.export_tasks)
@@ -236,7 +299,8 @@ def _evaluate(
             "--max-steps override)"
         )
     else:
-        turn, total, most_steps = None, CODE_BUDGET if coding else TOOL_BUDGET, MAX_STEPS
+        turn, total = None, CODE_BUDGET if coding else TOOL_BUDGET
+        most_steps = BENCH_STEPS.get(args.bench, MAX_STEPS)
     budget = args.max_total_tokens or total
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and budget > limit:
@@ -262,7 +326,7 @@ def _evaluate(
         "settings": {
             "bench": args.bench,
             "model": args.model or "tiny (lopd/assets/tiny-qwen3)",
-            "split": "test" if args.bench == "builtin" and args.split == "all" else args.split,
+            "split": _split_label(args),
             "n_per_category": args.n,
             "seed": args.seed,
             "temperature": gen.temperature,
@@ -288,11 +352,11 @@ def _evaluate(
             batch_size=args.batch_size,
             progress=not args.no_progress,
         )
+        bench_metrics(args.bench, res)
         results["categories"][name] = res
         say(f"{name}: score {res['metrics']['score']:.2f}")
-    scores = [c["metrics"]["score"] for c in results["categories"].values()]
-    if len(scores) > 1:
-        results["overall"] = sum(scores) / len(scores)
+    if len(results["categories"]) > 1:
+        results["overall"] = overall_score(args.bench, results["categories"])
     results["seconds"] = time.perf_counter() - t0
     table = render_markdown(results)
     out.mkdir(parents=True, exist_ok=True)

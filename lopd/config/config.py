@@ -49,7 +49,9 @@ from lopd.config.sections import (
     GenConfig,
     ModelConfig,
 )
-from lopd.envs import load_tasks_jsonl
+from lopd.envs import load_task_file, load_tasks_jsonl
+from lopd.envs.acebench.data import is_acebench_path
+from lopd.envs.envscaler_release import is_release_file
 from lopd.envs.loaders import read_lines, regular_file_problem
 
 __all__ = ["IDENTITY_KEY", "Config", "check_tasks_file"]
@@ -219,12 +221,19 @@ def check_tasks_file(path: str | Path) -> None:
     """Check that every non-empty line of a tasks JSONL file is a loadable task.
 
     Lines are parsed by :func:`lopd.envs.load_tasks_jsonl` (the native ``Task`` format, TACO and
-    LiveCodeBench rows), so a file that passes here loads in the trainer.
+    LiveCodeBench rows), so a file that passes here loads in the trainer. EnvScaler's and
+    ACEBench's release files and directories are read by :func:`lopd.envs.load_task_file`.
 
     Raises:
         ConfigError: ``data.tasks_path <file> line N: <what is wrong>``.
     """
     path = Path(path)
+    if path.exists() and (path.is_dir() or is_acebench_path(path) or is_release_file(path)):
+        try:
+            load_task_file(path)
+        except (ValueError, OSError) as err:
+            raise ConfigError(f"data.tasks_path {str(path)!r}: {err}") from None
+        return
     problem = regular_file_problem(path)
     if problem is not None:
         raise ConfigError(f"data.tasks_path {str(path)!r} {problem}")

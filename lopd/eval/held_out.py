@@ -122,7 +122,8 @@ class HeldOutEvaluator:
             chunk = self.tasks[i : i + bs]
             for task, lt in zip(chunk, self.task_latents(chunk)):
                 env = env_factory(task)
-                ids = render_prompt(tokenizer, env.system_prompt(), env.reset(task), env.tools())
+                user = env.reset(task)  # first: a system prompt may depend on the task
+                ids = render_prompt(tokenizer, env.system_prompt(), user, env.tools())
                 prompts.append(ids)
                 starts.append(find_run(ids, pad_id, n))
                 latents.append(lt)

@@ -1,10 +1,10 @@
 """The run's tasks and the one seeded sampler every phase draws from.
 
-:func:`load_tasks` gives the train and held-out splits (a tasks JSONL file or the built-in
-generator). :class:`TaskSampler` draws a step's items (training tasks, rollout groups, cold-start
-trajectories): the draw is a pure function of ``(seed, stream, step)``, identical on every rank,
-and each rank keeps its share ``draw[rank::world]``, so the data position of a resumed run is the
-step number alone.
+:func:`load_tasks` gives the train and held-out splits (a task file or release directory,
+:func:`lopd.envs.load_task_file`, or the built-in generator). :class:`TaskSampler` draws a
+step's items (training tasks, rollout groups, cold-start trajectories): the draw is a pure
+function of ``(seed, stream, step)``, identical on every rank, and each rank keeps its share
+``draw[rank::world]``, so the data position of a resumed run is the step number alone.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TypeVar
 import numpy as np
 
 from lopd.config import Config, ConfigError
-from lopd.envs import builtin_tasks, load_tasks_jsonl
+from lopd.envs import builtin_tasks, load_task_file, missing_requirement
 from lopd.run.seeds import Stream, seed_of
 from lopd.types import Task
 
@@ -31,12 +31,13 @@ def load_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
     seed ``data.task_seed`` (the run seed when ``None``).
 
     Raises:
-        ConfigError: the tasks file has no task of one of the splits, or the source has fewer
+        ConfigError: the tasks file has no task of one of the splits, a task it keeps cannot run
+            here (an ACEBench multi-turn task without a user model), or the source has fewer
             tasks than ``data.n_train`` / ``data.n_test`` request (naming both numbers).
     """
     d = cfg.data
     if d.tasks_path is not None:
-        tasks = load_tasks_jsonl(d.tasks_path)
+        tasks = load_task_file(d.tasks_path)
         train = [t for t in tasks if t.split == "train"]
         heldout = [t for t in tasks if t.split == d.eval_split]
         if not train:
@@ -60,7 +61,12 @@ def load_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
                 f"{name}={want} but {source} has only {have} {split} tasks: set {name}={have} "
                 "or less (or pass more tasks with --tasks)"
             )
-    return train[: d.n_train], heldout[: d.n_test]
+    train, heldout = train[: d.n_train], heldout[: d.n_test]
+    for task in train + heldout:
+        problem = missing_requirement(task)
+        if problem is not None:
+            raise ConfigError(f"data.tasks_path {d.tasks_path!r}: {problem}")
+    return train, heldout
 
 
 class TaskSampler:
