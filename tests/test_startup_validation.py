@@ -242,14 +242,18 @@ def test_a_fifo_as_tasks_file_is_named_and_never_opened(tmp_path, capsys):
 
     fifo = tmp_path / "tasks.jsonl"
     os.mkfifo(fifo)  # opening it would block until a writer comes
+    empty = tmp_path / "empty"
+    empty.mkdir()
     for path, what in (
-        (fifo, "is a FIFO, not a regular file"),
-        (tmp_path, "is a directory, not a regular file"),
+        (fifo, " is a FIFO, not a regular file"),
+        # A directory is read as a benchmark's release (EnvScaler's, ACEBench's).
+        (empty, f": {empty}: no .json or .jsonl file in it"),
+        (tmp_path, f": {fifo}: is a FIFO, not a regular file; load failed"),
     ):
         argv = ["--preset", "smoke", "--tasks", str(path), "--run-dir", str(tmp_path / "r")]
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
-        assert err == f"lopd.train: config error: data.tasks_path {str(path)!r} {what}", err
+        assert err == f"lopd.train: config error: data.tasks_path {str(path)!r}{what}", err
     with pytest.raises(TaskFormatError, match="is a FIFO, not a regular file"):
         load_tasks_jsonl(fifo)
     assert main(["--preset", "smoke", "--tasks", str(tmp_path / "none.jsonl")]) == 2

@@ -49,7 +49,7 @@ from lopd.config.sections import (
     GenConfig,
     ModelConfig,
 )
-from lopd.envs import load_task_file, load_tasks_jsonl
+from lopd.envs import load_task_file, load_tasks_jsonl, missing_requirement
 from lopd.envs.acebench.data import is_acebench_path
 from lopd.envs.envscaler_release import is_release_file
 from lopd.envs.loaders import read_lines, regular_file_problem
@@ -225,15 +225,25 @@ def check_tasks_file(path: str | Path) -> None:
     ACEBench's release files and directories are read by :func:`lopd.envs.load_task_file`.
 
     Raises:
-        ConfigError: ``data.tasks_path <file> line N: <what is wrong>``.
+        ConfigError: ``data.tasks_path <file> line N: <what is wrong>``, or a task that cannot
+            run in training (an ACEBench multi-turn task without a user model).
     """
     path = Path(path)
     if path.exists() and (path.is_dir() or is_acebench_path(path) or is_release_file(path)):
         try:
-            load_task_file(path)
+            tasks = load_task_file(path)
         except (ValueError, OSError) as err:
             raise ConfigError(f"data.tasks_path {str(path)!r}: {err}") from None
-        return
+    else:
+        tasks = _check_jsonl(path)
+    for task in tasks:
+        problem = missing_requirement(task)
+        if problem is not None:
+            raise ConfigError(f"data.tasks_path {str(path)!r}: {problem}")
+
+
+def _check_jsonl(path: Path) -> list:
+    """The tasks of a JSONL file, each problem a ``ConfigError`` naming the line."""
     problem = regular_file_problem(path)
     if problem is not None:
         raise ConfigError(f"data.tasks_path {str(path)!r} {problem}")
@@ -255,7 +265,7 @@ def check_tasks_file(path: str | Path) -> None:
             n += 1
         if n == 0:
             raise ConfigError(f"data.tasks_path {str(path)!r} holds no tasks")
-        load_tasks_jsonl(path)
+        return load_tasks_jsonl(path)
     except ConfigError:
         raise
     except (ValueError, OSError) as err:

@@ -55,6 +55,7 @@ from lopd.envs.loaders import (
     SkippedItemWarning,
     TaskFormatError,
     read_lines,
+    regular_file_problem,
 )
 from lopd.types import Task
 
@@ -94,6 +95,9 @@ def read_items(path: Path) -> list[tuple[str, Any]]:
     Raises:
         TaskFormatError: not a regular file, too large, or neither JSON nor JSON lines.
     """
+    problem = regular_file_problem(path)
+    if problem is not None:
+        raise TaskFormatError(f"{path}: {problem}; load failed")
     size = path.stat().st_size
     if size > MAX_FILE_BYTES:
         raise TaskFormatError(f"{path}: {size:,} bytes, over the {MAX_FILE_BYTES:,} limit")
@@ -170,7 +174,7 @@ def _task(item: dict[str, Any], env: dict[str, Any]) -> Task:
 
 def _release_files(path: Path) -> list[Path]:
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl") and p.is_file())
+        files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl"))
         if not files:
             raise TaskFormatError(f"{path}: no .json or .jsonl file in it")
         return files
@@ -272,7 +276,10 @@ def _test_ids(task_ids: list[str]) -> set[str]:
 
 def is_release_file(path: Path) -> bool:
     """Whether ``path`` is an EnvScaler release file (a JSON array or object of items, or JSON
-    lines of env or task items) rather than a lopd tasks JSONL."""
+    lines of env or task items) rather than a lopd tasks JSONL. Only a regular file is opened (a
+    FIFO would block)."""
+    if regular_file_problem(path) is not None:
+        return False
     try:
         with open(path, "rb") as f:
             first = f.readline(MAX_LINE_BYTES + 1).strip()
