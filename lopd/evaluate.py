@@ -260,7 +260,7 @@ def main(argv: Sequence[str] | None = None, *, log: Callable[[str], None] | None
         print(f"lopd.evaluate: {err}", file=sys.stderr)
         return 2
     if args.bench == "acebench" and args.split == "all" and args.user_model is None:
-        say("multi_turn not run: it needs --user-model PATH (a local chat model plays the user)")
+        say("multi_turn left out: it needs --user-model PATH (a local chat model plays the user)")
     if args.export_tasks is not None:
         tasks = [t for ts in cats.values() for t in ts]
         save_tasks_jsonl(tasks, args.export_tasks)

@@ -41,12 +41,12 @@ def test_envscaler_scores_the_mean_reward_with_each_checks_verdict(tmp_path):
     assert res["categories"]["envscaler"]["metrics"]["n"] == 2
 
 
-def test_acebench_multi_step_runs_without_a_user_model_and_says_multi_turn_did_not(tmp_path):
+def test_acebench_multi_step_runs_without_a_user_model_and_says_multi_turn_is_left_out(tmp_path):
     logs: list[str] = []
     res = run(tmp_path, "--bench", "acebench", "--data", str(DATA / "acebench"), logs=logs)
     assert list(res["categories"]) == ["multi_step"] and "overall" not in res
     assert res["settings"]["split"] == "multi_step"
-    assert any("multi_turn not run: it needs --user-model" in line for line in logs)
+    assert any("multi_turn left out: it needs --user-model" in line for line in logs)
     m = res["categories"]["multi_step"]["metrics"]
     assert m["n"] == 3 and m["score"] == pytest.approx(100 * m["success_rate"])
     assert 0.0 <= m["process_score"] <= 100.0
