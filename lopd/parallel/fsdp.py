@@ -16,7 +16,9 @@ parameters, :func:`lopd.parallel.precision.fsdp_mixed_precision`). What each use
   rank (:meth:`Sharding.gather_frozen_roots`); its decoder layers, LoRA included, stay sharded.
 * **Generation** is rank-local (each rank rolls out its own tasks, rank 0 alone evaluates) while
   a sharded forward is a collective, so rollouts run inside :meth:`Sharding.gathered`: all ranks
-  gather the full weights once, generate without collectives, and reshard.
+  gather the full weights once, generate without collectives, and reshard. Leaving it resets
+  FSDP2's record of the forwards (:meth:`Sharding.forget_forwards`): the rank-local forwards
+  differ between ranks, and the backward's prefetch would otherwise read them.
 
 Models are loaded whole on every rank and sharded afterwards (the student right after it is
 copied, the backbone after the bank and the cold start, which read it unsharded), so the peak
@@ -140,6 +142,24 @@ class Sharding:
             if not trainable:
                 root.unshard()
 
+    def forget_forwards(self) -> None:
+        """Reset FSDP2's record of the forwards run so far, on every rank (every rank calls it,
+        with the same sharded models); frozen roots are gathered again.
+
+        FSDP2 appends every forward through a sharded module to a per-root list that only the
+        end of a backward clears, and a backward prefetches (all-gathers) the module that list
+        names before the one whose gradient it computes. Forwards a rank runs alone (its
+        rollouts, rank 0's evaluation) therefore make the first backward after them prefetch
+        different modules on different ranks: one rank all-gathers while another
+        reduce-scatters, and both wait for ever. After this call the next backward reads only
+        the forwards that every rank ran since. Reshards every sharded parameter (a no-op for
+        the layers outside a forward-backward window).
+        """
+        for _, root, trainable in self._roots:
+            root.reset_iter_state()
+            if not trainable:
+                root.unshard()
+
     def is_sharded(self, model: nn.Module) -> bool:
         return any(m is model for m, _, _ in self._roots)
 
@@ -182,11 +202,8 @@ class Sharding:
             self._gather_depth -= 1
             for m, root in modules:
                 if m is not root:
-                    m.reshard()
                     m.set_reshard_after_forward(True, recurse=False)
-            for _, root, trainable in self._roots:
-                if trainable:
-                    root.reshard()
+            self.forget_forwards()
 
     def full_state_dict(self, module: nn.Module, trainable_only: bool = False) -> dict:
         """The full (unsharded) state dict of ``module`` on rank 0, on the CPU; ``{}`` on the
