@@ -26,6 +26,7 @@ import sys
 from collections.abc import Sequence
 
 from lopd.config import PRESETS, ConfigError, load_config
+from lopd.parallel.watchdog import sigterm_raises
 from lopd.run.claim import read_saved_run
 from lopd.run.host_memory import configure_host_memory
 from lopd.run.run_dir import RunDir, RunDirError
@@ -104,7 +105,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite
         )
         try:
-            summary = trainer.run()
+            with sigterm_raises(trainer.dist.board):
+                summary = trainer.run()
+        except BaseException as err:
+            # Under torchrun: a failed collective, a lost or stuck rank, or the launcher's
+            # SIGTERM is one line naming the ranks and phases (lopd.parallel.watchdog).
+            failure = trainer.dist.failure(err)
+            if failure is None:
+                raise
+            print(f"lopd.train: {failure}", file=sys.stderr, flush=True)
+            return 1
         finally:
             trainer.close()
     except ConfigError as err:
