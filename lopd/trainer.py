@@ -196,7 +196,7 @@ class Trainer:
         models.sharding.shard(models.backbone, trainable=False)
         self.context = MethodContext(
             models, self.engine, self.sampler, self.train_tasks, self.experience,
-            latents0=latents0, latents=latents, seed=cfg.seed, rank=dist.rank,
+            latents0=latents0, latents=latents, seed=cfg.seed, rank=dist.rank, dist=dist,
             null_context=cfg.lopd.null_context, context_format=cfg.lopd.context_format,
         )  # fmt: skip
         self.method = spec.build(self.context, cfg)
@@ -246,7 +246,8 @@ class Trainer:
         models = [self.models.student, self.models.backbone]
         # Every rank runs the same passes, whatever its rollouts hold (lopd.parallel.lockstep).
         done = backward_micro_batches(
-            self.dist, self.method, trajs, cfg.micro_batch, self.optimizers.backward,
+            self.dist, self.models.sharding, self.method, trajs, cfg.micro_batch,
+            self.optimizers.backward,
             lambda: (self.memory.activations(models), self.precision.autocast()),
         )  # fmt: skip
         t_backward = time.perf_counter() - t0

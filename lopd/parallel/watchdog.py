@@ -24,6 +24,7 @@ itself; the store's records still name the phase of every rank in the other rank
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import json
@@ -154,6 +155,9 @@ class PhaseBoard:
             target=self._beat, args=(beat_store,), name="lopd-heartbeat", daemon=True
         )
         self._thread.start()
+        # A daemon thread cut off inside a store call at interpreter exit aborts the process
+        # (SIGABRT): stop it first.
+        atexit.register(self.close)
 
     # ------------------------------------------------------------------ this rank
     def _write_phase(self) -> None:
@@ -192,7 +196,10 @@ class PhaseBoard:
             self.store.set(f"failed/{self.rank}", message)
 
     def close(self) -> None:
+        """Stop the heartbeat (waits for its thread; idempotent)."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10.0)
 
     # ------------------------------------------------------------------ every rank
     def records(self) -> list[RankRecord]:
@@ -299,19 +306,20 @@ class PhaseBoard:
         failed = [r for r in records if r.failure is not None and r.rank != self.rank]
         if failed:
             first = failed[0]
-            return f"{head}; rank {first.rank} failed first: {first.failure}"
-        if isinstance(err, StoppedBySignal):
-            return f"{head}; {_RESUME}"
-        if "lost its connection" in what:
+            why = first.failure.removeprefix(f"rank {first.rank}: ")
+            return f"{head}; rank {first.rank} failed first: {why}"
+        if isinstance(err, StoppedBySignal) or "lost its connection" in what:
             lost = self._lost_ranks(records, wait_s=2.5 * self.beat_s + 0.5)
+            if isinstance(err, StoppedBySignal) and not lost:
+                return f"{head}; {_RESUME}"
             who = (
                 ", ".join(f"rank {r} (last in {records[r].where()})" for r in lost)
                 if lost
                 else "another rank"
             )
             return (
-                f"{head}: {who} is gone (killed, out of memory, or its machine failed); see "
-                f"its log or the launcher's report; {_RESUME}"
+                f"{head}; {who} is gone without a word (killed, out of memory, or its machine "
+                f"failed): see its log or the launcher's report; {_RESUME}"
             )
         now = time.time()
         elsewhere = [

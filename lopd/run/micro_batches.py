@@ -1,8 +1,9 @@
 """A step's losses and backwards, micro-batch by micro-batch, in step with the other ranks.
 
 :func:`backward_micro_batches` runs the passes of a :class:`~lopd.parallel.lockstep.StepPlan`:
-this rank's micro-batches, then its padding passes (loss scaled by zero, metrics dropped), so
-that every rank runs the same forwards and backwards whatever its rollouts hold.
+this rank's micro-batches, then its padding passes (loss scaled by zero, metrics dropped), and
+under FSDP2 each loss reaches every sharded output its forwards produced, so that every rank
+runs the same forwards and backwards whatever its rollouts hold.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from lopd.methods.base import Method
 from lopd.parallel.distributed import Dist
+from lopd.parallel.fsdp import Sharding, reach
 from lopd.parallel.lockstep import PADDING, plan_step
 from lopd.types import Trajectory
 
@@ -38,6 +40,7 @@ class StepLoss:
 
 def backward_micro_batches(
     dist: Dist,
+    sharding: Sharding,
     method: Method,
     trajectories: Sequence[Trajectory],
     micro_batch: int,
@@ -49,6 +52,8 @@ def backward_micro_batches(
 
     Args:
         dist: the process group facts.
+        sharding: the models' FSDP2 sharding (every sharded output the loss reads gets a
+            gradient path, :meth:`~lopd.parallel.fsdp.Sharding.outputs_reached`).
         method: the training method (its ``loss``).
         trajectories: this rank's trajectories of the step.
         micro_batch: ``lopd.micro_batch``.
@@ -62,7 +67,9 @@ def backward_micro_batches(
         with contextlib.ExitStack() as stack:
             for scope in scopes():
                 stack.enter_context(scope)
+            outputs = stack.enter_context(sharding.outputs_reached())
             loss, mb_sums = method.loss(mb, num_total=plan.divisor)
+            loss = loss + reach(outputs)
         padding = PADDING in mb[0].info
         backward(loss * 0.0 if padding else loss)
         weight = 0.0 if padding else 1.0

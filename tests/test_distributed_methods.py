@@ -1,0 +1,129 @@
+"""Every method under ``torchrun`` on real rollouts, with ranks that hold unequal work.
+
+Two launches over gloo on the CPU, all eight methods each (tests/dist_worker.py: one launch
+trains them one after another; the bank and cold start are built once here and copied):
+
+* FSDP2 on 3 ranks, 4 tasks a step and micro-batches of 1: LOPD-like methods hold 2, 1 and 1
+  trajectories (2, 1 and 1 passes), group methods 2, 2 and 0 (the third rank pads with another
+  rank's trajectory); rank 1's first micro-batch of step 1 has its action tokens removed;
+* DDP on 2 ranks, 3 tasks a step: 2 and 1 trajectories, group methods 2 and 0; rank 0's first
+  micro-batch of step 0 has no action token.
+
+Before the lockstep plan the FSDP2 launch deadlocked (a rank without a pass, or whose loss did
+not reach the sharded outputs, skipped collectives the others ran). Each launch must finish,
+keep identical weights on every rank, and equal one process trained on the same rollouts
+(:func:`tests.dist_worker.replay`): the losses are divided by the global trajectory count, so
+unequal shares do not reweight trajectories. Skill-SD's bank and UCB statistics must be the
+same on every rank and equal the one-process bank.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from lopd.config import load_config
+from lopd.methods import METHODS
+from lopd.trainer import Trainer
+from tests.dist_worker import STEPS, replay
+from tests.launch import REPO, run, torchrun
+
+GROUPS = ["grpo.group_size=2", "sdpo.group_size=2", "skill_sd.group_size=2"]
+# name -> (ranks, overrides, rank:step whose first micro-batch has no action token)
+LAUNCHES = {
+    "fsdp2-3": (3, ["model.parallel=fsdp2", "lopd.tasks_per_step=4", *GROUPS], "1:1"),
+    "ddp-2": (2, ["lopd.tasks_per_step=3", *GROUPS], "0:0"),
+}
+COMMON = ["lopd.micro_batch=1", "gen.max_new_tokens=12", "model.collective_timeout_minutes=3"]
+# What each rank holds per step: (LOPD-like methods, group methods).
+SHARES = {"fsdp2-3": ([2, 1, 1], [2, 2, 0]), "ddp-2": ([2, 1], [2, 0])}
+SECONDS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """The smoke bank and cold start (phi_0, c_phi0), built once in this process."""
+    root = tmp_path_factory.mktemp("dist-shared")
+    t0 = time.perf_counter()
+    tr = Trainer(load_config("smoke", overrides=[f"run_dir={root}"]), progress=False)
+    tr.setup()
+    SECONDS["shared"] = time.perf_counter() - t0
+    return root
+
+
+@pytest.fixture(scope="module", params=sorted(LAUNCHES))
+def launch(request, shared, tmp_path_factory):
+    """``(name, output folder, overrides)`` of one torchrun launch of all methods."""
+    name = request.param
+    ranks, overrides, zero = LAUNCHES[name]
+    out = tmp_path_factory.mktemp(name)
+    overrides = [*overrides, *COMMON]
+    t0 = time.perf_counter()
+    worker = str(REPO / "tests" / "dist_worker.py")
+    run(
+        torchrun(ranks, worker, str(shared), str(out), "--methods", ",".join(METHODS),
+                 "--zero-actions", zero, *overrides),
+        timeout=900,
+    )  # fmt: skip
+    SECONDS[name] = time.perf_counter() - t0
+    return name, out, overrides
+
+
+def _result(out, method):
+    return torch.load(out / f"{method}.pt", weights_only=False)
+
+
+def test_every_method_trains_on_unequal_ranks_in_lockstep(launch):
+    name, out, _ = launch
+    ranks = LAUNCHES[name][0]
+    for method, spec in METHODS.items():
+        res = _result(out, method)
+        assert res["world"] == ranks
+        assert len(res["metrics"]) == STEPS
+        want = SHARES[name][spec.group_size(load_config("smoke", overrides=GROUPS)) > 1]
+        assert [[len(share) for share in step] for step in res["rollouts"]] == [want] * STEPS
+        assert res["ranks_identical"], method
+        for m in res["metrics"]:
+            assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm_student"]), method
+        rank, step = map(int, LAUNCHES[name][2].split(":"))
+        emptied = res["rollouts"][step][rank][0]
+        assert not any(emptied.action_mask), method  # the forced micro-batch without actions
+
+
+def _compare(one: dict, dist: dict, what: str) -> None:
+    keys = [k for k in one if not k.startswith("seconds_") and k != "rollouts"]
+    assert set(keys) <= set(dist), what
+    scale = abs(one["loss"]) + abs(one.get("privilege", 0.0)) + 1e-6
+    for k in keys:
+        # Equal up to the summation order of float32 reductions: the one process sums every
+        # trajectory's gradient, the ranks their shares and then all-reduce them.
+        assert dist[k] == pytest.approx(one[k], rel=1e-4, abs=1e-5 * scale), (what, k)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_ranks_equal_one_process_on_the_same_rollouts(launch, shared, method):
+    name, out, overrides = launch
+    one, _ = replay(shared, out, method, overrides)
+    for step, (a, b) in enumerate(zip(one, _result(out, method)["metrics"], strict=True)):
+        _compare(a, b, f"{name} {method} step {step}")
+
+
+def test_skill_sd_ranks_hold_the_one_process_bank(launch, shared):
+    name, out, overrides = launch
+    res = _result(out, "skill-sd")
+    banks = [s["skill_bank"] for s in res["method_states"]]
+    assert all(b == banks[0] for b in banks), "ranks hold different skill banks"
+    _, method = replay(shared, out, "skill-sd", overrides)
+    assert method.bank.state_dict() == banks[0]
+    # One skill from every group of every step, whichever rank rolled it out.
+    groups = sum(SHARES[name][1]) // 2
+    assert len(banks[0]["skills"]) == groups * STEPS
+
+
+def test_distributed_method_tests_stay_cheap(launch):
+    name = launch[0]
+    # One launch trains eight methods for two steps each on 2 or 3 processes (CPU, gloo).
+    assert SECONDS[name] < 300, SECONDS
