@@ -3,8 +3,9 @@
 For each method named, every rank builds the smoke trainer in ``OUT/<method>`` (its bank and cold
 start copied from ``SHARED``, built once by the test), trains ``STEPS`` steps on its own real
 rollouts, and rank 0 writes ``OUT/<method>.pt``: the per-step metrics, every rank's rollouts of
-every step (what a one-process replay needs), whether all ranks hold identical parameters, and
-every rank's method state (Skill-SD's bank and UCB statistics).
+every step (what a one-process replay needs), whether all ranks hold identical parameters,
+every rank's method state (Skill-SD's bank and UCB statistics), and for methods with an EMA
+teacher whether it comes back identical from a checkpoint.
 
 ``--zero-actions RANK:STEP`` empties the action masks of that rank's first micro-batch at that
 step (a micro-batch with no action token: nothing to score, and still the same collectives).
@@ -87,6 +88,15 @@ def train(shared: Path, out: Path, method: str, overrides: list[str], zero: tupl
     digests = tr.dist.all_gather_object(_digest(tr.models.student))
     per_rank = tr.dist.all_gather_object(produced)
     states = tr.dist.all_gather_object(tr.method.state_dict() if method == "skill-sd" else {})
+    teacher = getattr(tr.method, "teacher", None)
+    resumed_teacher = None
+    if teacher is not None:
+        # The EMA teacher through a checkpoint (under FSDP2 gathered whole, then resharded).
+        tr.save_checkpoint(STEPS)
+        again = Trainer(copy.deepcopy(cfg), resume=True, progress=False)
+        again.setup()
+        assert again.load_checkpoint() == STEPS
+        resumed_teacher = _digest(again.method.teacher.get()) == _digest(teacher.get())
     if tr.is_main:
         torch.save(
             {
@@ -96,6 +106,7 @@ def train(shared: Path, out: Path, method: str, overrides: list[str], zero: tupl
                 "rollouts": [[per_rank[r][s] for r in range(world)] for s in range(STEPS)],
                 "ranks_identical": len(set(digests)) == 1,
                 "method_states": states,
+                "resumed_teacher_identical": resumed_teacher,
             },
             out / f"{method}.pt",
         )

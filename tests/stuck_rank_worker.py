@@ -1,8 +1,9 @@
 """``lopd.train`` under ``torchrun`` with one rank stuck in its rollouts (a failure test).
 
-Rank ``STUCK`` sleeps ``SECONDS`` at the start of its step-0 rollouts, so the other ranks wait for
-it in the step's first collective; with ``model.collective_timeout_minutes`` below ``SECONDS``
-they must stop with one line naming it and its phase.
+Rank ``STUCK`` sleeps ``SECONDS`` at the start of its step-0 rollouts (``--method grpo``: no
+bank to build first), so the other ranks wait for it in the step's first collective; with
+``model.collective_timeout_minutes`` below ``SECONDS`` they must stop with one line naming it
+and its phase.
 
 Usage: ``torchrun --nproc-per-node 2 tests/stuck_rank_worker.py STUCK SECONDS [lopd.train args]``.
 """
@@ -14,17 +15,17 @@ import sys
 import time
 
 import lopd.train
-from lopd.methods.lopd import LOPDMethod
+from lopd.methods.grpo import GRPOMethod
 
 if __name__ == "__main__":
     stuck, seconds = int(sys.argv[1]), float(sys.argv[2])
     if int(os.environ["RANK"]) == stuck:
-        rollouts = LOPDMethod.rollouts
+        rollouts = GRPOMethod.rollouts
 
         def late(self, step):
             if step == 0:
                 time.sleep(seconds)
             return rollouts(self, step)
 
-        LOPDMethod.rollouts = late
+        GRPOMethod.rollouts = late
     sys.exit(lopd.train.main(sys.argv[3:]))
