@@ -4,7 +4,8 @@ rank, each with the real ``python -m lopd.train`` under ``torchrun`` (gloo on th
 * ``torchrun --nproc-per-node 2 -m lopd.train --preset smoke model.parallel=fsdp2`` finishes (it
   deadlocked on step 0: rank 0's evaluation left FSDP2 a forward record the others lacked);
 * the multi-node command of docs/trainer.md, run as two launchers on this machine with a c10d
-  rendezvous on loopback, trains the smoke preset to the end;
+  rendezvous on loopback, trains the smoke preset to the end (data parallel over two processes:
+  the step's tasks split across them, every rollout counted once);
 * a rank stuck in its rollouts turns into one line on every rank, naming it and its phase,
   within ``model.collective_timeout_minutes``;
 * a rank killed (SIGKILL) mid-step: the other exits with one line, no process of the run is
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from lopd.config import load_config
 from tests.launch import REPO, env, free_port, metrics, run, torchrun
 
 SMOKE = ["-m", "lopd.train", "--preset", "smoke", "--no-progress"]
@@ -97,8 +99,14 @@ def test_two_launchers_train_the_smoke_preset_to_the_end(two_nodes):
         assert code == 0, out[-2000:] + err[-4000:]
     printed = "".join(out for (out, _), _ in outputs)
     assert "world size 2" in printed and "held-out reward" in printed
-    assert [r["step"] for r in metrics(run_dir)] == [0, 1, 2]
-    assert (run_dir / "summary.json").exists()
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    cfg = load_config("smoke")
+    # Both ranks' rollouts are counted (the step's tasks are split across them), and the bank's.
+    bank = cfg.data.n_train * cfg.bank.rollouts_per_task
+    assert rows[-1]["rollouts"] == bank + cfg.lopd.steps * cfg.lopd.tasks_per_step
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["lopd"]["n"] == cfg.data.n_test and summary["rollouts"] == rows[-1]["rollouts"]
 
 
 # ----------------------------------------------------------------------------- failures

@@ -115,11 +115,18 @@ class Method(Protocol):
         ...
 
     def loss(
-        self, trajectories: Sequence[Trajectory], num_total: int
+        self, trajectories: Sequence[Trajectory], num_total: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Loss of one micro-batch, already divided by ``num_total`` (the step's trajectories on
-        this rank), and metric *sums over trajectories* (the trainer averages them globally;
-        every micro-batch returns the same keys)."""
+        """Loss of one micro-batch, already divided by ``num_total`` (the step's trajectories
+        over all ranks divided by the world size: this rank's count when the shares are equal,
+        :mod:`lopd.parallel.lockstep`), and metric *sums over trajectories* (the trainer
+        averages them globally; every micro-batch returns the same keys).
+
+        Under ``model.parallel=fsdp2`` every forward through a sharded model is a collective:
+        a micro-batch must run the same sharded forwards whatever its data holds (no skipped
+        teacher forward; a placeholder weighted by zero instead). A trajectory whose ``info``
+        holds :data:`lopd.parallel.lockstep.PADDING` only keeps the ranks in step: its loss is
+        multiplied by zero; the method must not record anything from it."""
         ...
 
     def after_step(self, means: dict[str, float]) -> dict[str, float]:

@@ -24,9 +24,12 @@ Models are loaded whole on every rank and sharded afterwards (the student right 
 copied, the backbone after the bank and the cold start, which read it unsharded), so the peak
 memory of the setup is that of the unsharded models.
 
-Every sharded forward is a collective: ranks must run the same number of training forwards, so
-the trainer requires ``lopd.tasks_per_step`` (and the group count of group methods) to divide
-evenly across ranks.
+Every sharded forward and backward is a collective, so every rank must run the same ones in the
+same order whatever its data: the trainer runs the same passes on every rank
+(:mod:`lopd.parallel.lockstep`), each pass's loss reaches every sharded output
+(:meth:`Sharding.outputs_reached`), and rank-local forwards leave no record
+(:meth:`Sharding.forget_forwards`). EMA teachers are sharded copies of the student
+(:meth:`Sharding.frozen_copy`).
 """
 
 from __future__ import annotations

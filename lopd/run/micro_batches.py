@@ -11,16 +11,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
-from lopd.methods.base import Method
 from lopd.parallel.distributed import Dist
 from lopd.parallel.fsdp import Sharding, reach
 from lopd.parallel.lockstep import PADDING, plan_step
 from lopd.types import Trajectory
 
 __all__ = ["StepLoss", "backward_micro_batches"]
+
+
+class _Scored(Protocol):
+    """The part of a training method used here (:meth:`lopd.methods.base.Method.loss`)."""
+
+    def loss(
+        self, trajectories: Sequence[Trajectory], num_total: float
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
 @dataclasses.dataclass
@@ -41,7 +49,7 @@ class StepLoss:
 def backward_micro_batches(
     dist: Dist,
     sharding: Sharding,
-    method: Method,
+    method: _Scored,
     trajectories: Sequence[Trajectory],
     micro_batch: int,
     backward: Callable[[torch.Tensor], None],
