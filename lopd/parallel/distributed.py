@@ -14,10 +14,9 @@ skipped here.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -61,7 +60,9 @@ class Dist:
             process).
     """
 
-    def __init__(self, device: str = "auto", threads: int = 0, timeout_minutes: float = 30.0):
+    def __init__(
+        self, device: str = "auto", threads: int = 0, timeout_minutes: float = 30.0
+    ) -> None:
         global _store
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
@@ -102,11 +103,6 @@ class Dist:
         (:data:`lopd.parallel.watchdog.PHASES`); a no-op in one process."""
         if self.board is not None:
             self.board.enter(name, step)
-
-    def phase(self, name: str, step: int | None = None) -> contextlib.AbstractContextManager:
-        """Context in which this rank reports phase ``name`` (of training step ``step``) to
-        the others (:data:`lopd.parallel.watchdog.PHASES`); a no-op in one process."""
-        return self.board.during(name, step) if self.board is not None else _nothing()
 
     def barrier(self) -> None:
         """Wait for every rank, without a limit while the absent ones show signs of life
@@ -197,8 +193,3 @@ class Dist:
             self.board.close()
         if self.distributed and dist.is_initialized() and not self.failed:
             dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield

@@ -134,15 +134,23 @@ class PhaseBoard:
         world: the number of ranks.
         timeout_s: ``model.collective_timeout_minutes`` in seconds.
         beat_s: seconds between heartbeats.
+        prefix: the store keys' prefix; ``None``: this process's next board's (every rank makes
+            its boards in the same order, so theirs agree).
     """
 
     def __init__(
-        self, store: Any, rank: int, world: int, timeout_s: float, beat_s: float = 1.0
+        self,
+        store: Any,
+        rank: int,
+        world: int,
+        timeout_s: float,
+        beat_s: float = 1.0,
+        prefix: str | None = None,
     ) -> None:
         self.rank, self.world = rank, world
         self.timeout_s = timeout_s
         self.beat_s = beat_s
-        self.store = dist.PrefixStore(f"lopd/{next(_generations)}", store)
+        self.store = dist.PrefixStore(prefix or f"lopd/{next(_generations)}", store)
         self.phase: str = "setup"
         self.step: int | None = None
         self.reporting = False  # a failure message is being written: SIGTERM waits for it
@@ -180,15 +188,6 @@ class PhaseBoard:
         self.phase = phase
         self.step = self.step if step is None else step
         self._write_phase()
-
-    @contextlib.contextmanager
-    def during(self, phase: str, step: int | None = None) -> Iterator[None]:
-        """:meth:`enter` ``phase``; the phase before it again on exit (not after a failure:
-        the record then says where it happened)."""
-        before = (self.phase, self.step)
-        self.enter(phase, step)
-        yield
-        self.enter(*before)
 
     def record_failure(self, message: str) -> None:
         """Leave this rank's one-line failure for the other ranks' messages (best effort)."""
