@@ -10,7 +10,8 @@ rank, each with the real ``python -m lopd.train`` under ``torchrun`` (gloo on th
   within ``model.collective_timeout_minutes``;
 * a rank killed (SIGKILL) mid-step: the other exits with one line, no process of the run is
   left, and ``--resume`` gives the metrics of the run that was never killed (DDP: the two-node
-  run, FSDP2: the smoke command's run; both have two ranks and the same configuration).
+  run, FSDP2: the smoke command's run; both have two ranks and the same configuration; the
+  killed run continues a copy of it from its step-2 checkpoint).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,7 +113,7 @@ def test_two_launchers_train_the_smoke_preset_to_the_end(two_nodes):
 
 # ----------------------------------------------------------------------------- failures
 def _rank_logs(log_dir: Path) -> dict[int, str]:
-    """Each rank's stderr (``torchrun --redirects 2 --log-dir``)."""
+    """Each rank's stderr (``torchrun --redirects 2|3 --log-dir``)."""
     return {int(p.parent.name): p.read_text() for p in sorted(log_dir.rglob("stderr.log"))}
 
 
@@ -171,27 +173,41 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
+def _rewound(reference: Path, run_dir: Path) -> None:
+    """A copy of the finished two-rank ``reference`` run as it stood after its step-2
+    checkpoint (its last step, step 2, not yet run): what a run killed in that step leaves."""
+    shutil.copytree(reference, run_dir)
+    for late in (run_dir / "checkpoints").glob("step_000003*"):
+        shutil.rmtree(late) if late.is_dir() else late.unlink()
+    (run_dir / "summary.json").unlink()
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_a_killed_rank_stops_the_other_and_resume_continues(
     parallel, fsdp2_run, two_nodes, tmp_path
 ):
+    # The run to kill continues the reference run from its step-2 checkpoint (its bank, cold
+    # start and first two steps are the reference's: no need to pay for them twice); rank 1 is
+    # SIGKILLed in step 2, the last step.
     reference = fsdp2_run[0] if parallel == "fsdp2" else two_nodes[0]
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
-    args = [*SMOKE, "--run-dir", str(run_dir), f"model.parallel={parallel}",
+    _rewound(reference, run_dir)
+    args = [*SMOKE, "--run-dir", str(run_dir), "--resume", f"model.parallel={parallel}",
             "model.collective_timeout_minutes=0.5"]  # fmt: skip
     t0 = time.perf_counter()
     launcher = subprocess.Popen(
-        torchrun(2, "--redirects", "2", "--log-dir", str(logs), *args),
+        torchrun(2, "--redirects", "3", "--log-dir", str(logs), *args),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env(), cwd=REPO,
     )  # fmt: skip
-    # The step-2 checkpoint is written: the run is in its third and last step.
-    ckpt = run_dir / "checkpoints" / ("step_000002" if parallel == "fsdp2" else "step_000002.pt")
-    done = ckpt / "meta.pt" if parallel == "fsdp2" else ckpt
     deadline = time.time() + 300
-    while not done.exists() and launcher.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
+    while launcher.poll() is None and time.time() < deadline:
+        out = "".join(p.read_text() for p in logs.rglob("stdout.log"))
+        if "resumed from step_000002" in out:
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)  # into step 2 (the cached evaluations are read, not rerun)
     victim = _rank_pid(launcher.pid, 1)
-    assert victim is not None and done.exists(), "the run never reached its step-2 checkpoint"
+    assert victim is not None, "the run ended before rank 1 could be killed"
     os.kill(victim, signal.SIGKILL)
     killed = time.perf_counter()
     launcher.wait(timeout=120)
@@ -205,10 +221,11 @@ def test_a_killed_rank_stops_the_other_and_resume_continues(
     assert len(lines) == 1 and "Traceback" not in survivor, survivor[-3000:]
     assert lines[0].startswith("lopd.train: rank 0: ") and "--resume" in lines[0]
     assert "rank 1" in lines[0] or "stopped by SIGTERM" in lines[0], lines[0]
-    res = run(torchrun(2, *args, "--resume"))
+    res = run(torchrun(2, *args))
     SECONDS[f"killed + resumed {parallel}"] = time.perf_counter() - t0
     assert "resumed from step_000002" in res.stdout
     assert metrics(run_dir) == metrics(reference)
+    assert (run_dir / "summary.json").exists()
 
 
 def test_distributed_failure_tests_stay_cheap():

@@ -122,20 +122,31 @@ def _compare(one: dict, dist: dict, what: str) -> None:
         assert dist[k] == pytest.approx(one[k], rel=1e-4, abs=1e-5 * scale), (what, k)
 
 
-def test_ranks_equal_one_process_on_the_same_rollouts(launch, shared):
+REPLAYS: dict[tuple[str, str], tuple] = {}
+
+
+def _replayed(launch, shared, method: str) -> tuple:
+    """:func:`tests.dist_worker.replay` of ``method``'s rollouts in this launch, made once."""
     name, out, overrides = launch
+    if (name, method) not in REPLAYS:
+        REPLAYS[name, method] = replay(shared, out, method, overrides)
+    return REPLAYS[name, method]
+
+
+def test_ranks_equal_one_process_on_the_same_rollouts(launch, shared):
+    name, out, _ = launch
     for method in REPLAYED[name]:
-        one, _ = replay(shared, out, method, overrides)
+        one, _ = _replayed(launch, shared, method)
         for step, (a, b) in enumerate(zip(one, _result(out, method)["metrics"], strict=True)):
             _compare(a, b, f"{name} {method} step {step}")
 
 
 def test_skill_sd_ranks_hold_the_one_process_bank(launch, shared):
-    name, out, overrides = launch
+    name, out, _ = launch
     res = _result(out, "skill-sd")
     banks = [s["skill_bank"] for s in res["method_states"]]
     assert all(b == banks[0] for b in banks), "ranks hold different skill banks"
-    _, method = replay(shared, out, "skill-sd", overrides)
+    _, method = _replayed(launch, shared, "skill-sd")
     assert method.bank.state_dict() == banks[0]
     # One skill from every group of every step, whichever rank rolled it out.
     groups = sum(SHARES[name][1]) // 2
