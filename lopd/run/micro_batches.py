@@ -77,11 +77,14 @@ def backward_micro_batches(
                 stack.enter_context(scope)
             outputs = stack.enter_context(sharding.outputs_reached())
             loss, mb_sums = method.loss(mb, num_total=plan.divisor)
-            loss = loss + reach(outputs)
+            if outputs:  # FSDP2 only
+                loss = loss + reach(outputs)
         padding = PADDING in mb[0].info
         backward(loss * 0.0 if padding else loss)
-        weight = 0.0 if padding else 1.0
-        out.loss_sum += weight * loss.item() * plan.divisor
+        if padding:  # the metric keys only (every rank reduces the same keys)
+            out.sums.update((k, out.sums.get(k, 0.0)) for k in mb_sums)
+            continue
+        out.loss_sum += loss.item() * plan.divisor
         for k, v in mb_sums.items():
-            out.sums[k] = out.sums.get(k, 0.0) + weight * v
+            out.sums[k] = out.sums.get(k, 0.0) + v
     return out
