@@ -26,6 +26,7 @@ import sys
 from collections.abc import Sequence
 
 from lopd.config import PRESETS, ConfigError, load_config
+from lopd.parallel.watchdog import StoppedBySignal, sigterm_raises
 from lopd.run.claim import read_saved_run
 from lopd.run.host_memory import configure_host_memory
 from lopd.run.run_dir import RunDir, RunDirError
@@ -94,6 +95,15 @@ def build_config(args: argparse.Namespace):
     return cfg
 
 
+def _failure(trainer: Trainer, err: BaseException) -> Exception | None:
+    """The one-line failure of ``err`` under torchrun (``None``: another error), also when
+    the launcher's SIGTERM interrupts it before it has begun."""
+    try:
+        return trainer.dist.failure(err)
+    except StoppedBySignal:
+        return trainer.dist.failure(err)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_host_memory()  # before any model is loaded
@@ -104,7 +114,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite
         )
         try:
-            summary = trainer.run()
+            # Under torchrun: a failed collective, a lost or stuck rank, or the launcher's
+            # SIGTERM is one line naming the ranks and phases (lopd.parallel.watchdog); the
+            # SIGTERM handler stays while the line is written (the launcher sends it then).
+            with sigterm_raises(trainer.dist.board):
+                try:
+                    summary = trainer.run()
+                except BaseException as err:
+                    failure = _failure(trainer, err)
+                    if failure is None:
+                        raise
+                    print(f"lopd.train: {failure}", file=sys.stderr, flush=True)
+                    return 1
         finally:
             trainer.close()
     except ConfigError as err:

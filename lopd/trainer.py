@@ -25,10 +25,10 @@ runs with the adapter disabled). Every phase is given the same
 before anything is generated (:mod:`lopd.rollout.budget`); ``--profile-memory`` accounts for memory
 per phase (:mod:`lopd.run.memory_account`).
 
-Parallelism under ``torchrun``: data parallel with all-reduced gradients (``model.parallel=ddp``,
-:mod:`lopd.parallel.distributed`) or FSDP2 sharding of student, teacher and encoder backbone
-(``model.parallel=fsdp2``, :mod:`lopd.parallel.fsdp`). The trainer counts every generated rollout
-(``rollouts`` in the metrics: the budget all methods are compared at).
+Under ``torchrun``: data parallel (``model.parallel=ddp``, :mod:`lopd.parallel.distributed`) or
+FSDP2 (``fsdp2``, :mod:`lopd.parallel.fsdp`); every rank runs the same passes
+(:mod:`lopd.parallel.lockstep`) and reports its phase (:mod:`lopd.parallel.watchdog`). Every
+generated rollout is counted (``rollouts`` in the metrics: the budget methods are compared at).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from lopd.run.claim import RunLock, claim_on_rank0
 from lopd.run.context import RunContext
 from lopd.run.memory_account import MemoryAccount
 from lopd.run.metrics import MetricsLog
+from lopd.run.micro_batches import backward_micro_batches
 from lopd.run.optim import build_optimizers
 from lopd.run.run_dir import RunDir
 from lopd.run.tasks import TaskSampler, load_tasks
@@ -110,7 +111,7 @@ class Trainer:
         self.spec = METHODS[cfg.lopd.method]
         self.resume, self.overwrite, self.shared_phases = resume, overwrite, shared_phases
         self.lock: RunLock | None = None
-        self.dist = Dist(cfg.model.device, cfg.threads)
+        self.dist = Dist(cfg.model.device, cfg.threads, cfg.model.collective_timeout_minutes)
         self.spec.check(cfg, self.dist.world)
         self.is_main = self.dist.is_main
         self.progress = progress and self.is_main
@@ -195,7 +196,7 @@ class Trainer:
         models.sharding.shard(models.backbone, trainable=False)
         self.context = MethodContext(
             models, self.engine, self.sampler, self.train_tasks, self.experience,
-            latents0=latents0, latents=latents, seed=cfg.seed, rank=dist.rank,
+            latents0=latents0, latents=latents, seed=cfg.seed, rank=dist.rank, dist=dist,
             null_context=cfg.lopd.null_context, context_format=cfg.lopd.context_format,
         )  # fmt: skip
         self.method = spec.build(self.context, cfg)
@@ -235,23 +236,22 @@ class Trainer:
         ``after_step``; returns the step's global metrics."""
         cfg = self.cfg.lopd
         t_start = time.perf_counter()
+        self.dist.enter("rollout", step)
         self.models.sharding.gather_frozen_roots()  # FSDP2 only
         trajs = self.method.rollouts(step)
         t_rollout = time.perf_counter() - t_start
+        self.dist.enter("loss", step)
         self.optimizers.zero_grad()
-        sums: dict[str, float] = {}
-        loss_sum = 0.0
         t0 = time.perf_counter()
         models = [self.models.student, self.models.backbone]
-        for i in range(0, len(trajs), cfg.micro_batch):
-            mb = trajs[i : i + cfg.micro_batch]
-            with self.memory.activations(models), self.precision.autocast():
-                loss, mb_sums = self.method.loss(mb, num_total=len(trajs))
-            self.optimizers.backward(loss)
-            loss_sum += loss.item() * len(trajs)
-            for k, v in mb_sums.items():
-                sums[k] = sums.get(k, 0.0) + v
+        # Every rank runs the same passes, whatever its rollouts hold (lopd.parallel.lockstep).
+        done = backward_micro_batches(
+            self.dist, self.models.sharding, self.method, trajs, cfg.micro_batch,
+            self.optimizers.backward,
+            lambda: (self.memory.activations(models), self.precision.autocast()),
+        )  # fmt: skip
         t_backward = time.perf_counter() - t0
+        self.dist.enter("optimizer", step)
         gnorm_s, gnorm_c = self.optimizers.sync_clip_step(self.dist)
         self.engine.weights_updated(self.models.student)  # the vLLM engine syncs here
         # Gradients are not needed again until the next backward recreates them: freeing them
@@ -259,10 +259,10 @@ class Trainer:
         self.optimizers.zero_grad()
         # Global means over every rank's trajectories (one all-reduce of the sums).
         rewards = [t.reward for t in trajs]
-        keys = sorted(sums)
+        keys = sorted(done.sums)
         local = [
-            float(len(trajs)), loss_sum, sum(rewards), sum(r >= 1.0 - 1e-9 for r in rewards),
-            *[sums[k] for k in keys],
+            float(len(trajs)), done.loss_sum, sum(rewards), sum(r >= 1.0 - 1e-9 for r in rewards),
+            *[done.sums[k] for k in keys],
         ]  # fmt: skip
         glob = self.dist.all_reduce_sum(local)
         n = glob[0]

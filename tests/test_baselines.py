@@ -30,6 +30,7 @@ from lopd.methods.skills import (
     skill_agreement,
 )
 from lopd.methods.text_teacher import build_text_teacher_sequence
+from lopd.run.seeds import Stream
 from lopd.run.tasks import TaskSampler
 from lopd.trainer import Trainer
 from lopd.types import TraceStep
@@ -100,7 +101,7 @@ def test_all_methods_are_registered_with_their_phases():
     cfg = load_config("smoke", overrides=["grpo.group_size=3", "skill_sd.group_size=2"])
     assert METHODS["grpo"].group_size(cfg) == 3 and METHODS["lopd"].group_size(cfg) == 1
     assert METHODS["skill-sd"].group_size(cfg) == 2
-    assert not METHODS["sdft"].supports_fsdp2 and not METHODS["skill-sd"].supports_fsdp2
+    assert all(spec.supports_fsdp2 for spec in METHODS.values())
 
 
 def test_sdft_and_skill_sd_settings_are_the_papers_and_bad_values_name_the_field():
@@ -393,6 +394,7 @@ def test_skill_sd_loss_is_ppo_clip_plus_importance_weighted_reverse_kl(trainer, 
         t.reward, t.info["advantage"] = r, a
         guided = k < 3  # the last rollout has no skill: PPO only
         t.info["skill_id"] = 7 if guided else None
+        t.info["step_group"] = 0
         t.info["skill_text"] = skill.render() if guided else None
     head = student.get_output_embeddings().weight
     student.zero_grad(set_to_none=True)
@@ -437,8 +439,8 @@ def test_skill_sd_loss_is_ppo_clip_plus_importance_weighted_reverse_kl(trainer, 
     assert sums["skill_guided"] == 3.0 and sums["clip_fraction"] == 0.0
     assert sums["kl"] == pytest.approx(-sum(log_ratios), rel=1e-4)
     # What the bandit will be told: one record per guided rollout.
-    assert [(r[1], r[2]) for r in method.records] == [(7, 1.0), (7, 0.0), (7, 1.0)]
-    assert [r[3] for r in method.records] == pytest.approx(log_ratios, rel=1e-4, abs=1e-6)
+    assert [(r[2], r[3]) for r in method.records] == [(7, 1.0), (7, 0.0), (7, 1.0)]
+    assert [r[4] for r in method.records] == pytest.approx(log_ratios, rel=1e-4, abs=1e-6)
 
 
 def test_skill_sd_steps_choose_by_ucb1_reward_the_pull_and_grow_the_bank(trainer):
@@ -475,8 +477,8 @@ def test_skill_sd_steps_choose_by_ucb1_reward_the_pull_and_grow_the_bank(trainer
     assert all(t.info["skill_text"] == chosen.text.render() for t in trajs)
     method.loss(trajs, num_total=4)
     recs = list(method.records)
-    assert len(recs) == 4 and {r[1] for r in recs} == {expected}
-    reward = skill_agreement([r[2] for r in recs], [r[3] for r in recs], success)
+    assert len(recs) == 4 and {r[2] for r in recs} == {expected}
+    reward = skill_agreement([r[3] for r in recs], [r[4] for r in recs], success)
     out = method.after_step({})
     assert (chosen.pulls, chosen.reward_sum) == (1, reward)
     assert out["skill_pulls"] == 1.0 and out["skill_bandit_reward"] == reward
@@ -505,10 +507,27 @@ def test_skill_sd_model_summarizer_writes_greedily_and_falls_back_to_the_rule(tr
         assert author == "model" and text == parse_skill_text(raw)
 
 
-def test_skill_sd_refuses_more_than_one_process(trainer):
-    ctx = dataclasses.replace(trainer.context, sampler=TaskSampler(0, rank=0, world=2))
-    with pytest.raises(ValueError, match="one process"):
-        SkillSDMethod.from_config(ctx, trainer.cfg)
+def test_skill_sd_on_one_of_two_ranks_takes_its_share_of_the_whole_steps_choices(trainer):
+    # Rank 1 of 2 chooses for the whole step's task list and keeps every second choice: the
+    # skills one process would give the same tasks (tests/test_distributed_methods.py runs it
+    # under torchrun).
+    cfg = copy.deepcopy(trainer.cfg)
+    cfg.lopd.tasks_per_step = 2 * cfg.skill_sd.group_size  # two groups: one per rank
+    bank = SkillSDMethod.from_config(trainer.context, cfg).bank
+    for task in trainer.train_tasks:
+        bank.add(dataclasses.replace(task, task_id=f"{task.task_id}-src"),
+                 SkillText("w", "a", "g"), "rule", 0)  # fmt: skip
+    everyone = TaskSampler(cfg.seed).draw(trainer.train_tasks, 2, Stream.STEP_TASKS, 3)
+    whole = bank.select(everyone)
+    assert all(s is not None for s in whole)
+    ctx = dataclasses.replace(trainer.context, sampler=TaskSampler(cfg.seed, rank=1, world=2))
+    share = SkillSDMethod.from_config(ctx, cfg)
+    share.bank.load_state_dict(bank.state_dict())
+    trajs = share.rollouts(3)
+    assert len(trajs) == cfg.skill_sd.group_size
+    assert {t.task.task_id for t in trajs} == {everyone[1].task_id}
+    assert {t.info["skill_id"] for t in trajs} == {whole[1].skill_id}
+    assert {t.info["step_group"] for t in trajs} == {1}  # its one group is the step's second
 
 
 def test_lopd_m0_is_lopd_with_margin_zero(lopd_trainer):

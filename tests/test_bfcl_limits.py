@@ -5,6 +5,7 @@ and the verdicts still agree with bfcl-eval's checker. Real backends, real worke
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -159,12 +160,50 @@ def test_a_failed_replay_loses_the_backends_and_fails_the_remaining_turns(tasks)
     env._backends.limits = BackendLimits(call_time_limit_s=min(took / 4, 0.2))
     obs, _ = step_calls(env, [ToolCall("find", {})])
     assert obs.startswith("Error during execution: the call ran past")
-    assert env._backends.lost
-    obs, _ = step_calls(env, [ToolCall("pwd", {})])
-    assert "backends were lost" in obs
-    env.step("done")
-    assert env.turn_errors[0] == BACKEND_LOST and env.reward() == 0.0
+    # The episode's state is unknown now: it ends there, every turn failed.
+    assert env._backends.lost and env.done
+    assert env.reward() == 0.0 and not env.success
+    assert [v for v in env.verdicts() if v is not None] == [False] * 4
+    assert env._backends.check(0, True) == (False, BACKEND_LOST)
     env.close()
+
+
+def test_a_worker_that_dies_while_the_episode_is_restored_ends_it_in_an_observation(tasks):
+    # The cp/mv DAG, then find(): the call is stopped, and the worker that replays the episode
+    # dies too (here: an address space too small to start Python). step() returns BFCL's error
+    # observation and ends the episode with reward 0; nothing raises; the next episode runs in
+    # a fresh worker.
+    task = by_id(tasks, "multi_turn_base_0")
+    env = BfclEnv(limits=BackendLimits(call_time_limit_s=1.0))
+    env.reset(task)
+    step_calls(env, blow_up(40))
+    stopped = env._backends._box[0].proc.pid
+    env._backends.limits = BackendLimits(call_time_limit_s=1.0, call_memory_bytes=16 << 20)
+    obs, done = env.step(format_tool_call(ToolCall("find", {})))
+    assert obs == "Error during execution: the call ran past the 1 s limit and was stopped"
+    assert done and env.done and env._backends.lost and env._backends._box == []
+    assert env.reward() == 0.0 and not env.success and env.turn_errors[0] is None
+    env._backends.limits = BackendLimits(call_time_limit_s=1.0)
+    nxt = by_id(tasks, "multi_turn_base_1")
+    assert env.reset(nxt) == nxt.instruction
+    assert env._backends._box[0].proc.pid != stopped and not env._backends.lost
+    obs, done = step_calls(env, [ToolCall("pwd", {})])
+    assert obs == '{"current_working_directory": "/alex"}' and not env.done
+    env.close()
+
+
+def test_a_reset_on_a_broken_pooled_worker_starts_a_new_one(tasks):
+    task = by_id(tasks, "multi_turn_base_0")
+    env = BfclEnv(limits=BackendLimits(start_time_limit_s=5.0))
+    env.reset(task)
+    worker = env._backends._box[0]
+    os.kill(worker.proc.pid, signal.SIGSTOP)  # alive, and never answers again
+    env.close()  # back to the pool, which hands it out next
+    again = BfclEnv(limits=BackendLimits(start_time_limit_s=5.0))
+    again.reset(task)  # waits 5 s on the stopped worker, then loads in a new one
+    assert again._backends._box[0] is not worker and not worker.alive()
+    assert step_calls(again, [ToolCall("pwd", {})])[0].endswith('/workspace"}')
+    again.close()
 
 
 def _worker_pids() -> list[int]:

@@ -60,6 +60,12 @@ class ModelConfig:
             whole and gradients are averaged (data parallel). ``fsdp2``: student, teacher and
             encoder backbone are sharded across ranks with FSDP2 (:mod:`lopd.parallel.fsdp`).
             Without ``torchrun`` both are a single process.
+        collective_timeout_minutes: how long a rank waits in a collective (all-reduce, FSDP2's
+            all-gather and reduce-scatter, a barrier's wait for a silent rank) before the run
+            stops with one line naming the rank and phase that did not arrive
+            (:mod:`lopd.parallel.watchdog`). Covers the longest legitimate wait between ranks:
+            the spread of one step's rollouts across ranks. Waits for rank 0's solo work (the
+            bank, evaluations, writing files) are not limited while it shows signs of life.
         attn_implementation: the transformers attention backend of every model: ``eager``,
             ``sdpa``, ``flash_attention_2`` (CUDA, 16-bit ``dtype``, ``pip install
             'lopd[gpu]'``) or ``auto``: ``flash_attention_2`` on CUDA with a 16-bit dtype when
@@ -71,6 +77,7 @@ class ModelConfig:
     device: str = "auto"
     gradient_checkpointing: bool = False
     parallel: str = "ddp"
+    collective_timeout_minutes: float = 30.0
     attn_implementation: str = "auto"
 
     def validate(self) -> None:
@@ -78,6 +85,7 @@ class ModelConfig:
             raise ConfigError(f"model.device must be auto, cpu or cuda[:N], got {self.device!r}")
         one_of(("float32", "bfloat16", "float16"), model__dtype=self.dtype)
         one_of(("ddp", "fsdp2"), model__parallel=self.parallel)
+        greater_than(0, model__collective_timeout_minutes=self.collective_timeout_minutes)
         one_of(
             ("auto", "eager", "sdpa", "flash_attention_2"),
             model__attn_implementation=self.attn_implementation,

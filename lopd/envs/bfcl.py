@@ -40,7 +40,9 @@ the data is read without its loader (which takes file locks and creates director
 (:mod:`lopd.envs.bfcl_backends`), every call under a wall-clock limit (5 s) and a memory limit (2
 GiB), and a call past either is stopped, undone, and answered with BFCL's error observation
 (``Error during execution: the call ran past the 5 s limit and was stopped``), the turn then judged
-as bfcl-eval judges a call that failed; the calls of one step stop running once they have taken 30
+as bfcl-eval judges a call that failed (if the episode's state cannot be restored after it, the
+episode ends there with that observation and reward 0); the calls of one step stop running once
+they have taken 30
 s together (the rest are answered ``Error during execution: not run: ...``); calls of ``MathAPI``
 that would run for hours (huge exponents, precisions or rounding digits, numeric strings included;
 BFCL's data uses none) are refused with an error result at once; at most :data:`MAX_PARALLEL_CALLS`
@@ -73,7 +75,7 @@ from lopd.envs.base import (
     clean_text,
     parse_tool_calls,
 )
-from lopd.envs.bfcl_backends import BACKEND_LOST, BackendLimits, EpisodeBackends
+from lopd.envs.bfcl_backends import BACKEND_LOST, LOST_TEXT, BackendLimits, EpisodeBackends
 from lopd.envs.bfcl_data import (
     BACKEND_CLASSES,
     BFCL_VERSION,
@@ -277,6 +279,13 @@ class BfclEnv(Env):
             self._turn_call_steps += 1
             self._turn_has_call = True
             results = self._execute_step(calls)
+            if self._backends.lost:
+                # A stopped call whose state could not be restored (the new worker died or
+                # overran too): the episode ends with the error observation, reward 0.
+                self.done = True
+                joined = "\n".join(prefix for prefix, _ in results)
+                total = sum(length for _, length in results) + len(results) - 1
+                return _clip(joined, total, MAX_OBSERVATION_CHARS), True
             if self._turn_call_steps > self.max_call_steps_per_turn:
                 self.force_quit = True
                 self._end_turn()
@@ -287,6 +296,9 @@ class BfclEnv(Env):
             obs = _clip(joined, total, MAX_OBSERVATION_CHARS)
         else:
             self._end_turn()
+            if self._backends.lost:  # the turn's ground truth or check lost the backends
+                self.done = True
+                return LOST_TEXT, True
             if self._finished == len(self.turn_passed):
                 self.done = True
                 return "", True
@@ -300,7 +312,8 @@ class BfclEnv(Env):
         """Fraction of the checked turns (non-empty ground truth) that passed.
 
         The turn in progress when the episode stopped (step budget, token budget) is checked as
-        it stands, on a copy of the ground-truth instances; turns never reached fail.
+        it stands, on a copy of the ground-truth instances; turns never reached fail. 0 when the
+        episode's backends were lost (their state is unknown).
         """
         passed, _ = self._final_turns()
         checked = [p for p, gt in zip(passed, self.task.spec["ground_truth"]) if gt]
@@ -384,6 +397,8 @@ class BfclEnv(Env):
             raise RuntimeError("reward() called before reset(task)")
         passed = list(self.turn_passed)
         n, k = len(passed), self._finished
+        if self._backends.lost:  # the episode's state is unknown: every turn fails
+            return [False] * n, False
         in_progress = k < n and not self.force_quit
         if in_progress:
             key = (k, self._num_results)

@@ -11,9 +11,11 @@ backends are deterministic: their random generators are seeded from the scenario
 is exactly as if the stopped call had failed before doing anything, and the call's result is
 BFCL's error observation (``Error during execution: ...``). A check that runs past the limit
 fails the turn as an ``instance_state_mismatch`` (comparing a state equal to the ground truth's
-takes the time of the ground truth's own state, far below the limit). If a replay itself fails,
-the episode's backends are lost: later calls are errors and later checks fail
-(``lopd:backend_lost``).
+takes the time of the ground truth's own state, far below the limit). If a replay itself fails
+(the new worker dies, runs past a limit or cannot start), the episode's backends are lost: its
+env ends the episode with the stopped call's error observation and reward 0, and no exception
+leaves the env; the next episode takes another worker (a ``reset`` that fails on a pooled worker
+is retried once in a new process).
 
 Workers are pooled per process (an episode takes one at ``reset`` and gives it back when its env
 is closed or dropped), so the cost per call is one round trip over a pipe (about 0.1 ms) and
@@ -44,6 +46,8 @@ _WORKER = Path(__file__).with_name("_bfcl_worker.py")
 _POOL_SIZE = 16
 BACKEND_LOST = "lopd:backend_lost"
 """Error type of the turns checked after the episode's backends were lost."""
+LOST_TEXT = "Error during execution: the episode's backends were lost after a stopped call"
+"""The result of a call once the episode's backends are lost."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,13 @@ class BackendLimits:
 
 class _Overrun(Exception):
     """A request ran past its time or memory limit, or the worker died (``str``: which)."""
+
+
+# What a request to a worker can raise besides _Overrun: the worker's error answer (RuntimeError),
+# a pipe or process failure (OSError), or an unreadable answer.
+_WORKER_FAILURES = (
+    _Overrun, RuntimeError, OSError, pickle.UnpicklingError, EOFError, ValueError, struct.error,
+)  # fmt: skip
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -157,9 +168,16 @@ class _Pool:
         with self._lock:
             if os.getpid() != self._pid:  # a forked child: the parent's workers are not ours
                 self._idle, self._pid = [], os.getpid()
-            for i, w in enumerate(self._idle):
+            # The most recently given back first.
+            for i in reversed(range(len(self._idle))):
+                w = self._idle[i]
                 if w.memory_bytes == memory_bytes and w.alive():
                     return self._idle.pop(i)
+        return self.start(memory_bytes, timeout_s)
+
+    @staticmethod
+    def start(memory_bytes: int, timeout_s: float) -> _Worker:
+        """A new worker process (not one of the idle ones), initialized."""
         w = _Worker(memory_bytes)
         try:
             w.request(("init", list(sys.path)), timeout_s)
@@ -217,16 +235,24 @@ class EpisodeBackends:
         message = ("reset", list(involved_classes), initial_config, long_context)
         try:
             self._worker().request(message, self.limits.start_time_limit_s)
-        except _Overrun as e:
+        except _WORKER_FAILURES:
+            # A pooled worker may have been left broken: once more in a new process.
             self._drop_worker()
-            raise RuntimeError(f"BFCL backend worker could not load the scenario ({e})") from None
+            try:
+                limits = self.limits
+                self._box.append(_POOL.start(limits.call_memory_bytes, limits.start_time_limit_s))
+                self._box[0].request(message, self.limits.start_time_limit_s)
+            except _WORKER_FAILURES as e:
+                self._drop_worker()
+                raise RuntimeError(
+                    f"BFCL backend worker could not load the scenario ({e})"
+                ) from None
         self._log.append(message)
 
     def call(self, name: str, kwargs: dict[str, Any], clip: int) -> tuple[str, int]:
         """Run a model call: ``(the first clip characters of the result, its length)``."""
         if self.lost:
-            text = "Error during execution: the episode's backends were lost after a stopped call"
-            return text[:clip], len(text)
+            return LOST_TEXT[:clip], len(LOST_TEXT)
         message = ("call", name, kwargs, clip)
         why = self._run(message)
         if why is None:
@@ -289,11 +315,11 @@ class EpisodeBackends:
         """
         try:
             self._last = self._worker().request(message, self.limits.call_time_limit_s)
-        except _Overrun as e:
+        except _WORKER_FAILURES as e:
             self.overruns += 1
             self._drop_worker()
             self._replay()
-            return str(e)
+            return str(e) if isinstance(e, _Overrun) else "died"
         if logged:
             self._log.append(message)
         return None
@@ -304,6 +330,6 @@ class EpisodeBackends:
             for i, message in enumerate(self._log):
                 limit = self.limits.start_time_limit_s if i == 0 else self.limits.call_time_limit_s
                 worker.request(message, limit)
-        except (_Overrun, RuntimeError):
+        except _WORKER_FAILURES:
             self._drop_worker()
             self.lost = True

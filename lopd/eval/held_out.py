@@ -55,6 +55,7 @@ class HeldOutEvaluator:
                 model generating with retrieved latents).
         """
         result: dict[str, Any] = {}
+        self.ctx.dist.enter("evaluation")
         # Under FSDP2 every rank gathers the weights; rank 0 alone generates.
         with self.models.sharding.gathered():
             if self.ctx.dist.is_main:

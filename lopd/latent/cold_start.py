@@ -104,6 +104,7 @@ def cold_start(
     cfg, run_dir, dist, precision = ctx.cfg, ctx.run_dir, ctx.dist, ctx.precision
     composer, tokenizer, pad_id = latents.composer, ctx.models.tokenizer, ctx.models.pad_id
     device, log = ctx.device, ctx.log
+    dist.enter("cold_start")
     if run_dir.phi0.exists() and run_dir.latents0.exists():
         composer.load_phi_state_dict(torch.load(run_dir.phi0, map_location=device))
         latents0 = torch.load(run_dir.latents0, map_location="cpu")

@@ -83,6 +83,7 @@ def build_experience(ctx: RunContext) -> Experience:
     """
 
     cfg, run_dir, log = ctx.cfg, ctx.run_dir, ctx.log
+    ctx.dist.enter("bank")
     train_tasks, test_tasks = ctx.train_tasks, ctx.test_tasks
     if ctx.dist.is_main and not run_dir.bank_done.exists():
         # A bank left half-built by a killed run is rebuilt from scratch (same seed, same

@@ -92,21 +92,18 @@ METHODS: dict[str, MethodSpec] = {
             SDPOMethod.from_config,
             "SDPO: EMA teacher with a successful sibling as text, reverse top-M + tail KL",
             group_size=lambda cfg: cfg.sdpo.group_size,
-            supports_fsdp2=False,
         ),
         MethodSpec(
             "sdft",
             SDFTMethod.from_config,
             "SDFT: EMA teacher with a pool demonstration in the first user message, forward KL",
             uses_bank=True,
-            supports_fsdp2=False,
         ),
         MethodSpec(
             "skill-sd",
             SkillSDMethod.from_config,
             "Skill-SD: UCB1-chosen skill in the teacher prompt, PPO-clip + IW reverse KL",
             group_size=lambda cfg: cfg.skill_sd.group_size,
-            supports_fsdp2=False,
         ),
         MethodSpec(
             "lopd-frozen",

@@ -22,6 +22,7 @@ import torch
 from lopd.config import Config, ConfigError, LOPDConfig
 from lopd.latent.experience import Experience
 from lopd.latent.teacher import TaskLatents
+from lopd.parallel.distributed import Dist
 from lopd.rollout.engine import RolloutEngine
 from lopd.run.context import Models
 from lopd.run.seeds import Stream, seed_of
@@ -80,6 +81,8 @@ class MethodContext:
         null_context: ``lopd.null_context``: teachers read an emptied privileged context.
         context_format: ``lopd.context_format``: the wording text teachers read their
             privileged context in (``own`` or ``a5``, :mod:`lopd.methods.text_teacher`).
+        dist: the process group (a method whose state is built from every rank's rollouts
+            gathers through it); ``None``: one process.
     """
 
     models: Models
@@ -93,6 +96,7 @@ class MethodContext:
     rank: int = 0
     null_context: bool = False
     context_format: str = "own"
+    dist: Dist | None = None
 
     def step_tasks(self, step: int, size: int) -> list[Task]:
         """This rank's share of ``size`` training tasks drawn for step ``step``."""
@@ -111,11 +115,18 @@ class Method(Protocol):
         ...
 
     def loss(
-        self, trajectories: Sequence[Trajectory], num_total: int
+        self, trajectories: Sequence[Trajectory], num_total: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Loss of one micro-batch, already divided by ``num_total`` (the step's trajectories on
-        this rank), and metric *sums over trajectories* (the trainer averages them globally;
-        every micro-batch returns the same keys)."""
+        """Loss of one micro-batch, already divided by ``num_total`` (the step's trajectories
+        over all ranks divided by the world size: this rank's count when the shares are equal,
+        :mod:`lopd.parallel.lockstep`), and metric *sums over trajectories* (the trainer
+        averages them globally; every micro-batch returns the same keys).
+
+        Under ``model.parallel=fsdp2`` every forward through a sharded model is a collective:
+        a micro-batch must run the same sharded forwards whatever its data holds (no skipped
+        teacher forward; a placeholder weighted by zero instead). A trajectory whose ``info``
+        holds :data:`lopd.parallel.lockstep.PADDING` only keeps the ranks in step: its loss is
+        multiplied by zero; the method must not record anything from it."""
         ...
 
     def after_step(self, means: dict[str, float]) -> dict[str, float]:
@@ -234,23 +245,14 @@ class MethodSpec:
             )
 
     def check_parallel(self, cfg: Config, world: int) -> None:
-        """FSDP2 runs every sharded forward as a collective: ranks need equal work.
+        """Refuse ``model.parallel=fsdp2`` for a method that does not support it. (Nothing
+        needs to split evenly over the ranks: every rank runs the same passes,
+        :mod:`lopd.parallel.lockstep`; the cold start runs before the models are sharded.)
 
         Raises:
-            ConfigError: the method or its batch sizes do not split over ``world`` ranks.
+            ConfigError: naming the method.
         """
         if cfg.model.parallel != "fsdp2" or world == 1:
             return
         if not self.supports_fsdp2:
             raise ConfigError(f"lopd.method={self.name} does not support model.parallel=fsdp2")
-        per_step = max(1, cfg.lopd.tasks_per_step // self.group_size(cfg))
-        if per_step % world:
-            raise ConfigError(
-                f"model.parallel=fsdp2 needs the {per_step} tasks a step draws "
-                f"(lopd.tasks_per_step) to split evenly over {world} ranks"
-            )
-        if self.uses_composer and cfg.cold_start.batch_size % world:
-            raise ConfigError(
-                f"model.parallel=fsdp2 needs cold_start.batch_size={cfg.cold_start.batch_size} "
-                f"to split evenly over {world} ranks"
-            )

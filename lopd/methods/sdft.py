@@ -75,7 +75,7 @@ class SDFTMethod(MethodBase):
                 best[t.task.task_id] = t
         self.own_demos = {k: reference_text(t, ctx.context_format) for k, t in best.items()}
         self.spec = spec
-        self.teacher = EMATeacher(ctx.models.student, ema_rate)
+        self.teacher = EMATeacher(ctx.models.student, ema_rate, ctx.models.sharding)
 
     @classmethod
     def from_config(cls, ctx: MethodContext, cfg: Config) -> SDFTMethod:

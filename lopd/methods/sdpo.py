@@ -12,6 +12,7 @@ trajectory, mean over all the step's trajectories.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,7 +71,7 @@ class SDPOMethod(MethodBase):
         self.group_size = group_size
         self.success_reward = success_reward
         self.spec = spec
-        self.teacher = EMATeacher(ctx.models.student, ema_rate)
+        self.teacher = EMATeacher(ctx.models.student, ema_rate, ctx.models.sharding)
 
     @classmethod
     def from_config(cls, ctx: MethodContext, cfg: Config) -> SDPOMethod:
@@ -123,15 +124,28 @@ class SDPOMethod(MethodBase):
         counts = {"distilled": float(len(chosen))}
         if not chosen:
             # Same metric keys as a distilled micro-batch: ranks reduce metrics by key.
-            return zero_loss(models.device), {**dict.fromkeys(DISTILL_METRICS, 0.0), **counts}
+            nothing = {**dict.fromkeys(DISTILL_METRICS, 0.0), **counts}
+            if not models.sharding.enabled:
+                return zero_loss(models.device), nothing
+            # Under FSDP2 the forwards are collectives: run those of a distilled micro-batch
+            # on a placeholder (the first trajectory, an empty solution), weighted by zero.
+            placeholder = copy.deepcopy(trajectories[0])
+            placeholder.info["sibling_text"] = ""
+            loss, _ = self.distill([placeholder], teacher, num_total)
+            return loss * 0.0, nothing
+        loss, sums = self.distill(chosen, teacher, num_total)
+        return loss, {**sums, **counts}
+
+    def distill(
+        self, chosen: Sequence[Trajectory], teacher: torch.nn.Module, num_total: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The distillation loss and metric sums of ``chosen`` toward ``teacher``."""
+        models = self.models
         where = ActionRows.of(chosen, models.device)
         seqs = [self.teacher_sequence(t) for t in chosen]
         with torch.no_grad():
             h_t = text_teacher_hidden(models, teacher, seqs, where)
-        loss, sums = distill_loss(
-            models, chosen, where, h_t, lm_head(teacher), self.spec, num_total
-        )
-        return loss, {**sums, **counts}
+        return distill_loss(models, chosen, where, h_t, lm_head(teacher), self.spec, num_total)
 
     def after_step(self, means: dict[str, float]) -> dict[str, float]:
         self.teacher.update()

@@ -38,12 +38,17 @@ optimizer steps (1, the default: the current student itself under ``no_grad``, n
 Every rollout goes through the engine (counted toward the budget); a model-written skill is a
 text generation from rollouts already counted, not a rollout.
 
-One process only (``torchrun`` with more than one rank is refused: the bank is built from the
-rank's own rollouts), and not under ``model.parallel=fsdp2``.
+Under ``torchrun`` every rank rolls out its share of the step's groups; the skills are chosen
+for the whole step's task list (every rank holds the same bank, so each computes the same
+choices), and after the step every rank's new skills, bandit records and fallback counts are
+gathered and applied in the one-process order: every rank keeps the same bank and UCB1
+statistics, those one process would have. Under ``model.parallel=fsdp2`` a micro-batch without
+a guided trajectory still runs the teacher's forward (a collective there) on a placeholder.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,7 +73,10 @@ from lopd.methods.text_teacher import (
     framed_teacher_sequence,
     text_teacher_hidden,
 )
+from lopd.parallel.lockstep import PADDING
 from lopd.rollout.batch import ActionRows, lm_head, lm_head_logprobs
+from lopd.run.seeds import Stream
+from lopd.run.tasks import TaskSampler
 from lopd.types import Task, Trajectory
 
 __all__ = ["SkillSDMethod", "importance_weighted_reverse_kl", "sampled_logprobs"]
@@ -120,11 +128,6 @@ class SkillSDMethod(MethodBase):
 
     def __init__(self, ctx: MethodContext, cfg: Config) -> None:
         super().__init__(ctx, cfg.lopd.tasks_per_step)
-        if ctx.sampler.world > 1:
-            raise ValueError(
-                "lopd.method=skill-sd runs in one process: its skill bank and UCB1 statistics "
-                f"are built from the rank's own rollouts (got {ctx.sampler.world} ranks)"
-            )
         s = cfg.skill_sd
         self.settings = s
         self.success_reward = cfg.bank.min_reward
@@ -136,14 +139,17 @@ class SkillSDMethod(MethodBase):
             if s.summarizer == "model"
             else RuleSkillSummarizer()
         )
-        self.teacher = EMATeacher(student, 1.0) if s.teacher_sync_every > 1 else None
+        self.teacher = (
+            EMATeacher(student, 1.0, ctx.models.sharding) if s.teacher_sync_every > 1 else None
+        )
         if self.teacher is not None:
             self.teacher.get()  # the copy starts as the initial student
         self.step = 0
         self.step_fallbacks = 0
-        # Filled by rollouts() / loss(), consumed by after_step() (empty at every checkpoint).
-        self.pending_skills: list[tuple[Task, SkillText, str]] = []
-        self.records: list[tuple[str, int, float, float]] = []
+        # Filled by rollouts() / loss(), consumed by after_step() (empty at every checkpoint);
+        # each entry starts with its group's index in the whole step (the one-process order).
+        self.pending_skills: list[tuple[int, Task, SkillText, str]] = []
+        self.records: list[tuple[int, str, int, float, float]] = []
 
     @classmethod
     def from_config(cls, ctx: MethodContext, cfg: Config) -> SkillSDMethod:
@@ -159,27 +165,41 @@ class SkillSDMethod(MethodBase):
         ``info["skill_text"]`` (the rendered skill, or ``None``); the step's new skills are
         written here and join the bank in :meth:`after_step`."""
         self.step = step
-        trajs = group_rollouts(self.ctx, step, self.settings.group_size, self.tasks_per_step)
-        if not trajs:
-            return trajs
-        adv = group_advantages(
-            torch.tensor([t.reward for t in trajs], dtype=torch.float64),
-            torch.tensor([t.info["group"] for t in trajs]),
+        ctx, sampler, success = self.ctx, self.ctx.sampler, self.success_reward
+        trajs = group_rollouts(ctx, step, self.settings.group_size, self.tasks_per_step)
+        # The whole step's tasks (every rank's share, TaskSampler order): the choices are those
+        # one process makes; this rank's groups are the tasks at rank, rank + world, ...
+        everyone = TaskSampler(sampler.seed).draw(
+            ctx.train_tasks,
+            max(1, self.tasks_per_step // self.settings.group_size),
+            Stream.STEP_TASKS,
+            step,
         )
+        chosen = self.bank.select(everyone)[sampler.rank :: sampler.world]
         groups: dict[int, list[Trajectory]] = {}
-        for t, a in zip(trajs, adv.tolist()):
-            t.info["advantage"] = a
-            groups.setdefault(t.info["group"], []).append(t)
+        if trajs:
+            adv = group_advantages(
+                torch.tensor([t.reward for t in trajs], dtype=torch.float64),
+                torch.tensor([t.info["group"] for t in trajs]),
+            )
+            for t, a in zip(trajs, adv.tolist()):
+                t.info["advantage"] = a
+                groups.setdefault(t.info["group"], []).append(t)
         members = list(groups.values())
-        chosen = self.bank.select([g[0].task for g in members])
-        for group, skill in zip(members, chosen):
+        for k, (group, skill) in enumerate(zip(members, chosen, strict=True)):
             for t in group:
                 t.info["skill_id"] = None if skill is None else skill.skill_id
                 t.info["skill_text"] = None if skill is None else self.skill_text(skill.text)
+                t.info["step_group"] = k * sampler.world + sampler.rank
         fallbacks = self.summarizer.fallbacks
-        self.pending_skills = [
-            (g[0].task, *self.summarizer.summarize(g, self.success_reward)) for g in members
-        ]
+        # A model-written skill is a rank-local generation: under FSDP2 every rank gathers the
+        # weights for it (rank-local forwards are no collectives then), with or without groups.
+        writes = isinstance(self.summarizer, ModelSkillSummarizer)
+        with self.models.sharding.gathered() if writes else contextlib.nullcontext():
+            self.pending_skills = [
+                (g[0].info["step_group"], g[0].task, *self.summarizer.summarize(g, success))
+                for g in members
+            ]
         self.step_fallbacks = self.summarizer.fallbacks - fallbacks
         return trajs
 
@@ -188,9 +208,9 @@ class SkillSDMethod(MethodBase):
         ``lopd.null_context``)."""
         return text.map(self.privileged).render()
 
-    def teacher_sequence(self, traj: Trajectory) -> TextTeacherSequence:
-        """The teacher's input: the chosen skill after the first user message."""
-        skill = traj.info["skill_text"]
+    def teacher_sequence(self, traj: Trajectory, skill: str | None = None) -> TextTeacherSequence:
+        """The teacher's input: the chosen skill (or ``skill``) after the first user message."""
+        skill = traj.info["skill_text"] if skill is None else skill
         return framed_teacher_sequence(
             self.models.tokenizer, traj, skill.strip(), self.ctx.context_format, user_suffix=skill
         )
@@ -212,17 +232,20 @@ class SkillSDMethod(MethodBase):
         guided = [i for i, t in enumerate(trajectories) if t.info.get("skill_text") is not None]
         kl_traj = torch.zeros(b, device=models.device)
         teacher_lp = torch.zeros(b, device=models.device)
-        if guided:
-            sub = [trajectories[i] for i in guided]
+        if guided or models.sharding.enabled:
+            # Under FSDP2 the teacher's forward is a collective: without a guided trajectory
+            # it runs on a placeholder (the first trajectory, an empty skill), result unused.
+            sub = [trajectories[i] for i in guided] or list(trajectories[:1])
             where_g = ActionRows.of(sub, models.device)
+            teacher = self.teacher_model()
+            with torch.no_grad():
+                seqs = [self.teacher_sequence(t, None if guided else "") for t in sub]
+                h_t = text_teacher_hidden(models, teacher, seqs, where_g)
+                logp_t = sampled_logprobs(lm_head(teacher), h_t, where_g.targets, self.tau)
+        if guided:
             # ActionRows lists rows trajectory by trajectory: the guided trajectories' rows of
             # ``where`` are exactly ``where_g``'s, in the same order.
             rows = torch.isin(where.batch, torch.tensor(guided, device=models.device))
-            teacher = self.teacher_model()
-            with torch.no_grad():
-                seqs = [self.teacher_sequence(t) for t in sub]
-                h_t = text_teacher_hidden(models, teacher, seqs, where_g)
-                logp_t = sampled_logprobs(lm_head(teacher), h_t, where_g.targets, self.tau)
             kl = importance_weighted_reverse_kl(logp[rows], logp_old[rows], logp_t)
             per_token = per_token + s.sdl_weight * torch.zeros_like(per_token).masked_scatter(
                 rows, kl
@@ -232,10 +255,14 @@ class SkillSDMethod(MethodBase):
                 kl_traj[gi] = segment_mean(kl.detach(), where_g.batch, len(sub))
                 teacher_lp[gi] = segment_mean(logp_t, where_g.batch, len(sub))
                 for k, t in enumerate(sub):
+                    if PADDING in t.info:  # a pass that only keeps the ranks in step
+                        continue
                     # Bandit data: mean log pi_T - log pi_theta of the rollout's tokens.
+                    log_ratio = -float(kl_traj[gi[k]])
                     self.records.append(
-                        (t.task.task_id, t.info["skill_id"], t.reward, -float(kl_traj[gi[k]]))
-                    )
+                        (t.info["step_group"], t.task.task_id, t.info["skill_id"], t.reward,
+                         log_ratio)
+                    )  # fmt: skip
         per_traj = segment_mean(per_token, where.batch, b)
         with torch.no_grad():
             ratio = torch.exp(logp - logp_old)
@@ -253,8 +280,9 @@ class SkillSDMethod(MethodBase):
 
     # -------------------------------------------------------------- 5: after the step
     def after_step(self, means: dict[str, float]) -> dict[str, float]:
+        self.gather_ranks()
         pulls: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
-        for task_id, skill_id, reward, log_ratio in self.records:
+        for _, task_id, skill_id, reward, log_ratio in self.records:
             rewards, ratios = pulls.setdefault((task_id, skill_id), ([], []))
             rewards.append(reward)
             ratios.append(log_ratio)
@@ -263,9 +291,9 @@ class SkillSDMethod(MethodBase):
             bandit.append(skill_agreement(rewards, ratios, self.success_reward))
             self.bank.update(skill_id, bandit[-1])
         self.records = []
-        by_model = sum(author == "model" for _, _, author in self.pending_skills)
+        by_model = sum(author == "model" for _, _, _, author in self.pending_skills)
         new = len(self.pending_skills)
-        for task, text, author in self.pending_skills:
+        for _, task, text, author in self.pending_skills:
             self.bank.add(task, text, author, self.step)
         self.pending_skills = []
         every = self.settings.teacher_sync_every
@@ -279,6 +307,18 @@ class SkillSDMethod(MethodBase):
             "skill_pulls": float(len(bandit)),
             "skill_bandit_reward": sum(bandit) / len(bandit) if bandit else 0.0,
         }
+
+    def gather_ranks(self) -> None:
+        """Every rank's new skills, bandit records and fallback count of the step, on every
+        rank, in the one-process order (by the group's index in the whole step; a collective
+        under ``torchrun``)."""
+        dist = self.ctx.dist
+        if dist is None or not dist.distributed:
+            return
+        shares = dist.all_gather_object((self.pending_skills, self.records, self.step_fallbacks))
+        self.pending_skills = sorted((p for s in shares for p in s[0]), key=lambda p: p[0])
+        self.records = sorted((r for s in shares for r in s[1]), key=lambda r: r[0])
+        self.step_fallbacks = sum(s[2] for s in shares)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"skill_bank": self.bank.state_dict()}

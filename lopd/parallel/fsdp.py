@@ -16,15 +16,20 @@ parameters, :func:`lopd.parallel.precision.fsdp_mixed_precision`). What each use
   rank (:meth:`Sharding.gather_frozen_roots`); its decoder layers, LoRA included, stay sharded.
 * **Generation** is rank-local (each rank rolls out its own tasks, rank 0 alone evaluates) while
   a sharded forward is a collective, so rollouts run inside :meth:`Sharding.gathered`: all ranks
-  gather the full weights once, generate without collectives, and reshard.
+  gather the full weights once, generate without collectives, and reshard. Leaving it resets
+  FSDP2's record of the forwards (:meth:`Sharding.forget_forwards`): the rank-local forwards
+  differ between ranks, and the backward's prefetch would otherwise read them.
 
 Models are loaded whole on every rank and sharded afterwards (the student right after it is
 copied, the backbone after the bank and the cold start, which read it unsharded), so the peak
 memory of the setup is that of the unsharded models.
 
-Every sharded forward is a collective: ranks must run the same number of training forwards, so
-the trainer requires ``lopd.tasks_per_step`` (and the group count of group methods) to divide
-evenly across ranks.
+Every sharded forward and backward is a collective, so every rank must run the same ones in the
+same order whatever its data: the trainer runs the same passes on every rank
+(:mod:`lopd.parallel.lockstep`), each pass's loss reaches every sharded output
+(:meth:`Sharding.outputs_reached`), and rank-local forwards leave no record
+(:meth:`Sharding.forget_forwards`). EMA teachers are sharded copies of the student
+(:meth:`Sharding.frozen_copy`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from torch import nn
 from lopd.parallel.distributed import Dist, is_sharded
 from lopd_kernels.hf import decoder_of
 
-__all__ = ["DecoderRoot", "Sharding", "full_weight"]
+__all__ = ["DecoderRoot", "Sharding", "full_weight", "reach"]
 
 
 class DecoderRoot(nn.Module):
@@ -56,6 +61,16 @@ class DecoderRoot(nn.Module):
 
     def forward(self, **kwargs: Any) -> torch.Tensor:
         return decoder_of(self.lm)(**kwargs).last_hidden_state
+
+
+def reach(outputs: list[torch.Tensor]) -> torch.Tensor:
+    """A zero with a gradient path to every tensor of ``outputs`` (each receives a zero
+    gradient), built from empty slices: no value enters it, so an inf or NaN activation cannot
+    turn it into NaN."""
+    zero = torch.zeros(())
+    for t in outputs:
+        zero = zero.to(t.device) + t.reshape(-1)[:0].sum()
+    return zero
 
 
 def full_weight(head: nn.Module) -> torch.Tensor:
@@ -96,6 +111,8 @@ class Sharding:
         self.pad_id = pad_id
         self._roots: list[tuple[nn.Module, DecoderRoot, bool]] = []  # (model, root, trainable)
         self._gather_depth = 0
+        self._outputs: list[torch.Tensor] | None = None  # collected by outputs_reached()
+        self._not_generating: set[int] = set()  # ids of the roots gathered() leaves sharded
 
     def shard(self, model: nn.Module, trainable: bool) -> None:
         """``fully_shard`` every decoder layer of ``model``, then its root.
@@ -130,6 +147,30 @@ class Sharding:
             # would reshard them in FSDP's end-of-backward callback: keep them gathered.
             root.set_reshard_after_backward(False, recurse=False)
         self._roots.append((model, root, trainable))
+        for module in (*layers, root):
+            module.register_forward_hook(self._note_output)
+
+    def _note_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._outputs is None or not torch.is_grad_enabled():
+            return
+        parts = output if isinstance(output, (tuple, list)) else (output,)
+        self._outputs.extend(t for t in parts if isinstance(t, torch.Tensor) and t.requires_grad)
+
+    @contextlib.contextmanager
+    def outputs_reached(self) -> Iterator[list[torch.Tensor]]:
+        """Collects the differentiable outputs of every sharded module's forward in the block;
+        :func:`reach` of them, added to the loss, gives each a gradient on every rank.
+
+        FSDP2 gathers a module's parameters for its backward, and reduce-scatters its gradients,
+        when the gradient of its output arrives: a loss that does not depend on an output on one
+        rank (no action token to score, a term that vanishes) would skip those collectives there
+        and nowhere else. An empty list outside FSDP2.
+        """
+        outer, self._outputs = self._outputs, [] if self.enabled else None
+        try:
+            yield self._outputs if self._outputs is not None else []
+        finally:
+            self._outputs = outer
 
     def gather_frozen_roots(self) -> None:
         """Gather the frozen models' root parameters (embedding, norm, head) if anything
@@ -137,6 +178,24 @@ class Sharding:
         without communication when they are gathered already. The trainer calls it before every
         step."""
         for _, root, trainable in self._roots:
+            if not trainable:
+                root.unshard()
+
+    def forget_forwards(self) -> None:
+        """Reset FSDP2's record of the forwards run so far, on every rank (every rank calls it,
+        with the same sharded models); frozen roots are gathered again.
+
+        FSDP2 appends every forward through a sharded module to a per-root list that only the
+        end of a backward clears, and a backward prefetches (all-gathers) the module that list
+        names before the one whose gradient it computes. Forwards a rank runs alone (its
+        rollouts, rank 0's evaluation) therefore make the first backward after them prefetch
+        different modules on different ranks: one rank all-gathers while another
+        reduce-scatters, and both wait for ever. After this call the next backward reads only
+        the forwards that every rank ran since. Reshards every sharded parameter (a no-op for
+        the layers outside a forward-backward window).
+        """
+        for _, root, trainable in self._roots:
+            root.reset_iter_state()
             if not trainable:
                 root.unshard()
 
@@ -165,15 +224,11 @@ class Sharding:
         # Optional: FSDP2/DCP exist only in torch builds with distributed support.
         from torch.distributed.fsdp import FSDPModule
 
-        modules = [
-            (m, root)
-            for _, root, _ in self._roots
-            for m in root.modules()
-            if isinstance(m, FSDPModule)
-        ]
+        roots = [root for _, root, _ in self._roots if id(root) not in self._not_generating]
+        modules = [(m, root) for root in roots for m in root.modules() if isinstance(m, FSDPModule)]
         self._gather_depth += 1
         try:
-            for _, root, _ in self._roots:
+            for root in roots:
                 root.set_reshard_after_forward(False)
             for m, _ in modules:
                 m.unshard()
@@ -182,11 +237,61 @@ class Sharding:
             self._gather_depth -= 1
             for m, root in modules:
                 if m is not root:
-                    m.reshard()
                     m.set_reshard_after_forward(True, recurse=False)
-            for _, root, trainable in self._roots:
-                if trainable:
-                    root.reshard()
+            self.forget_forwards()
+
+    def frozen_copy(self, model: nn.Module) -> nn.Module:
+        """A frozen copy of the sharded ``model`` with its current weights, sharded like it (an
+        EMA teacher). FSDP modules cannot be deep-copied: the same architecture is built on the
+        meta device, sharded, and each rank copies its own shards (and the buffers) into it.
+        Every rank calls it. :meth:`gathered` leaves the copy sharded (it never generates).
+        """
+        with torch.device("meta"):
+            fresh = type(model)(model.config)
+        source = next(model.parameters())
+        fresh.to_empty(device=source.device).to(source.dtype)
+        fresh.tie_weights()  # to_empty() unties a tied head from the embedding
+        fresh.requires_grad_(False)
+        fresh.eval()
+        for name, buf in model.named_buffers():
+            fresh.get_buffer(name).copy_(buf)
+        self.shard(fresh, trainable=False)
+        root = self._roots[-1][1]
+        self._not_generating.add(id(root))
+        with torch.no_grad(), self.local_shards(fresh) as dst, self.local_shards(model) as src:
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s)
+        return fresh
+
+    @contextlib.contextmanager
+    def local_shards(self, model: nn.Module) -> Iterator[list[torch.Tensor]]:
+        """Every parameter of ``model`` as this rank's shard of it (the parameter itself when it
+        is not sharded), for in-place updates. A frozen root is resharded for the block and
+        gathered again after it (collectives: every rank enters it). Outside a forward-backward
+        window (the trainable root is sharded then)."""
+        frozen = [root for m, root, trainable in self._roots if m is model and not trainable]
+        for root in frozen:
+            root.reshard()
+        try:
+            yield [p.to_local() if is_sharded(p) else p for p in model.parameters()]
+        finally:
+            for root in frozen:
+                root.unshard()
+
+    def load_full_state_dict(self, model: nn.Module, state: dict) -> None:
+        """Load a full (unsharded) state dict, as :meth:`full_state_dict` gives, into
+        ``model``: each rank keeps its shards of it. Every rank calls it with the whole dict."""
+        if not self.is_sharded(model):
+            model.load_state_dict(state)
+            return
+        # Optional: FSDP2/DCP exist only in torch builds with distributed support.
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        with self.local_shards(model):
+            set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
     def full_state_dict(self, module: nn.Module, trainable_only: bool = False) -> dict:
         """The full (unsharded) state dict of ``module`` on rank 0, on the CPU; ``{}`` on the

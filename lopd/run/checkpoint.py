@@ -147,6 +147,7 @@ def save_run_outputs(ctx: RunContext, summary: dict[str, Any]) -> None:
     """What a finished run leaves: ``summary.json``, the deployable student, phi, and the reward
     plot (rank 0 writes; under FSDP2 every rank takes part in gathering the weights)."""
     models, run_dir = ctx.models, ctx.run_dir
+    ctx.dist.enter("checkpoint")
     sharded = models.sharding.enabled
     student_sd = models.sharding.full_state_dict(models.student) if sharded else None
     phi = None
@@ -235,6 +236,7 @@ class Checkpoints:
             wall_seconds: wall time of the run so far.
             optimizer: include the optimizer states (needed to continue training exactly).
         """
+        self.dist.enter("checkpoint", step)
         meta = {**self._meta(step, state, rollouts, wall_seconds), "has_optimizer": optimizer}
         if self.sharded:
             self._save_dcp(step, state, meta, optimizer)
@@ -256,6 +258,7 @@ class Checkpoints:
         existing = self._existing()
         if not existing:
             return None
+        self.dist.enter("checkpoint")
         device = next(state.student.parameters()).device
         reasons = []
         for path in reversed(existing):
