@@ -266,6 +266,44 @@ def test_checkpointed_teacher_recomputes_with_the_adapter_disabled(trainer):
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+def test_cold_start_gradient_averaged_over_ranks_is_the_one_process_gradient(trainer):
+    """Each rank divides its share's NLL by ``batch / world``: the average over ranks that
+    ``Dist.average_gradients`` takes is then the gradient of the whole batch's mean, whatever
+    the world size (dividing by the batch alone gave 1 / world of it)."""
+    from lopd.latent.cold_start import cold_start_loss
+    from lopd.latent.teacher import TaskLatents
+    from lopd.run.seeds import Stream
+    from lopd.run.tasks import TaskSampler
+
+    tr = trainer
+    composer = tr.models.composer
+    data = tr.experience.trajectories
+    batch = 3
+
+    def grads(world: int) -> dict[str, torch.Tensor]:
+        total: dict[str, torch.Tensor] = {}
+        for rank in range(world):
+            mine = TaskSampler(0, rank, world).draw(
+                range(len(data)), batch, Stream.COLD_START_BATCH, 0
+            )
+            for p in composer.parameters():
+                p.grad = None
+            trajs = [data[i] for i in mine]
+            seqs = [tr.method.teacher_sequence(t) for t in trajs]
+            latents = TaskLatents(composer, tr.experience.retrieved)
+            loss = cold_start_loss(latents, trajs, seqs, batch, world, tr.models.pad_id, tr.device)
+            loss.backward()
+            for n, p in composer.named_parameters():
+                if p.grad is not None:
+                    total[n] = total.get(n, 0) + p.grad / world
+        return total
+
+    one, three = grads(1), grads(3)
+    assert one.keys() == three.keys() and one
+    for n in one:
+        torch.testing.assert_close(three[n], one[n], rtol=1e-4, atol=1e-7, msg=n)
+
+
 @contextlib.contextmanager
 def _forward_calls(layers):
     """Inside it, every call of a layer's ``forward`` (not its ``__call__``) appends the layer's

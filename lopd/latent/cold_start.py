@@ -59,19 +59,23 @@ def cold_start_loss(
     trajs: Sequence[Trajectory],
     sequences: Sequence[TeacherSequence],
     batch_size: int,
+    world: int,
     pad_id: int,
     device: torch.device,
     checkpointed: bool = False,
 ) -> torch.Tensor:
     """Eq. 14 on this rank's trajectories: per-trajectory token-mean NLL of the action tokens
-    under the latent-conditioned frozen backbone, summed and divided by the global batch size
-    (from the hidden states and the head by the fused kernel: no ``[N, V]`` logits).
+    under the latent-conditioned frozen backbone, summed and divided by ``batch_size / world`` (from
+    the hidden states and the head by the fused kernel: no ``[N, V]`` logits).
 
     Args:
         latents: c_phi of the trajectories' tasks (the composer over their retrievals).
         trajs: this rank's share of the step's bank trajectories.
         sequences: their teacher sequences.
         batch_size: trajectories in the step across ranks.
+        world: the number of ranks. Dividing by ``batch_size / world`` makes the average of the
+            ranks' gradients the gradient of the mean over the whole step, as in one process
+            (the trainer's losses follow the same rule, :mod:`lopd.parallel.lockstep`).
         pad_id: padding / placeholder id.
         device: where the models live.
         checkpointed: recompute the teacher forward in the backward.
@@ -83,7 +87,7 @@ def cold_start_loss(
     # The fused LM-head kernel: no [N, V] logits (the frozen head takes its gradient projection,
     # so the backward reaches h without recomputing the logits).
     nll = -lm_head_logprobs(lm_head(composer.backbone), h, where.targets)
-    return segment_mean(nll, where.batch, len(trajs)).sum() / batch_size
+    return segment_mean(nll, where.batch, len(trajs)).sum() * world / batch_size
 
 
 def cold_start(
@@ -135,6 +139,7 @@ def cold_start(
                         [data[i] for i in mine],
                         [sequence(i) for i in mine],
                         c.batch_size,
+                        dist.world,
                         pad_id,
                         device,
                         checkpointed=cfg.model.gradient_checkpointing,
@@ -146,7 +151,7 @@ def cold_start(
             scaler.step(opt)
             scaler.update()
             if loss is not None and step % max(1, c.steps // 10) == 0:
-                nll = loss.item() * c.batch_size / len(mine)
+                nll = loss.item() * c.batch_size / dist.world / len(mine)
                 log(f"cold start step {step}: nll {nll:.4f}")
         # Neither the cold start's AdamW moments nor phi's last gradients are needed again:
         # joint training builds its own optimizer (and would keep them alive otherwise).
