@@ -23,9 +23,6 @@ the forward: backend ``cpu[loss]``) alternating in one process, with both heads 
 (``LOPD_BENCH_FL_APART_GRADS``) at d = 256 and 1,024 (``LOPD_BENCH_FL_DS``), and records
 ``fwd_vs_materialized`` / ``bwd_vs_materialized``.
 
-``-k variants`` times the chunked path's two variants (``LOPD_FUSED_LINEAR_CHUNKED=v1|v2``)
-against each other, interleaved, and records ``cpu[v1]`` / ``cpu[v2]``.
-
 Each pass is ~2 TFLOP of GEMMs: on a small machine set ``LOPD_BENCH_FL_N=256`` (and/or
 ``LOPD_BENCH_FL_V``) for a quick look; ``LOPD_BENCH_THREADS`` sets the thread count (default 2,
 set for the run and restored).
@@ -146,21 +143,6 @@ SETUP = setup_code(D, "student-head" if HEAD_GRAD else "frozen-heads")
 
 RUNS = {"materialized": "run_materialized()", "fused": "run_fused()"}
 
-# The chunked path's variants (switch fused_linear_topk_tail_kl.chunked in
-# lopd_kernels/kernel_variants.py; v1 is the previous path), timed by
-# test_chunked_variants_interleaved (-k variants): LOPD_BENCH_FL_AB_ROUNDS calls of each,
-# alternating which goes first, so that a drifting machine load hits both alike.
-CHUNKED_SWITCH = "fused_linear_topk_tail_kl.chunked"
-CHUNKED_VARIANTS = ("v1", "v2")
-AB_ROUNDS = int(os.environ.get("LOPD_BENCH_FL_AB_ROUNDS", "3"))
-
-
-def _fused_as(kv: str) -> str:
-    return (
-        "from lopd_kernels.kernel_variants import use_variant\n"
-        f"with use_variant({CHUNKED_SWITCH!r}, {kv!r}):\n    run_fused()\n"
-    )
-
 
 @pytest.fixture(scope="module")
 def peak_extra() -> dict[str, int]:
@@ -178,17 +160,6 @@ def peak_extra() -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def variant_peaks() -> dict[str, int]:
-    """``peak_extra`` of the fused op under each chunked variant (fresh processes, requested
-    before ``env`` for the reason ``peak_extra`` gives)."""
-    extra = {}
-    for kv in CHUNKED_VARIANTS:
-        before, peak = peak_rss_bytes(SETUP, _fused_as(kv), threads=THREADS)
-        extra[kv] = max(0, peak - before - GRAD_BYTES)
-    return extra
-
-
-@pytest.fixture(scope="module")
 def env(peak_extra):
     with torch_threads(THREADS):
         ns: dict = {}
@@ -197,36 +168,6 @@ def env(peak_extra):
 
 
 _medians: dict[str, float] = {}
-
-
-# Defined first so that its fresh-process peaks are measured before env allocates anything.
-def test_chunked_variants_interleaved(benchmark, variant_peaks, env):
-    import statistics
-    import time
-
-    from lopd_kernels.kernel_variants import use_variant
-
-    times: dict[str, list[float]] = {kv: [] for kv in CHUNKED_VARIANTS}
-
-    def rounds() -> None:
-        for i in range(AB_ROUNDS):
-            for kv in CHUNKED_VARIANTS if i % 2 == 0 else CHUNKED_VARIANTS[::-1]:
-                env["clear_grads"]()
-                with use_variant(CHUNKED_SWITCH, kv):
-                    t0 = time.perf_counter()
-                    env["run_fused"]()
-                    times[kv].append(time.perf_counter() - t0)
-        env["clear_grads"]()
-
-    benchmark.group = f"fused_linear_topk_tail_kl chunked variants N={N} d={D} V={V} M={M}"
-    benchmark.pedantic(rounds, rounds=1, iterations=1)
-    medians = {kv: statistics.median(t) for kv, t in times.items()}
-    for kv in CHUNKED_VARIANTS:
-        record("fused_linear_topk_tail_kl", f"cpu[{kv}]", SHAPES, medians[kv], variant_peaks[kv],
-               threads=THREADS, calls_s=times[kv], interleaved_rounds=AB_ROUNDS)  # fmt: skip
-    peaks_mib = {k: v >> 20 for k, v in variant_peaks.items()}
-    print(f"\nchunked variants: medians {medians}, calls {times}, "
-          f"peak RSS beyond inputs/params/grads {peaks_mib} MiB")  # fmt: skip
 
 
 @pytest.mark.parametrize("variant", ["materialized", "fused"])

@@ -24,22 +24,6 @@ KL_DIVERGENCES = ("reverse", "forward")
 #: teacher's (the paper's), the student's, or the union of both (up to 2M ids).
 SUPPORTS = ("teacher", "student", "union")
 
-#: The options each kernel implementation of ``topk_tail_kl`` has (``"cpu"``, ``"cuda"``,
-#: ``"triton"``: its per-row kernels, which the chunked ``fused_linear_topk_tail_kl`` also runs)
-#: and the fused Triton kernel of ``fused_linear_topk_tail_kl`` (``"fused_triton"``). The
-#: references have all of them. ``backend="auto"`` routes a call whose ``support`` or
-#: ``divergence="jsd"`` (0 < beta < 1) an implementation lacks to the next one that has it (at
-#: worst the reference; the chunked path's epilogue to the PyTorch twins); an explicit backend
-#: that lacks it raises ``BackendUnavailableError``. An implementation that gains an option
-#: adds it here.
-TOPK_KERNEL_SUPPORTS = {
-    "cpu": SUPPORTS,
-    "cuda": SUPPORTS,
-    "triton": SUPPORTS,
-    "fused_triton": SUPPORTS,
-}
-TOPK_KERNEL_JSD = {"cpu": True, "cuda": True, "triton": True, "fused_triton": True}
-
 #: ``reduction=`` values of the loss modules.
 REDUCTIONS = ("none", "mean", "sum")
 

@@ -38,7 +38,7 @@ from lopd_kernels._constants import KERNEL_DTYPES, REDUCTIONS
 from lopd_kernels._custom_ops import CustomOps
 from lopd_kernels._reduction import reduce_kl
 from lopd_kernels.fused_linear_logprob_checks import check_inputs
-from lopd_kernels.fused_linear_logprob_chunked import block_plan, blocked_bwd, blocked_fwd
+from lopd_kernels.fused_linear_logprob_chunked import chunk_plan, chunked_bwd, chunked_fwd
 from lopd_kernels.topk_tail_kl_checks import check_values
 
 __all__ = [
@@ -120,7 +120,7 @@ def _forward(impl: str, args: tuple) -> tuple:
         except ImportError as err:
             raise triton_import_error(OP, err) from err
         return fused_linear_logprob_fwd_triton(*args)
-    return blocked_fwd(*args)
+    return chunked_fwd(*args)
 
 
 def _backward(impl: str, args: tuple) -> list:
@@ -129,7 +129,7 @@ def _backward(impl: str, args: tuple) -> list:
         from lopd_kernels.triton.fused_linear_logprob import fused_linear_logprob_bwd_triton
 
         return fused_linear_logprob_bwd_triton(*args)
-    return blocked_bwd(*args)
+    return chunked_bwd(*args)
 
 
 def _kernels(impl: str):
@@ -151,7 +151,7 @@ def _kernels(impl: str):
         """Forward: ``logprob [N]``, ``entropy [N]`` (``[0]`` unless ``with_entropy``), ``lse
         [N]`` (float32, log-sum-exp of the tempered logits, for the backward) and the gradient
         projection ``[N, d]`` in the hidden states' dtype where ``projection`` (frozen head),
-        else ``[0]``. ``chunk_size`` / ``vocab_block``: the block shape (``block_plan``)."""
+        else ``[0]``. ``chunk_size`` / ``vocab_block``: the chunk shape (``chunk_plan``)."""
         args = (hidden, weight, bias, targets, temperature, ignore_index, with_entropy)
         return _forward(impl, (*args, projection, chunk_size, vocab_block))
 
@@ -284,7 +284,7 @@ def fused_linear_logprob(
         with_entropy: also return the entropy of each row's distribution (differentiable).
         backend: ``"auto"``, ``"torch"`` (the reference), ``"cpu"``, ``"cuda"`` or ``"triton"``.
         chunk_size: token rows per chunk (``None``: up to 4,096 on CPU, 16,384 on a GPU); the
-            vocabulary block then fills the block budget (``block_plan``).
+            vocabulary chunk then fills the chunk budget (``chunk_plan``).
 
     Returns:
         :class:`FusedLinearLogprobOutput` ``(logprob, entropy)``: ``[N]`` float32 (float64 for
@@ -311,7 +311,7 @@ def fused_linear_logprob(
         and frozen
         and not with_entropy
     )
-    rows, vocab_block = block_plan(hidden.shape[0], weight.shape[0], hidden.device.type, chunk_size)
+    rows, vocab_block = chunk_plan(hidden.shape[0], weight.shape[0], hidden.device.type, chunk_size)
     lp, ent, _lse, _proj = CUSTOM_OPS.fwd_op(impl)(
         hidden, weight, bias, targets.long(), float(temperature), ignore_index, with_entropy,
         projection, rows, vocab_block,

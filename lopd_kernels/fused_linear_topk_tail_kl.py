@@ -32,17 +32,17 @@ from lopd_kernels._backend import OpBackends
 from lopd_kernels._constants import KERNEL_DTYPES
 from lopd_kernels._custom_ops import CustomOps
 from lopd_kernels.bucket_math import effective_top_m, op_divergence, support_width
+from lopd_kernels.chunked_linear import auto_chunk_rows
 from lopd_kernels.fused_linear_topk_tail_kl_checks import check_inputs
 from lopd_kernels.fused_linear_topk_tail_kl_chunked import (
-    auto_chunk_rows,
+    Needs,
     chunked_bwd,
     chunked_fwd,
     shared_head,
 )
+from lopd_kernels.op_outputs import FusedLinearTopKTailKLOpOutput, TopKTailKLOpOutput
 from lopd_kernels.topk_tail_kl import (
     TopKTailKLOutput,
-    kernel_option_refusal,
-    refuse_options,
     support_size,
     teacher_topk_mass,
     topk_tail_kl_reference,
@@ -122,33 +122,6 @@ def fused_linear_topk_tail_kl_reference(
 # ----------------------------------------------------------------------------------------------
 
 
-def _forward(impl: str, args: tuple, chunk_size: int, tail_proj: list[bool]) -> tuple:
-    if impl == "triton":
-        # triton is optional (machines without it run the chunked path): imported lazily.
-        from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_fwd_triton
-
-        *head, divergence, _beta, support, _ignore_index = args
-        refuse_options("fused_triton", divergence, support if head[7] else "teacher")
-        empty = args[0].new_empty(0, dtype=torch.float32)
-        out = fused_linear_fwd_triton(*args)
-        return (*out, empty, empty.clone())
-    return chunked_fwd(*args, chunk_size, (tail_proj[0], tail_proj[1]))
-
-
-def _backward_grads(
-    impl: str, args: tuple, projs: tuple, scalars: tuple, chunk_size: int, needs, shared: bool
-) -> list:
-    if impl == "triton":
-        # triton is optional (machines without it run the chunked path): imported lazily.
-        from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_bwd_triton
-
-        temperature, divergence, beta, support, ignore_index = scalars
-        refuse_options("fused_triton", divergence, support if args[10].shape[1] else "teacher")
-        scalars = (temperature, divergence, beta, ignore_index)
-        return fused_linear_bwd_triton(*args, *scalars, tuple(needs), shared)
-    return chunked_bwd(*args, *projs, *scalars, chunk_size, tuple(needs), shared)
-
-
 def _kernels(impl: str):
     """The forward and backward of implementation ``impl`` as functions with the op's schema
     (the chunked path for ``cpu`` / ``cuda``, the fused kernel for ``triton``)."""
@@ -170,21 +143,27 @@ def _kernels(impl: str):
         chunk_size: int,
         tail_proj: list[bool],
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """Forward on hidden states.
+        """Forward on hidden states: a ``FusedLinearTopKTailKLOpOutput`` (op_outputs.py).
 
-        Returns ``kl, student_logprob, teacher_logprob [N]``, ``topk_ids [N, K]``, ``lse [N, 2]``,
-        ``bucket_logp [N, 2, K+1]`` (as ``topk_tail_kl``'s ops, whose schema the options
-        ``top_m, temperature, divergence, beta, support, ignore_index`` follow) and the
-        student's / teacher's tail projections ``[N, d]`` float32 where ``tail_proj`` asks for
-        them (chunked, M > 0), else ``[0]``: ``sum_{j not in support} softmax(x / T)_j W[j]``,
-        which gives that side's hidden-state gradient in the backward without recomputing its
-        logits. ``chunk_size`` (0: automatic) and ``tail_proj`` are ignored by the Triton
+        The first six outputs are ``topk_tail_kl``'s ops' (whose schema the options ``top_m,
+        temperature, divergence, beta, support, ignore_index`` follow); then the student's /
+        teacher's tail projections ``[N, d]`` float32 where ``tail_proj`` asks for them
+        (chunked, M > 0), else ``[0]``: ``sum_{j not in support} softmax(x / T)_j W[j]``, which
+        gives that side's hidden-state gradient in the backward without recomputing its logits.
+        ``chunk_size`` (0: automatic) and ``tail_proj`` are ignored by the Triton
         implementation.
         """
-        args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight)
-        args += (teacher_bias, target_ids, top_m, temperature, divergence, beta, support)
-        args += (ignore_index,)
-        return _forward(impl, args, chunk_size, tail_proj)
+        head = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight)
+        head += (teacher_bias, target_ids)
+        options = (top_m, temperature, divergence, beta, support, ignore_index)
+        if impl == "triton":
+            # triton is optional (machines without it run the chunked path): imported lazily.
+            from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_fwd_triton
+
+            rows = TopKTailKLOpOutput(*fused_linear_fwd_triton(*head, *options))
+            empty = student_hidden.new_empty(0, dtype=torch.float32)
+            return FusedLinearTopKTailKLOpOutput(*rows, empty, empty.clone())
+        return chunked_fwd(*head, *options, chunk_size, (tail_proj[0], tail_proj[1]))
 
     def bwd(
         grad_kl: Tensor,
@@ -212,18 +191,25 @@ def _kernels(impl: str):
         needs: list[bool],
         shared_weight: bool,
     ) -> list[Tensor]:
-        """Backward: ``[d_student_hidden, d_student_weight, d_student_bias, d_teacher_hidden,
-        d_teacher_weight, d_teacher_bias]``; an entry not in ``needs`` (or the teacher weight when
-        ``shared_weight``, whose gradient is summed into the student's) is an empty ``[0]``
-        tensor."""
-        args = (grad_kl, grad_student_logprob, grad_teacher_logprob, student_hidden)
-        args += (student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias)
-        args += (target_ids, topk_ids, kl, lse, bucket_logp)
+        """Backward: :class:`~lopd_kernels.op_outputs.LinearPairGrads`' six gradients; an entry
+        not in ``needs`` (or the teacher weight when ``shared_weight``, whose gradient is summed
+        into the student's) is an empty ``[0]`` tensor. The support is read from ``topk_ids``."""
+        up = (grad_kl, grad_student_logprob, grad_teacher_logprob)
+        head = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight)
+        head += (teacher_bias, target_ids)
+        saved = (topk_ids, kl, lse, bucket_logp)
+        options = (temperature, divergence, beta, ignore_index)
+        if impl == "triton":
+            # triton is optional (machines without it run the chunked path): imported lazily.
+            from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_bwd_triton
+
+            grads = fused_linear_bwd_triton(*up, *head, *saved, *options, tuple(needs),
+                                            shared_weight)  # fmt: skip
+            # One fresh empty per unused slot: a custom op's outputs must not alias each other.
+            return [student_hidden.new_empty(0) if g is None else g for g in grads]
         projs = (student_tail_proj, teacher_tail_proj)
-        scalars = (temperature, divergence, beta, support, ignore_index)
-        grads = _backward_grads(impl, args, projs, scalars, chunk_size, needs, shared_weight)
-        # One fresh empty per unused slot: a custom op's outputs must not alias each other.
-        return [student_hidden.new_empty(0) if g is None else g for g in grads]
+        return list(chunked_bwd(*up, *head, *saved, *projs, *options, chunk_size, Needs(*needs),
+                                shared_weight))  # fmt: skip
 
     return fwd, bwd
 
@@ -292,13 +278,13 @@ def _make_backward(bwd_op):
     def backward(ctx, g_kl, g_slp, g_tlp, *_unused):
         hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket, proj_s, proj_t = ctx.saved_tensors
         temperature, divergence, beta, support, ignore, chunk = ctx.args
-        needs = list(ctx.needs_input_grad[:6])
+        needs = Needs(*ctx.needs_input_grad[:6])
         zeros = kl.new_zeros(kl.shape)
         g_kl, g_slp, g_tlp = (zeros if g is None else g for g in (g_kl, g_slp, g_tlp))
         shared = shared_head(ws, wt, needs)
         grads = bwd_op(
             g_kl, g_slp, g_tlp, hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket, proj_s,
-            proj_t, temperature, divergence, beta, support, ignore, chunk, needs, shared,
+            proj_t, temperature, divergence, beta, support, ignore, chunk, list(needs), shared,
         )  # fmt: skip
         out = [g if need and g.numel() else None for g, need in zip(grads, needs)]
         if shared and out[1] is None and needs[1]:
@@ -384,11 +370,7 @@ def fused_linear_topk_tail_kl(
     fp64 = torch.float64 in (hs.dtype, ht.dtype)
     div, div_beta = op_divergence(divergence, beta)
     m = effective_top_m(m, ws.shape[0])
-    # The chunked "cpu" / "cuda" paths have every option (their epilogue falls back to the
-    # PyTorch twins where a per-row kernel lacks one); the fused Triton kernel has its own.
-    refusal = kernel_option_refusal("fused_triton", div, support if m else "teacher")
-    unsupported = {} if refusal is None else {"triton": refusal}
-    impl = BACKENDS.resolve(backend, hs.device, fp64=fp64, unsupported=unsupported)
+    impl = BACKENDS.resolve(backend, hs.device, fp64=fp64)
     if impl == "triton" and any(dt not in KERNEL_DTYPES for dt in (hs.dtype, ht.dtype)):
         raise TypeError(f"backend='triton' supports {KERNEL_DTYPES}, got {hs.dtype}, {ht.dtype}")
     if impl == "torch":

@@ -69,25 +69,6 @@ SWITCHES: dict[str, Switch] = {
             "the full-vocabulary mode."
         ),
     ),
-    "fused_linear_topk_tail_kl.chunked": Switch(
-        env="LOPD_FUSED_LINEAR_CHUNKED",
-        choices=("v1", "v2"),
-        default="v2",
-        doc=(
-            "The chunked path of fused_linear_topk_tail_kl (backends cpu / cuda, "
-            "lopd_kernels/fused_linear_topk_tail_kl_chunked.py). v1: on a GPU the CUDA per-row "
-            "kernels as the epilogue (Triton only without them); the frozen-head tail projection "
-            "by three "
-            "elementwise passes + a scatter (+ a cast for a bf16 head); on a GPU with a bf16 head "
-            "the logit gradient cast twice (once per GEMM) and the weight gradient accumulated "
-            "as `out += part` per 64 MiB slab. v2: Triton-first epilogue on a GPU (as "
-            "topk_tail_kl's auto); the tail probabilities in one pass (Triton on a GPU, written "
-            "in the GEMM dtype; two PyTorch passes on CPU); one cast of the logit gradient per "
-            "chunk, accumulated into the float32 weight gradient by one fp32-output addmm "
-            "where this torch/cuBLAS supports it. CPU with fp32 or the C++ epilogue: the same "
-            "GEMMs in both."
-        ),
-    ),
     "fused_linear_logprob.cpu_half": Switch(
         env="LOPD_FUSED_LOGPROB_CPU_HALF",
         choices=("upcast", "native"),

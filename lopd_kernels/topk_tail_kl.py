@@ -36,18 +36,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lopd_kernels._backend import (
-    BackendUnavailableError,
-    OpBackends,
-    compiled_unavailable,
-    triton_import_error,
-)
-from lopd_kernels._constants import (
-    CUDA_TOPK_MAX_TOP_M,
-    TOPK_KERNEL_JSD,
-    TOPK_KERNEL_SUPPORTS,
-    TRITON_TOPK_MAX_TOP_M,
-)
+from lopd_kernels._backend import OpBackends, compiled_unavailable, triton_import_error
+from lopd_kernels._constants import CUDA_TOPK_MAX_TOP_M, TRITON_TOPK_MAX_TOP_M
 from lopd_kernels._custom_ops import CustomOps
 from lopd_kernels._reduction import check_module_options, reduce_kl
 from lopd_kernels.bucket_math import (
@@ -111,17 +101,6 @@ class TopKTailKLOutput(NamedTuple):
     topk_ids: Tensor
     teacher_topk_mass: Tensor
     support_size: Tensor
-
-
-def kernel_option_refusal(impl: str, divergence: str, support: str) -> str | None:
-    """Why kernel implementation ``impl`` cannot take ``support`` / ``divergence`` (as the ops
-    take it: :func:`lopd_kernels.bucket_math.op_divergence`), or None
-    (:data:`lopd_kernels._constants.TOPK_KERNEL_SUPPORTS`, ``TOPK_KERNEL_JSD``)."""
-    if support not in TOPK_KERNEL_SUPPORTS.get(impl, ("teacher",)):
-        return f"has no kernel for support={support!r} yet"
-    if divergence == "jsd" and not TOPK_KERNEL_JSD.get(impl, False):
-        return "has no kernel for divergence='jsd' (0 < beta < 1) yet"
-    return None
 
 
 # ------------------------------------------------------------------------------------ reference
@@ -326,18 +305,6 @@ def _triton_launchers():
     return topk_tail_kl_fwd_triton, topk_tail_kl_bwd_triton
 
 
-def refuse_options(impl: str, divergence: str, support: str) -> None:
-    """Raises :class:`BackendUnavailableError` when kernel ``impl`` (a key of
-    ``TOPK_KERNEL_SUPPORTS``) lacks the options: the op itself refuses them (the public
-    functions never send them: their resolvers know)."""
-    reason = kernel_option_refusal(impl, divergence, support)
-    if reason is not None:
-        name = "triton" if impl == "fused_triton" else impl
-        raise BackendUnavailableError(
-            f"{OP}: backend={name!r} {reason}; backend='auto' picks an implementation that has it"
-        )
-
-
 def _triton_fwd(
     student_logits: Tensor,
     teacher_logits: Tensor,
@@ -350,7 +317,6 @@ def _triton_fwd(
     ignore_index: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Triton forward as an opaque op (same contract as ``lopd::topk_tail_kl_cpu_fwd``)."""
-    refuse_options("triton", divergence, support if top_m else "teacher")
     fwd, _ = _triton_launchers()
     vocab = student_logits.shape[-1]
     if target_ids.is_cuda:
@@ -387,7 +353,6 @@ def _triton_bwd(
     teacher_requires_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     """Triton backward as an opaque op (same contract as ``lopd::topk_tail_kl_cpu_bwd``)."""
-    refuse_options("triton", divergence, "teacher")
     _, bwd = _triton_launchers()
     return bwd(
         grad_kl.contiguous(), grad_student_logprob.contiguous(),
@@ -402,20 +367,14 @@ CUSTOM_OPS.define("triton", _triton_fwd, _triton_bwd)
 CUSTOM_OPS.register_compiled()
 
 
-def _limits(top_m: int, divergence: str, support: str) -> dict[str, str]:
-    """Per-call reasons an implementation cannot take these options (``top_m`` 0: the full
-    vocabulary; ``divergence`` as the ops take it)."""
+def implementation_limits(top_m: int) -> dict[str, str]:
+    """Per-call reasons an implementation cannot take ``top_m`` (0: the full vocabulary): the
+    ``unsupported`` argument of :meth:`OpBackends.resolve`."""
     out = {}
     if top_m > TRITON_TOPK_MAX_TOP_M:
         out["triton"] = f"supports top_m <= {TRITON_TOPK_MAX_TOP_M} (or None), got {top_m}"
     if top_m > CUDA_TOPK_MAX_TOP_M:
         out["cuda"] = f"supports top_m <= {CUDA_TOPK_MAX_TOP_M} (or None), got {top_m}"
-    # The full vocabulary has no support to select: only the divergence matters there.
-    support = "teacher" if top_m == 0 else support
-    for impl in ("cpu", "cuda", "triton"):
-        reason = kernel_option_refusal(impl, divergence, support)
-        if reason is not None and impl not in out:
-            out[impl] = reason
     return out
 
 
@@ -475,8 +434,7 @@ def topk_tail_kl(
         beta, support,
     )  # fmt: skip
     fp64 = torch.float64 in (student_logits.dtype, teacher_logits.dtype)
-    div, _ = op_divergence(divergence, beta)
-    limits = _limits(m, div, support)
+    limits = implementation_limits(m)
     name = BACKENDS.resolve(backend, student_logits.device, fp64=fp64, unsupported=limits)
     if name == "torch":
         return topk_tail_kl_reference(

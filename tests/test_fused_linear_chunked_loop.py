@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import lopd_kernels as lk
+from lopd_kernels.chunked_linear import Chunk
 from tests.test_fused_linear_topk_tail_kl import check, make_inputs
 from tests.utils import assert_close
 
@@ -80,16 +81,16 @@ def test_strided_hidden_rows(dense, top_m):
 
 @pytest.fixture
 def logit_blocks(monkeypatch):
-    """Records, per call of ``logits_block``, the storage it wrote the logits into."""
+    """Records, per call of ``Chunk.logits``, the storage it wrote the logits into."""
     seen: list[int] = []
-    inner = chunked.logits_block
+    inner = Chunk.logits
 
-    def recording(h, w, b, out=None):
-        logits = inner(h, w, b, out)
+    def recording(self, k, slot=None):
+        logits = inner(self, k, slot)
         seen.append(logits.untyped_storage().data_ptr())
         return logits
 
-    monkeypatch.setattr(chunked, "logits_block", recording)
+    monkeypatch.setattr(Chunk, "logits", recording)
     return seen
 
 

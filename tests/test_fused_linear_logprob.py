@@ -139,7 +139,7 @@ def test_matches_reference_fp32(impl, case):
 def test_many_vocabulary_blocks(impl, monkeypatch):
     """A block budget of a few entries per row: dozens of vocabulary blocks and token chunks, the
     online log-sum-exp (and the projection's rescaled accumulator) across all of them."""
-    monkeypatch.setitem(chunked.BLOCK_BUDGET, "cpu", 3 * 64 * 4)
+    monkeypatch.setitem(chunked.CHUNK_BUDGET, "cpu", 3 * 64 * 4)
     inputs, targets = make_inputs(11, 16, 1001, bias=True, seed=2)
     check(inputs, targets, impl, torch.float32, chunk_size=3, with_entropy=True)
     check(inputs, targets, impl, torch.float32, requires={"hidden"}, chunk_size=3)  # projection
@@ -255,7 +255,7 @@ def test_cpu_bf16_gemm_variants(variant, monkeypatch):
     """A bf16 head on CPU: float32 GEMMs of upcast blocks, or bf16 GEMMs (oneDNN; used where the
     CPU has AVX512-BF16), both within bf16 tolerance of the float64 reference, several chunks."""
     monkeypatch.setenv("LOPD_FUSED_LOGPROB_CPU_HALF", variant)
-    monkeypatch.setitem(chunked.BLOCK_BUDGET, "cpu", 4 * 64 * 4)
+    monkeypatch.setitem(chunked.CHUNK_BUDGET, "cpu", 4 * 64 * 4)
     inputs, targets = make_inputs(13, 48, 301, torch.bfloat16, bias=True, seed=15)
     check(inputs, targets, "cpu", torch.bfloat16, chunk_size=4, with_entropy=True)
     check(inputs, targets, "cpu", torch.bfloat16, requires={"hidden"}, chunk_size=4)
@@ -430,18 +430,18 @@ def test_float64_only_on_the_reference():
         fused_linear_logprob(h, w, targets, backend="cpu")
 
 
-def test_block_plan_and_working_set():
+def test_chunk_plan_and_working_set():
     """Vocabulary blocks of at most 16,384 entries whatever the rows (a short batch too: no
     [N, V] block), all within the block budget; the working-set bound counts what the op
     allocates."""
-    budget = chunked.BLOCK_BUDGET["cpu"]
-    assert chunked.block_plan(100, 151_936) == (100, chunked.MAX_BLOCK_VOCAB)
-    assert chunked.block_plan(100, 151_936, "cuda") == (100, chunked.MAX_BLOCK_VOCAB)
-    assert chunked.block_plan(3, 1000) == (3, 1000)
-    rows, vb = chunked.block_plan(40_960, 151_936)
+    budget = chunked.CHUNK_BUDGET["cpu"]
+    assert chunked.chunk_plan(100, 151_936) == (100, chunked.MAX_CHUNK_VOCAB)
+    assert chunked.chunk_plan(100, 151_936, "cuda") == (100, chunked.MAX_CHUNK_VOCAB)
+    assert chunked.chunk_plan(3, 1000) == (3, 1000)
+    rows, vb = chunked.chunk_plan(40_960, 151_936)
     assert rows == chunked.MAX_CHUNK_ROWS["cpu"] and vb % 64 == 0 and rows * vb * 4 <= budget
-    assert chunked.block_plan(2048, 151_936, chunk_size=7)[0] == 7
-    assert chunked.block_plan(10**6, 10, "cuda")[1] == 10
+    assert chunked.chunk_plan(2048, 151_936, chunk_size=7)[0] == 7
+    assert chunked.chunk_plan(10**6, 10, "cuda")[1] == 10
     work = chunked.workspace_bytes(40_960, 151_936, 4096, torch.bfloat16, head_grad=True)
     assert budget < work < budget + 4 * 151_936 * 4096 + 5 * 4 * 4096 * 4096
     frozen = chunked.workspace_bytes(2048, 151_936, 1024, projection=True, head_grad=False)

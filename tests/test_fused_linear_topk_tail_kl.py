@@ -185,9 +185,8 @@ def emulated_cuda_epilogue(monkeypatch):
     monkeypatch.setattr(
         chunked,
         "epilogue_kernels",
-        lambda device, top_m=0, divergence="reverse", support="teacher": (
-            ops.topk_tail_kl_cuda_fwd,
-            ops.topk_tail_kl_cuda_bwd,
+        lambda device, top_m=0: chunked.EpilogueKernels(
+            ops.topk_tail_kl_cuda_fwd, ops.topk_tail_kl_cuda_bwd
         ),
     )
 
@@ -317,7 +316,7 @@ def test_sharp_teacher_exact_tail():
 
 
 def test_auto_chunk_rows(monkeypatch):
-    chunked = importlib.import_module("lopd_kernels.fused_linear_topk_tail_kl_chunked")
+    chunked = importlib.import_module("lopd_kernels.chunked_linear")
     monkeypatch.setattr(chunked, "_free_memory_bytes", lambda device: 64 << 30)
     # 384 MiB cap / (4 blocks x 4 B x V) = 165 rows, 8-aligned: 160; 26 chunks of 158 -> 160.
     assert auto_chunk_rows(151_936, 4096) == 160

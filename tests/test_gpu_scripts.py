@@ -89,8 +89,7 @@ def test_every_benchmark_wrote_its_records(dry_run):
     lopd_topk += ["trl_eager"] if HAS_TRL else []
     want |= {("topk_tail_kl", b, p) for b in lopd_topk for p in ("fwd", "bwd", "fwd+bwd")}
     want.add(("topk_tail_kl", "torch_topk", "fwd"))
-    # "chunked[v1]": the chunked path's previous variant, timed next to the default one.
-    fused = ["materialized", "chunked", "chunked[v1]", "triton"]
+    fused = ["materialized", "chunked", "triton"]
     fused += ["trl_chunked_divergence"] if HAS_TRL else []
     want |= {("fused_linear_topk_tail_kl", b, p) for b in fused for p in ("fwd", "bwd")}
     want |= {("varlen_cross_attention", b, p) for b in ("triton", "cuda", "sdpa_padded")

@@ -18,8 +18,6 @@ import math
 import pytest
 import torch
 
-import lopd_kernels as lk
-from lopd_kernels import _constants
 from lopd_kernels.bucket_math import op_divergence, rows_bwd_torch, rows_fwd_torch
 from tests.utils import assert_close, triton_interpret
 
@@ -192,31 +190,3 @@ def test_dtypes_and_strided_rows():
         check_options(
             s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), 9, 0.9, "jsd", 0.6, support, 32
         )
-
-
-def test_routing_flags_gate_the_triton_kernels(monkeypatch):
-    """With an option off in ``TOPK_KERNEL_SUPPORTS`` / ``TOPK_KERNEL_JSD`` an explicit
-    ``backend="triton"`` (per-row and fused) and the Triton ops themselves refuse it in one
-    line; ``"auto"`` routes the call elsewhere."""
-    for impl in ("triton", "fused_triton"):
-        monkeypatch.setitem(_constants.TOPK_KERNEL_SUPPORTS, impl, ("teacher",))
-        monkeypatch.setitem(_constants.TOPK_KERNEL_JSD, impl, False)
-    gen = torch.Generator().manual_seed(6)
-    s, t = torch.randn(3, 40, generator=gen), torch.randn(3, 40, generator=gen)
-    target = torch.tensor([1, IGNORE, 39])
-    h_s, h_t = torch.randn(3, 8, generator=gen), torch.randn(3, 8, generator=gen)
-    w_s, w_t = torch.randn(40, 8, generator=gen), torch.randn(40, 8, generator=gen)
-    op = torch.ops.lopd.topk_tail_kl_triton_fwd
-    for kw in ({"support": "union"}, {"support": "student"}, {"divergence": "jsd", "beta": 0.5}):
-        match = "backend='triton' has no kernel for"
-        with pytest.raises(lk.BackendUnavailableError, match=match):
-            lk.topk_tail_kl(s, t, target, top_m=4, backend="triton", **kw)
-        with pytest.raises(lk.BackendUnavailableError, match=match):
-            lk.fused_linear_topk_tail_kl(h_s, w_s, h_t, w_t, target, top_m=4, backend="triton",
-                                         **kw)  # fmt: skip
-        div, beta = op_divergence(kw.get("divergence", "reverse"), kw.get("beta"))
-        with pytest.raises(lk.BackendUnavailableError, match=match):
-            op(s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), 4, 1.0, div, beta,
-               kw.get("support", "teacher"), IGNORE)  # fmt: skip
-        out = lk.topk_tail_kl(s, t, target, top_m=4, backend="auto", **kw)
-        assert torch.isfinite(out.kl).all()
