@@ -50,12 +50,12 @@ def layout(world: int, kind: str) -> tuple[list[int], list[int], bool]:
     return starts, sizes, kind != "even"
 
 
-def gather_full(shard: torch.Tensor, starts: list[int]) -> torch.Tensor:
-    """The whole ``[..., V]`` tensor from every rank's ``[..., V_r]`` shard."""
+def gather_full(shard: torch.Tensor, starts: list[int], dim: int = -1) -> torch.Tensor:
+    """The whole tensor from every rank's shard of it along ``dim`` (the vocabulary's)."""
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, shard.detach())
     order = sorted(range(len(parts)), key=lambda r: starts[r])
-    return torch.cat([parts[r] for r in order], -1)
+    return torch.cat([parts[r] for r in order], dim)
 
 
 def upstream(n: int, count: int, seed: int = 7) -> list[torch.Tensor]:
@@ -410,11 +410,15 @@ def error_cases(world: int) -> dict[str, Callable[[int, int], None]]:
 
 def cases_for(world: int) -> list[tuple[str, Callable[[int, int], str | None]]]:
     """Every case for a group of ``world`` ranks, in the order every rank runs them."""
+    # The fused ops' cases (a module of their own) build on this module's helpers.
+    from tests.vocab_parallel_fused_cases import fused_cases
+
     out: list[tuple[str, Callable]] = []
     for name, case in DENSE.items():
         out.append((name, lambda r, w, c=case: check_dense(c, r, w)))
     for name, case in SPARSE.items():
         out.append((name, lambda r, w, c=case: check_sparse(c, r, w)))
+    out.extend(fused_cases())
     out.extend(error_cases(world).items())
     return out
 

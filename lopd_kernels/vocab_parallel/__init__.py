@@ -10,7 +10,16 @@ scalars, never the logits. docs/kernels.md lists each op's collectives and bytes
 docs/math.md, section 7, why the results are exact.
 """
 
+from lopd_kernels.vocab_parallel.fused_linear_logprob import fused_linear_logprob
+from lopd_kernels.vocab_parallel.fused_linear_topk_tail_kl_loss import (
+    fused_linear_topk_tail_kl_loss,
+)
 from lopd_kernels.vocab_parallel.sparse_teacher_topk_tail_kl import sparse_teacher_topk_tail_kl
 from lopd_kernels.vocab_parallel.topk_tail_kl import topk_tail_kl
 
-__all__ = ["sparse_teacher_topk_tail_kl", "topk_tail_kl"]
+__all__ = [
+    "fused_linear_logprob",
+    "fused_linear_topk_tail_kl_loss",
+    "sparse_teacher_topk_tail_kl",
+    "topk_tail_kl",
+]

@@ -19,7 +19,7 @@ ranks that pass *different* groups cannot meet in any collective (docs/kernels.m
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
+    "LocalShard",
     "ShardLayout",
     "agree",
     "all_gather_rows",
@@ -37,9 +38,30 @@ __all__ = [
 
 #: The metadata header of :func:`agree`: error code, N, V_local, vocab_start, whether given.
 _HEADER = 5
+#: Integers per rank of :func:`agree`'s gather (the header, the fingerprint, the minimums).
+_META_WIDTH = 32
 #: Bytes of a rank's error message sent to the others (the error path only).
 _MESSAGE_BYTES = 480
 _ERRORS = {1: ValueError, 2: TypeError}
+
+
+class LocalShard(NamedTuple):
+    """What one rank's own checks found (the ``check`` of :func:`agree`).
+
+    Attributes:
+        rows: ``N``, the rows this rank holds.
+        vocab_local: ``V_local``, its vocabulary shard's size.
+        vocab_start: its first global id, or None (Megatron's ``rank * V_local``).
+        fingerprint: named integers that must be equal on every rank (:func:`fingerprint`).
+        minimums: named integers every rank replaces by the group's minimum (e.g. the rows per
+            chunk of a loop that runs a collective per chunk, from each rank's free memory).
+    """
+
+    rows: int
+    vocab_local: int
+    vocab_start: int | None
+    fingerprint: tuple[tuple[str, int], ...] = ()
+    minimums: tuple[tuple[str, int], ...] = ()
 
 
 class ShardLayout(NamedTuple):
@@ -52,6 +74,7 @@ class ShardLayout(NamedTuple):
         sizes: ``V_local`` of each group rank.
         vocab: ``V``, the whole (padded) vocabulary, ``sum(sizes)``.
         rows: ``N``, the rows every rank holds.
+        minimums: the group's minimum of each of :attr:`LocalShard.minimums`.
     """
 
     group: dist.ProcessGroup | None
@@ -60,6 +83,7 @@ class ShardLayout(NamedTuple):
     sizes: tuple[int, ...]
     vocab: int
     rows: int
+    minimums: dict[str, int]
 
     @property
     def world(self) -> int:
@@ -200,7 +224,7 @@ def agree(
     op: str,
     group: dist.ProcessGroup | None,
     *,
-    check: Callable[[], tuple[int, int, int | None, Sequence[tuple[str, int]]]],
+    check: Callable[[], LocalShard],
     device_of: Tensor | None,
 ) -> ShardLayout:
     """The shard layout every rank agrees on, or the same error on every rank.
@@ -208,9 +232,8 @@ def agree(
     Args:
         op: the op's name, for messages.
         group: the tensor-parallel group (``None``: the default group).
-        check: this rank's checks of its own arguments; returns ``(N, V_local, vocab_start,
-            fingerprint)`` (``vocab_start`` None: Megatron's ``rank * V_local``). A
-            ``TypeError`` / ``ValueError`` it raises is sent to every rank and raised there.
+        check: this rank's checks of its own arguments. A ``TypeError`` / ``ValueError`` it
+            raises is sent to every rank and raised there.
         device_of: a tensor on the device the collectives use (the inputs'), if there is one.
 
     Raises:
@@ -220,20 +243,22 @@ def agree(
     """
     rank, world = _group_position(group, op)
     code, message = 0, ""
-    n = v_local = 0
-    start: int | None = None
-    prints: Sequence[tuple[str, int]] = ()
+    local = LocalShard(0, 0, None)
     try:
-        n, v_local, start, prints = check()
+        local = check()
     except (TypeError, ValueError) as err:
         code, message = (2 if isinstance(err, TypeError) else 1), str(err)
     device = _comm_device(group, device_of if code == 0 else None)
-    # The number of fingerprint fields is the op's own (all ranks call the same op): a failed
-    # check sends zeros in their place.
-    width = len(prints) if code == 0 else 0
-    header = [code, n, v_local, -1 if start is None else start, int(start is not None)]
-    meta = torch.tensor([*header, width, *(v for _, v in prints)], dtype=torch.int64)
-    meta = torch.nn.functional.pad(meta, (0, 32 - meta.numel())) if meta.numel() < 32 else meta
+    # The fields after the header are the op's own (all ranks call the same op); a rank whose
+    # check failed sends none (its code says so).
+    prints, mins = local.fingerprint, local.minimums
+    start = local.vocab_start
+    header = [code, local.rows, local.vocab_local, -1 if start is None else start]
+    header.append(int(start is not None))
+    values = [*header, len(prints), *(v for _, v in prints), len(mins), *(v for _, v in mins)]
+    # A fixed size on every rank, whatever its check found: the gather cannot mismatch.
+    meta = torch.zeros(_META_WIDTH, dtype=torch.int64)
+    meta[: len(values)] = torch.tensor(values[:_META_WIDTH], dtype=torch.int64)
     gathered = _gather_fixed(meta.to(device), group, world).cpu() if world > 1 else meta[None]
     codes = gathered[:, 0]
     if bool((codes != 0).any()):
@@ -245,15 +270,17 @@ def agree(
         raise ValueError(
             f"vocab_parallel.{op}: every rank must hold the same rows, got N = {rows} by rank"
         )
-    names = [name for name, _ in prints]
-    values = gathered[:, _HEADER + 1 : _HEADER + 1 + len(names)]
-    for i, name in enumerate(names):
-        if bool((values[:, i] != values[0, i]).any()):
-            differ = [r for r in range(world) if values[r, i] != values[0, i]]
+    first = _HEADER + 1
+    for i, (name, _) in enumerate(prints):
+        column = gathered[:, first + i]
+        if bool((column != column[0]).any()):
+            differ = [r for r in range(world) if column[r] != column[0]]
             raise ValueError(
                 f"vocab_parallel.{op}: {name} must be the same on every rank of the group; "
                 f"ranks {differ} differ from rank 0"
             )
+    first += len(prints) + 1
+    minimums = {name: int(gathered[:, first + i].min()) for i, (name, _) in enumerate(mins)}
     sizes = tuple(gathered[:, 2].tolist())
     given = gathered[:, 4].tolist()
     if len(set(given)) > 1:
@@ -268,7 +295,7 @@ def agree(
     else:
         starts = tuple(r * sizes[r] for r in range(world))
     _check_tiling(op, starts, sizes, bool(given[0]))
-    return ShardLayout(group, rank, starts, sizes, sum(sizes), rows[0])
+    return ShardLayout(group, rank, starts, sizes, sum(sizes), rows[0], minimums)
 
 
 def _check_tiling(op: str, starts: tuple[int, ...], sizes: tuple[int, ...], given: bool) -> None:

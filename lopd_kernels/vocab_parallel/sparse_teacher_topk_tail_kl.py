@@ -36,6 +36,7 @@ from lopd_kernels.vocab_parallel.candidates import owner_logprob
 from lopd_kernels.vocab_parallel.shard_grads import sparse_shard_grads, sparse_shard_grads_torch
 from lopd_kernels.vocab_parallel.shard_stats import compute_dtype, sparse_shard_stats
 from lopd_kernels.vocab_parallel.shards import (
+    LocalShard,
     ShardLayout,
     agree,
     all_gather_rows,
@@ -191,7 +192,7 @@ def sparse_teacher_topk_tail_kl(
             teacher_topk_logprobs=checksum(lp),
             precision=str(compute_dtype(s, lp)),
         )
-        return target_ids.numel(), s.shape[-1], vocab_start, prints
+        return LocalShard(target_ids.numel(), s.shape[-1], vocab_start, prints)
 
     device = s if isinstance(s, Tensor) else None
     layout = agree("sparse_teacher_topk_tail_kl", group, check=check, device_of=device)

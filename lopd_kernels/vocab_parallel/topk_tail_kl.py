@@ -18,37 +18,23 @@ from torch import Tensor
 from lopd_kernels._backend import check_backend
 from lopd_kernels.bucket_math import op_divergence, support_size, support_width
 from lopd_kernels.row_layout import rows_in_place
-from lopd_kernels.topk_tail_kl import BACKENDS, TopKTailKLOutput
-from lopd_kernels.topk_tail_kl import _limits as kernel_limits
+from lopd_kernels.topk_tail_kl import BACKENDS, TopKTailKLOutput, implementation_limits
 from lopd_kernels.topk_tail_kl_checks import (
     check_inputs,
     check_rows_have_mass,
     check_targets_in_range,
 )
-from lopd_kernels.vocab_parallel.candidates import (
-    bucket_kl,
-    merge_full_kl,
-    merge_topk,
-    owner_logprob,
-    pack,
-    unpack,
-)
-from lopd_kernels.vocab_parallel.shard_grads import topk_shard_grads, topk_shard_grads_torch
-from lopd_kernels.vocab_parallel.shard_stats import (
-    compute_dtype,
-    full_shard_stats,
-    jsd_partial_kls,
-    topk_shard_stats,
-)
+from lopd_kernels.vocab_parallel.block_stats import BlockOptions, block_grads, merge_block
+from lopd_kernels.vocab_parallel.shard_stats import compute_dtype
 from lopd_kernels.vocab_parallel.shards import (
+    LocalShard,
     ShardLayout,
     agree,
-    all_gather_rows,
     checksum,
     fingerprint,
 )
 
-__all__ = ["topk_tail_kl"]
+__all__ = ["support_mass", "topk_tail_kl"]
 
 _SIDES = ("student_logits", "teacher_logits")
 
@@ -58,16 +44,11 @@ class _Plan(NamedTuple):
 
     layout: ShardLayout
     target: Tensor  # [N] int64 global targets
-    m: int  # 0: the full vocabulary
-    support: str
-    temperature: float
-    divergence: str  # as the kernels take it (op_divergence)
-    beta: float
     ignore_index: int
-    impl: str  # the single-process implementation of this shard
+    opts: BlockOptions
 
 
-def _support_mass(bucket: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+def support_mass(bucket: Tensor, target: Tensor, ignore_index: int) -> Tensor:
     """``[N]`` the teacher's mass on the support, ``sum_i exp(log Q_i)`` in the buckets' dtype
     (1 for the full vocabulary, 0 at ignored rows): the single-process op's
     ``teacher_topk_mass``, kept in float64 for float64 inputs."""
@@ -76,68 +57,17 @@ def _support_mass(bucket: Tensor, target: Tensor, ignore_index: int) -> Tensor:
     return torch.where(target == ignore_index, torch.zeros_like(mass), mass)
 
 
-def _uses_twin(plan: _Plan, v_local: int) -> bool:
-    """Whether this shard runs the PyTorch twins (no kernel takes it)."""
-    if plan.impl == "torch":
-        return True
-    if plan.m == 0:
-        return plan.divergence == "jsd"
-    return plan.m >= v_local
-
-
-def _merge_rows(plan: _Plan, s: Tensor, t: Tensor, local: Tensor, ignore: int, rows: Tensor):
-    """``(ids [R, K], bucket_logp [R, 2, K+1], lse [R, 2], logprob [R, 2], kl [R], jsd_kls)``
-    float64 global statistics of the rows ``rows`` (those with a target): one all-gather (two
-    for the full-vocabulary JSD)."""
-    layout = plan.layout
-    impl = "torch" if _uses_twin(plan, s.shape[-1]) else plan.impl
-    dt = compute_dtype(s, t)
-    owner = layout.owner(plan.target.index_select(0, rows))
-    if plan.m:
-        stats = topk_shard_stats(
-            impl, s, t, local, ignore, plan.m, plan.support, plan.temperature,
-            plan.divergence, plan.beta, layout.start,
-        )  # fmt: skip
-        kept = type(stats)(*(x.index_select(0, rows) for x in stats))
-        k = kept.ids.shape[1]
-        merged = merge_topk(
-            unpack(all_gather_rows(pack(kept, dt), layout), k),
-            plan.m, plan.support, plan.temperature, owner,
-        )  # fmt: skip
-        kl = bucket_kl(merged.bucket_logp, plan.divergence, plan.beta)
-        return (*merged, kl, None)
-    full = full_shard_stats(impl, s, t, local, ignore, plan.temperature, plan.divergence)
-    cols = torch.cat([full.kl.unsqueeze(1), full.lse, full.logprob], 1).index_select(0, rows)
-    got = all_gather_rows(cols.to(dt), layout).double()  # [W, R, 5]
-    kl, lse = merge_full_kl(got[..., 0], got[..., 1:3], plan.divergence == "reverse")
-    logprob = torch.stack(
-        [owner_logprob(got[..., 3 + x], got[..., 1 + x], owner) for x in (0, 1)], 1
-    )
-    jsd_kls = None
-    if plan.divergence == "jsd":
-        keep = torch.zeros(s.numel() // s.shape[-1], dtype=torch.bool, device=s.device)
-        keep[rows] = True
-        lse_all = lse.new_zeros(keep.shape[0], 2).index_copy_(0, rows, lse)
-        part = jsd_partial_kls(s, t, lse_all, plan.beta, plan.temperature, keep)
-        jsd_kls = all_gather_rows(part.index_select(0, rows).to(dt), layout).double().sum(0)
-        kl = plan.beta * jsd_kls[:, 1] + (1.0 - plan.beta) * jsd_kls[:, 0]
-    n = rows.numel()
-    ids = torch.zeros(n, 0, dtype=torch.int64, device=s.device)
-    bucket = lse.new_zeros(n, 2, 1)
-    return ids, bucket, lse, logprob, kl, jsd_kls
-
-
 class _TopKTailKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student: Tensor, teacher: Tensor, plan: _Plan):
-        layout = plan.layout
+        layout, opts = plan.layout, plan.opts
         s, t = rows_in_place(student), rows_in_place(teacher)
         tgt = plan.target
         n, dev = tgt.numel(), tgt.device
         local, owned, ignore = layout.local_targets(tgt, plan.ignore_index)
         valid = tgt != plan.ignore_index
         rows = valid.nonzero().squeeze(1)
-        k = support_width(plan.m, plan.support)
+        k = support_width(opts.m, opts.support)
         dt = compute_dtype(student, teacher)
         ids = torch.zeros(n, k, dtype=torch.int64, device=dev)
         bucket = torch.zeros(n, 2, k + 1, dtype=dt, device=dev)
@@ -146,43 +76,28 @@ class _TopKTailKL(torch.autograd.Function):
         kl = torch.zeros(n, dtype=dt, device=dev)
         jsd_kls = None
         if rows.numel():
-            out = _merge_rows(plan, s, t, local, ignore, rows)
-            for dst, src in zip((ids, bucket, lse, logprob, kl), out[:5]):
+            got = merge_block(opts, layout, s, t, tgt, local, ignore, rows)
+            for dst, src in zip((ids, bucket, lse, logprob, kl), got[:5]):
                 dst.index_copy_(0, rows, src.to(dst.dtype))
             check_rows_have_mass(lse, tgt, plan.ignore_index, _SIDES)
-            if out[5] is not None:
+            if got.jsd_kls is not None:
                 jsd_kls = torch.zeros(n, 2, dtype=dt, device=dev)
-                jsd_kls.index_copy_(0, rows, out[5].to(dt))
-        local_ids = torch.where(layout.owned(ids) & (ids >= 0), ids - layout.start, -1)
-        ctx.save_for_backward(student, teacher, local, owned, valid, local_ids, kl, lse, bucket)
-        ctx.jsd_kls = jsd_kls
-        ctx.plan, ctx.ignore = plan, ignore
+                jsd_kls.index_copy_(0, rows, got.jsd_kls.to(dt))
+        ctx.save_for_backward(student, teacher, local, owned, valid, ids, kl, lse, bucket)
+        ctx.jsd_kls, ctx.plan, ctx.ignore = jsd_kls, plan, ignore
         ctx.mark_non_differentiable(ids, bucket)
         return kl, logprob[:, 0].clone(), logprob[:, 1].clone(), ids, bucket
 
     @staticmethod
     def backward(ctx, g_kl, g_slp, g_tlp, _g_ids, _g_bucket):
-        student, teacher, local, owned, valid, local_ids, kl, lse, bucket = ctx.saved_tensors
+        student, teacher, local, owned, valid, ids, kl, lse, bucket = ctx.saved_tensors
         plan = ctx.plan
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        s, t = rows_in_place(student), rows_in_place(teacher)
-        twin = _uses_twin(plan, s.shape[-1])
-        dt = kl.dtype if twin else torch.float32  # the twin keeps float64 upstream gradients
-        up = tuple(
-            kl.new_zeros(kl.shape, dtype=dt) if g is None else g.to(dt).contiguous()
-            for g in (g_kl, g_slp, g_tlp)
-        )
-        if twin:
-            gs, gt = topk_shard_grads_torch(
-                up, s, t, local, owned, valid, local_ids, (kl, lse, bucket), plan.temperature,
-                plan.divergence, plan.beta, needs, ctx.jsd_kls,
-            )  # fmt: skip
-        else:
-            stats = (kl.float(), lse.float().contiguous(), bucket.float().contiguous())
-            gs, gt = topk_shard_grads(
-                plan.impl, up, s, t, local, ctx.ignore, valid & ~owned, local_ids, stats,
-                plan.temperature, plan.divergence, plan.beta, needs,
-            )  # fmt: skip
+        up = tuple(kl.new_zeros(kl.shape) if g is None else g for g in (g_kl, g_slp, g_tlp))
+        gs, gt = block_grads(
+            plan.opts, plan.layout, rows_in_place(student), rows_in_place(teacher),
+            (local, owned, valid, ctx.ignore), (ids, kl, lse, bucket, ctx.jsd_kls), up, needs,
+        )  # fmt: skip
         gs = None if gs is None else gs.reshape(student.shape)
         gt = None if gt is None else gt.reshape(teacher.shape)
         return gs, gt, None
@@ -245,7 +160,7 @@ def topk_tail_kl(
             target_ids=checksum(target_ids),
             precision=str(compute_dtype(s, t)),
         )
-        return target_ids.numel(), s.shape[-1], vocab_start, prints
+        return LocalShard(target_ids.numel(), s.shape[-1], vocab_start, prints)
 
     device = s if isinstance(s, Tensor) else None
     layout = agree("topk_tail_kl", group, check=check, device_of=device)
@@ -254,10 +169,10 @@ def topk_tail_kl(
     m = 0 if top_m is None or top_m >= layout.vocab else top_m
     div, div_beta = op_divergence(divergence, beta)
     fp64 = torch.float64 in (s.dtype, t.dtype)
-    limits = kernel_limits(m, div, support)
+    limits = implementation_limits(m)
     impl = BACKENDS.resolve(backend, s.device, fp64=fp64, unsupported=limits)
-    plan = _Plan(layout, target, m, support, float(temperature), div, div_beta, ignore_index, impl)
-    kl, slp, tlp, ids, bucket = _TopKTailKL.apply(s, t, plan)
+    opts = BlockOptions(m, support, float(temperature), div, div_beta, impl)
+    kl, slp, tlp, ids, bucket = _TopKTailKL.apply(s, t, _Plan(layout, target, ignore_index, opts))
     lead = s.shape[:-1]
     return TopKTailKLOutput(
         kl=kl.reshape(lead),
@@ -265,6 +180,6 @@ def topk_tail_kl(
         student_logprob=slp.reshape(lead),
         teacher_logprob=tlp.reshape(lead),
         topk_ids=ids.reshape(*lead, ids.shape[-1]),
-        teacher_topk_mass=_support_mass(bucket, target, ignore_index).reshape(lead),
+        teacher_topk_mass=support_mass(bucket, target, ignore_index).reshape(lead),
         support_size=support_size(ids, target, ignore_index, layout.vocab).reshape(lead),
     )
