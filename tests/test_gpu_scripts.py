@@ -97,6 +97,12 @@ def test_every_benchmark_wrote_its_records(dry_run):
     want |= {("qformer", b, "fwd") for b in ("module_fused", "module_padded")}
     want |= {("lopd_train_step", b, p) for b in ("fused_linear", "materialized")
              for p in ("step", "forward", "loss", "backward", "optimizer")}  # fmt: skip
+    # The multi-GPU step (2 gloo ranks in the dry run): every vocabulary-parallel op and its
+    # all-gather baseline, its loss checked against the baseline's (check_ok above).
+    vocab_ops = ("topk_tail_kl", "sparse_teacher_topk_tail_kl", "fused_linear_topk_tail_kl_loss",
+                 "fused_linear_logprob")  # fmt: skip
+    want |= {(f"vocab_parallel.{op}", b, None) for op in vocab_ops
+             for b in ("vocab_parallel", "allgather")}  # fmt: skip
     assert want <= have, sorted(want - have)
     teachers = {r["shapes"]["teacher"] for r in records if r["op"] == "topk_tail_kl"}
     assert teachers == {"iid", "zipf"}
