@@ -2,7 +2,7 @@
 process per GPU under ``torchrun``), against the all-gather of the logits: one ``torchrun`` of
 benchmarks/vocab_parallel.py measuring every (op, variant) in turn. With fewer than 2 GPUs it
 says so and exits 0 (``benchmarks/gpu_steps.py`` marks the step skipped before it would run).
-With ``--device cpu`` (the CPU dry run) 2 gloo processes at tiny shapes.
+With ``--device cpu`` (the CPU dry run) 2 gloo processes forked from this one, at tiny shapes.
 
     python benchmarks/gpu_vocab_parallel.py [--device cuda] [--size full|tiny] [--reps R]
 
@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.vocab_parallel import summarize  # noqa: E402
+from benchmarks.vocab_parallel import run_rank, summarize  # noqa: E402
 from benchmarks.vocab_parallel_ops import OPS, Shapes  # noqa: E402
 
 SIZES = {"full": Shapes(2048, 151_936, 4096, 20), "tiny": Shapes(64, 4096, 64, 20)}
@@ -36,6 +36,13 @@ def gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _by_pair(results) -> dict[tuple, list[dict]]:
+    found: dict[tuple, list[dict]] = {}
+    for res in results:
+        found.setdefault((res["op"], res["variant"]), []).append(res)
+    return {k: sorted(v, key=lambda r: r["rank"]) for k, v in found.items()}
 
 
 def torchrun(world: int, shapes: Shapes, device: str, reps: int) -> dict[tuple, list[dict]]:
@@ -50,12 +57,34 @@ def torchrun(world: int, shapes: Shapes, device: str, reps: int) -> dict[tuple, 
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"torchrun exited {out.returncode}\n{out.stderr[-3000:]}")
-    found: dict[tuple, list[dict]] = {}
-    for line in out.stdout.splitlines():
-        if line.startswith("LOPD_RANK "):
-            res = json.loads(line[len("LOPD_RANK ") :])
-            found.setdefault((res["op"], res["variant"]), []).append(res)
-    return {k: sorted(v, key=lambda r: r["rank"]) for k, v in found.items()}
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("LOPD_RANK ")]
+    return _by_pair(json.loads(ln[len("LOPD_RANK ") :]) for ln in lines)
+
+
+def _forked_rank(rank: int, world: int, port: int, shapes: Shapes, reps: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    with open(Path(out) / f"rank{rank}.jsonl", "w") as f:
+        for res in run_rank(list(OPS), list(GPU_VARIANTS), shapes, reps, "cpu"):
+            f.write(json.dumps(res) + "\n")
+
+
+def forked(world: int, shapes: Shapes, reps: int) -> dict[tuple, list[dict]]:
+    """The CPU dry run: ``world`` gloo ranks forked from this process (torch and the kernels
+    already imported: a fresh ``torchrun`` spends most of a tiny run importing them)."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_forked_rank, args=(world, port, shapes, reps, out), nprocs=world,
+                           start_method="fork")  # fmt: skip
+        lines = [ln for r in range(world) for ln in (Path(out) / f"rank{r}.jsonl").open()]
+    return _by_pair(json.loads(ln) for ln in lines)
 
 
 def check(op: str, ours: list[dict], gathered: list[dict]) -> dict:
@@ -87,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     recorder = common.Recorder(args.records, device) if args.records else None
-    found = torchrun(world, shapes, args.device, args.reps)
+    if args.device == "cuda":
+        found = torchrun(world, shapes, args.device, args.reps)
+    else:
+        found = forked(world, shapes, args.reps)
     for (op, variant), ranks in found.items():
         fig = summarize(ranks, shapes)
         median_s, peak = fig.pop("median_s"), fig.pop("peak_mem_bytes")

@@ -390,7 +390,31 @@ def error_cases(world: int) -> dict[str, Callable[[int, int], None]]:
         call = lambda: vp.sparse_teacher_topk_tail_kl(s[:, lo:hi], lp, ids, target)
         expect_error(call, ValueError, "teacher_topk_ids")
 
+    def fused_weights_differ(rank, world):
+        starts, sizes, _ = layout(world, "even")
+        g = torch.Generator().manual_seed(1)
+        h, w = torch.randn(6, 4, generator=g), torch.randn(sum(sizes), 4, generator=g)
+        target = torch.randint(0, sum(sizes), (6,), generator=g)
+        lo, hi = starts[rank], starts[rank] + sizes[rank]
+        kl_weight = torch.full((6,), 1.0 + (rank == last))
+        call = lambda: vp.fused_linear_topk_tail_kl_loss(
+            h, w[lo:hi], h, w[lo:hi], target, kl_weight=kl_weight, top_m=3
+        )
+        expect_error(call, ValueError, "weights must be the same on every rank", f"[{last}]")
+
+    def logprob_bad_head_on_one_rank(rank, world):
+        starts, sizes, _ = layout(world, "even")
+        g = torch.Generator().manual_seed(1)
+        h, w = torch.randn(6, 4, generator=g), torch.randn(sum(sizes), 4, generator=g)
+        target = torch.randint(0, sum(sizes), (6,), generator=g)
+        lo, hi = starts[rank], starts[rank] + sizes[rank]
+        shard = w[lo:hi, :3] if rank == last else w[lo:hi]  # a head of the wrong hidden size
+        call = lambda: vp.fused_linear_logprob(h, shard, target)
+        expect_error(call, ValueError, f"rank {last}")
+
     cases = {
+        "error_fused_weights_differ": fused_weights_differ,
+        "error_logprob_bad_head_on_one_rank": logprob_bad_head_on_one_rank,
         "error_shards_overlap": overlapping,
         "error_vocab_start_on_one_rank": start_on_one_rank,
         "error_uneven_shards_without_vocab_start": uneven_without_start,
