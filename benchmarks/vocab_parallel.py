@@ -2,7 +2,8 @@
 
 On CPU (the default) every (op, variant) runs in a fresh group of processes (gloo, one thread
 each), one group at a time: time of a forward + backward (median over the repetitions after a
-warm-up, the slowest rank's), each rank's extra peak memory (its peak RSS during the calls minus
+warm-up, the slowest rank's; wall and the process's CPU seconds, the steadier figure on a
+shared machine), each rank's extra peak memory (its peak RSS during the calls minus
 its RSS before them: what the op needs beyond its inputs), and the bytes each rank hands to
 collectives per token. Variants: benchmarks/vocab_parallel_ops.py. The records go into
 ``benchmarks/results/vocab_parallel.json`` (the results format of benchmarks/common.py; one
@@ -99,14 +100,15 @@ def _measure(op: str, variant: str, shapes: Shapes, reps: int, device, world: in
     else:
         before = _status_kib("VmRSS") * 1024
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    times = []
+    times, cpu = [], []
     with ByteCounter() as counter:
         for _ in range(reps):
             sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step()
             sync()
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     else:
@@ -114,7 +116,8 @@ def _measure(op: str, variant: str, shapes: Shapes, reps: int, device, world: in
     del step
     return {
         "op": op, "variant": variant, "world": world, "rank": int(os.environ.get("RANK", "0")),
-        "threads": torch.get_num_threads(), "times_s": times, "mem_before": before,
+        "threads": torch.get_num_threads(), "times_s": times, "cpu_s": cpu,
+        "mem_before": before,
         "mem_peak": peak,
         "comm_bytes_per_call": {k: b / reps for k, b in counter.bytes.items()},
         "collectives_per_call": counter.calls / reps, "load_avg_1min": common.load_average(),
@@ -153,10 +156,16 @@ def launch(op: str, variant: str, world: int, threads: int, args) -> list[dict]:
 def summarize(ranks: list[dict], shapes: Shapes) -> dict[str, Any]:
     """One record's figures from the ranks of a run."""
     medians = [statistics.median(r["times_s"]) for r in ranks]
+    cpu = [statistics.median(r["cpu_s"]) for r in ranks]
     extra = [r["mem_peak"] - r["mem_before"] for r in ranks]
     return {
         "median_s": max(medians),
         "per_rank_median_s": medians,
+        # CPU seconds of each rank's process (all its threads): on a shared machine the steadier
+        # figure of the work a rank does; the slowest rank's, and the group's total.
+        "cpu_s": max(cpu),
+        "per_rank_cpu_s": cpu,
+        "total_cpu_s": sum(cpu),
         "peak_mem_bytes": max(extra),
         "per_rank_extra_peak_bytes": extra,
         "per_rank_rss_before_bytes": [r["mem_before"] for r in ranks],
@@ -236,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         records.append(rec)
         save([rec], args.results / RESULTS.name)
         comm = ", ".join(f"{k} {v:.0f}" for k, v in rec["comm_bytes_per_token_per_rank"].items())
-        print(f"   {rec['median_s']:.2f} s, extra peak {rec['peak_mem_bytes'] / 2**20:.0f} MiB "
-              f"per rank, bytes per token and rank: {comm or 'none'}", flush=True)  # fmt: skip
+        mib = rec["peak_mem_bytes"] / 2**20
+        line = f"   {rec['median_s']:.2f} s ({rec['cpu_s']:.2f} CPU s per rank), extra peak "
+        print(line + f"{mib:.0f} MiB per rank, bytes per token and rank: {comm or 'none'}")
     return 0
 
 
