@@ -8,7 +8,7 @@ Both variants backpropagate ``sum(kl) + sum(privilege) + sum(student_logprob)``:
 
 * ``materialized``: ``s = h_s W_s^T``, ``t = h_t W_t^T`` then ``lk.topk_tail_kl`` (its C++
   kernel), autograd through the matmuls;
-* ``fused``: ``lk.fused_linear_topk_tail_kl(..., backend="cpu")``.
+* ``fused``: ``lk.fused_linear_topk_tail_kl(..., backend="chunked")``.
 
 Recorded per variant via :func:`benchmarks.common.record` into
 ``benchmarks/results/fused_linear_topk_tail_kl.json``: median seconds, and the peak RSS of a fresh
@@ -19,7 +19,7 @@ targets: fused <= 1/10 of materialized in memory, <= 1.3x in time).
 
 ``-k apart`` times forward and backward apart, fused, materialized and
 ``fused_linear_topk_tail_kl_loss`` (the same loss as a fixed row weighting, gradients formed in
-the forward: backend ``cpu[loss]``) alternating in one process, with both heads trained
+the forward: backend ``chunked[loss]``) alternating in one process, with both heads trained
 (``LOPD_BENCH_FL_APART_GRADS``) at d = 256 and 1,024 (``LOPD_BENCH_FL_DS``), and records
 ``fwd_vs_materialized`` / ``bwd_vs_materialized``.
 
@@ -101,7 +101,7 @@ def fwd_materialized():
 
 
 def fwd_fused():
-    return loss(lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=M, backend="cpu"))
+    return loss(lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=M, backend="chunked"))
 
 
 def fwd_fused_loss():
@@ -109,7 +109,7 @@ def fwd_fused_loss():
     # gradients are formed in the forward.
     return lk.fused_linear_topk_tail_kl_loss(
         hs, ws, ht, wt, a, kl_weight=1.0, student_logprob_weight=1.0,
-        teacher_logprob_weight=1.0, top_m=M, backend="cpu",
+        teacher_logprob_weight=1.0, top_m=M, backend="chunked",
     ).loss  # fmt: skip
 
 
@@ -134,7 +134,8 @@ _x = torch.randn(4, 8, requires_grad=True)
 _w = torch.randn(64, 8, requires_grad=True)
 _a = torch.randint(0, 64, (4,))
 loss(lk.topk_tail_kl(_x @ _w.T, _x @ _w.T, _a, top_m=4)).backward()
-loss(lk.fused_linear_topk_tail_kl(_x, _w, _x, _w.detach(), _a, top_m=4, backend="cpu")).backward()
+_out = lk.fused_linear_topk_tail_kl(_x, _w, _x, _w.detach(), _a, top_m=4, backend="chunked")
+loss(_out).backward()
 lk.fused_linear_topk_tail_kl_loss(_x, _w, _x, _w.detach(), _a, top_m=4).loss.backward()
 """
 
@@ -183,7 +184,7 @@ def test_fused_linear_topk_tail_kl_fwd_bwd(benchmark, peak_extra, env, variant):
     if variant == "fused" and "materialized" in _medians:
         fields["time_vs_materialized"] = median / _medians["materialized"]
         fields["memory_vs_materialized"] = extra / max(1, peak_extra["materialized"])
-    backend = "cpu" if variant == "fused" else variant
+    backend = "chunked" if variant == "fused" else variant
     record("fused_linear_topk_tail_kl", backend, SHAPES, median, extra, **fields)
     print(f"\n{variant}: {median:.2f} s, peak RSS beyond inputs/params/grads "
           f"{extra / 2**20:.0f} MiB", fields)  # fmt: skip
@@ -200,7 +201,7 @@ APART_DTYPE = os.environ.get("LOPD_BENCH_FL_DTYPE", "float32")
 APART_REPS = int(os.environ.get("LOPD_BENCH_FL_APART_REPS", "3"))
 APART_VARIANTS = ("materialized", "fused", "fused_loss")
 # The record's backend word per variant (fused_loss: fused_linear_topk_tail_kl_loss).
-APART_BACKENDS = {"materialized": "materialized", "fused": "cpu", "fused_loss": "cpu[loss]"}
+APART_BACKENDS = {"materialized": "materialized", "fused": "chunked", "fused_loss": "chunked[loss]"}
 _GRAD_NAMES = {"student-head": "h_s, W_s, h_t", "frozen-heads": "h_s, h_t",
                "both-heads": "h_s, W_s, h_t, W_t"}  # fmt: skip
 
@@ -329,13 +330,13 @@ def run_materialized():
 
 
 def run_fused():
-    kl = lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=None, backend="cpu").kl
+    kl = lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=None, backend="chunked").kl
     kl.sum().backward()
     kl_mean["fused"] = kl.mean().item()
 
 
 def run_fused_top20():
-    kl = lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=20, backend="cpu").kl
+    kl = lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=20, backend="chunked").kl
     kl.sum().backward()
     kl_mean["fused_top20"] = kl.mean().item()
 

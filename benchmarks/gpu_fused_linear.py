@@ -6,9 +6,9 @@ Variants (``--variant``), each forward and backward timed apart, with peak memor
 
 * ``materialized``: ``lk.topk_tail_kl(h_s @ W_s^T, h_t @ W_t^T, ...)`` (cuBLAS logits, [N, V]
   twice, then the per-row kernel);
-* ``chunked``: ``lk.fused_linear_topk_tail_kl(..., backend="cuda")`` (cuBLAS logit blocks per
+* ``chunked``: ``lk.fused_linear_topk_tail_kl(..., backend="chunked")`` (cuBLAS logit blocks per
   token chunk + the per-row kernels ``topk_tail_kl``'s ``"auto"`` picks on the GPU);
-* ``chunked_loss``: ``lk.fused_linear_topk_tail_kl_loss(..., backend="cuda")``, the same loss
+* ``chunked_loss``: ``lk.fused_linear_topk_tail_kl_loss(..., backend="chunked")``, the same loss
   as a fixed weighting of the rows (weights 1 on the KL and both log-probs: the gradient of
   ``sum(kl) + sum(privilege) + sum(student_logprob)``), its gradients formed in the forward;
 * ``triton``: ``backend="triton"``, the fully fused kernel;
@@ -89,20 +89,16 @@ def variant_fns(name: str, lk, hs, ws, ht, wt, a, m: int, device: torch.device, 
             lambda out: check_rows(lk, out.kl, hs, ws, ht, wt, a, m, rounded_logits=True),
         )
     if name in ("chunked", "triton"):
-        backend = name if name == "triton" else ("cuda" if device.type == "cuda" else "cpu")
-        fwd = lambda: lk.fused_linear_topk_tail_kl(
-            hs, ws, ht, wt, a, top_m=m, backend=backend, **opts
-        )
+        fwd = lambda: lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=m, backend=name, **opts)
         return (
             fwd,
             lambda out: _lopd_sum(out).backward(),
             lambda out: check_rows(lk, out.kl, hs, ws, ht, wt, a, m, ids=out.topk_ids, **opts),
         )
     if name == "chunked_loss":
-        backend = "cuda" if device.type == "cuda" else "cpu"
         weights = {"kl_weight": 1.0, "student_logprob_weight": 1.0, "teacher_logprob_weight": 1.0}
         fwd = lambda: lk.fused_linear_topk_tail_kl_loss(
-            hs, ws, ht, wt, a, top_m=m, backend=backend, **weights, **opts
+            hs, ws, ht, wt, a, top_m=m, backend="chunked", **weights, **opts
         )
         return (
             fwd,

@@ -90,7 +90,7 @@ def plan(run: Any) -> list[Step]:
     sanitizer = sanitizer_path()
     steps = [
         Step("env", 15, bench("gpu_env.py", "--env-json", str(run.env_json))),
-        # Both top-M forward kernels (switch topk_tail_kl.triton_fwd), old against new.
+        # Both top-M forward kernels (slot topk_tail_kl.triton_forward), timed in one process.
         Step("topk_triton", 40, bench("gpu_topk_tail_kl.py", "--variant", "triton")),
         Step("topk_torch_topk", 12, bench("gpu_topk_tail_kl.py", "--variant", "torch_topk")),
         Step("topk_torch_reference", 18,
@@ -107,10 +107,10 @@ def plan(run: Any) -> list[Step]:
              needs=("topk_tail_kl/cuda",)),
         Step("fused_materialized", 20, bench("gpu_fused_linear.py", "--variant", "materialized")),
         Step("fused_chunked", 20, bench("gpu_fused_linear.py", "--variant", "chunked"),
-             needs=("fused_linear_topk_tail_kl/cuda",)),
+             needs=("fused_linear_topk_tail_kl/chunked",)),
         Step("fused_triton", 40, bench("gpu_fused_linear.py", "--variant", "triton")),
         Step("fused_chunked_loss", 20, bench("gpu_fused_linear.py", "--variant", "chunked_loss"),
-             needs=("fused_linear_topk_tail_kl/cuda",)),
+             needs=("fused_linear_topk_tail_kl/chunked",)),
         Step("fused_trl", 20, bench("gpu_fused_linear.py", "--variant", "trl_chunked_divergence"),
              requires=("trl", "datasets")),
         Step("fused_liger", 20, bench("gpu_fused_linear.py", "--variant",

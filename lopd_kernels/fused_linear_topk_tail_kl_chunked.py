@@ -1,5 +1,5 @@
 """The chunk math of ``fused_linear_topk_tail_kl`` and ``fused_linear_topk_tail_kl_loss``
-(backends ``"cpu"`` and ``"cuda"``), run by :func:`lopd_kernels.chunked_linear.run_chunks`.
+(backend ``"chunked"``), run by :func:`lopd_kernels.chunked_linear.run_chunks`.
 
 Chunks are whole rows (the per-row top-M kernels need every entry of a row). The forward forms a
 chunk's two ``[C, V]`` logit blocks (one vendor GEMM each: MKL / cuBLAS), runs the per-row

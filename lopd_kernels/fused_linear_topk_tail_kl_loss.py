@@ -15,9 +15,9 @@ the backward, where it recomputes the logit blocks (eight GEMMs). The backward o
 the kept gradients by the upstream scalar, in place (Liger's fused linear losses work the same
 way).
 
-Implementations (``torch.ops.lopd.fused_linear_topk_tail_kl_loss_<impl>_fwd/_bwd``): ``"cpu"``
-and ``"cuda"``, the chunked path (:mod:`lopd_kernels.fused_linear_topk_tail_kl_chunked`'s blocks
-and per-row kernels). ``backend="torch"`` and ``"triton"`` (and float64 inputs under ``"auto"``)
+Implementation (``torch.ops.lopd.fused_linear_topk_tail_kl_loss_chunked_fwd/_bwd``):
+``"chunked"``, the chunk loop (:mod:`lopd_kernels.fused_linear_topk_tail_kl_chunked`'s chunk
+math), any device. ``backend="torch"`` and ``"triton"`` (and float64 inputs under ``"auto"``)
 weight the outputs of :func:`fused_linear_topk_tail_kl` under autograd: the same loss and
 gradients, without the saving.
 
@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lopd_kernels._custom_ops import CustomOps
+from lopd_kernels._custom_ops import CustomOps, input_grads
 from lopd_kernels._reduction import check_module_options
 from lopd_kernels.bucket_math import effective_top_m, op_divergence, support_width
 from lopd_kernels.fused_linear_topk_tail_kl import (
@@ -48,6 +48,7 @@ from lopd_kernels.fused_linear_topk_tail_kl_chunked import (
     chunked_loss_fwd,
     shared_head,
 )
+from lopd_kernels.op_outputs import FusedLinearTopKTailKLLossOpOutput, LinearPairGrads
 from lopd_kernels.topk_tail_kl import TopKTailKLOutput, support_size, teacher_topk_mass
 from lopd_kernels.topk_tail_kl_checks import check_targets_in_range
 
@@ -158,7 +159,7 @@ def _fwd_fake(student_hidden, student_weight, student_bias, teacher_hidden, teac
     kl = student_hidden.new_empty(n, dtype=torch.float32)
     likes = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight)
     grads = fake_grads((*likes, teacher_bias), needs, shared_weight)
-    return (
+    return FusedLinearTopKTailKLLossOpOutput(
         kl.new_empty((), dtype=f32),
         kl,
         torch.empty_like(kl),
@@ -173,9 +174,42 @@ def _bwd_fake(grad_loss, *kept) -> None:
     return None
 
 
+class _FwdArgs(NamedTuple):
+    """The arguments of ``fused_linear_topk_tail_kl_loss_<impl>_fwd``."""
+
+    student_hidden: Tensor
+    student_weight: Tensor
+    student_bias: Tensor | None
+    teacher_hidden: Tensor
+    teacher_weight: Tensor
+    teacher_bias: Tensor | None
+    target_ids: Tensor
+    kl_weight: Tensor
+    student_logprob_weight: Tensor
+    teacher_logprob_weight: Tensor
+    top_m: int
+    temperature: float
+    divergence: str
+    beta: float
+    support: str
+    ignore_index: int
+    chunk_size: int
+    needs: list[bool]
+    shared_weight: bool
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*output[6:])
-    ctx.mark_non_differentiable(*output[1:])
+    args, out = _FwdArgs(*inputs), FusedLinearTopKTailKLLossOpOutput(*output)
+    grads = out.grads()
+    ctx.save_for_backward(*grads)
+    # The gradient slots that hold a gradient (an input that needs none, and the teacher's head
+    # when it is the student's, hold an empty placeholder).
+    ctx.given = [
+        name
+        for name, need in zip(LinearPairGrads._fields, args.needs)
+        if need and not (name == "teacher_weight" and args.shared_weight)
+    ]
+    ctx.mark_non_differentiable(*(getattr(out, name) for name in out._fields if name != "loss"))
     # Only the loss carries a gradient: without this autograd would hand the backward a zero
     # tensor for every other output, the [V, d] gradients included (a fresh zero-filled copy of
     # both heads: 0.6 s and 1.2 GB at V = 151,936, d = 1,024).
@@ -185,18 +219,16 @@ def _setup_context(ctx, inputs, output) -> None:
 def _make_backward(bwd_op):
     def backward(ctx, g_loss, *_unused):
         if g_loss is None:  # nothing flowed into the loss
-            return (None,) * 19
-        kept = ctx.saved_tensors
+            return input_grads(_FwdArgs._fields)
+        kept = LinearPairGrads(*ctx.saved_tensors)
         bwd_op(g_loss, *kept)
-        out = [g if g.numel() else None for g in kept]
-        return (*out, *([None] * 13))  # 19 inputs: six differentiable, then the rest
+        return input_grads(_FwdArgs._fields, **{name: getattr(kept, name) for name in ctx.given})
 
     return backward
 
 
 CUSTOM_OPS = CustomOps(OP, _fwd_fake, _bwd_fake, _setup_context, _make_backward)
-CUSTOM_OPS.define("cpu", _fwd, _bwd, bwd_mutates_args=_KEPT)
-CUSTOM_OPS.define("cuda", _fwd, _bwd, bwd_mutates_args=_KEPT)
+CUSTOM_OPS.define("chunked", _fwd, _bwd, bwd_mutates_args=_KEPT)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,9 +279,9 @@ def fused_linear_topk_tail_kl_loss(
             Weights are constants: a weight that requires grad is refused.
         student_bias, teacher_bias, top_m, temperature, divergence, beta, support, ignore_index,
             chunk_size: as in :func:`fused_linear_topk_tail_kl`.
-        backend: ``"auto"`` (the chunked path; float64: the reference), ``"cpu"`` / ``"cuda"``
-            (chunked, gradients in the forward), ``"torch"`` / ``"triton"`` (the weighted
-            outputs of :func:`fused_linear_topk_tail_kl` under autograd).
+        backend: ``"auto"`` (``"chunked"``; float64: the reference), ``"chunked"`` (gradients
+            in the forward), ``"torch"`` / ``"triton"`` (the weighted outputs of
+            :func:`fused_linear_topk_tail_kl` under autograd).
 
     Returns:
         :class:`FusedLinearTopKTailKLLoss` ``(loss, output)``.
@@ -285,15 +317,22 @@ def fused_linear_topk_tail_kl_loss(
     inputs = (hs, ws, student_bias, ht, wt, teacher_bias)
     needs = Needs(*(bool(grad and x is not None and x.requires_grad) for x in inputs))
     shared = shared_head(ws, wt, needs)
-    loss, kl, lp_s, lp_t, ids, bucket, *_ = CUSTOM_OPS.fwd_op(impl)(
+    out = FusedLinearTopKTailKLLossOpOutput(*CUSTOM_OPS.fwd_op(impl)(
         hs, ws, student_bias, ht, wt, teacher_bias, target, w_kl, w_slp, w_tlp, m,
         float(temperature), div, div_beta, support, ignore_index, chunk_size or 0, list(needs),
         shared,
-    )  # fmt: skip
-    mass = teacher_topk_mass(bucket, target, ignore_index)
-    size = support_size(ids, target, ignore_index, ws.shape[0])
-    output = TopKTailKLOutput(kl, lp_t - lp_s, lp_s, lp_t, ids, mass, size)
-    return FusedLinearTopKTailKLLoss(loss, output)
+    ))  # fmt: skip
+    lp_s, lp_t, ids = out.student_logprob, out.teacher_logprob, out.topk_ids
+    output = TopKTailKLOutput(
+        kl=out.kl,
+        privilege=lp_t - lp_s,
+        student_logprob=lp_s,
+        teacher_logprob=lp_t,
+        topk_ids=ids,
+        teacher_topk_mass=teacher_topk_mass(out.bucket_logp, target, ignore_index),
+        support_size=support_size(ids, target, ignore_index, ws.shape[0]),
+    )
+    return FusedLinearTopKTailKLLoss(out.loss, output)
 
 
 class FusedLinearTopKTailKL(nn.Module):

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from lopd_kernels._backend import OpBackends, compiled_unavailable, triton_import_error
 from lopd_kernels._constants import CUDA_TOPK_MAX_TOP_M, TRITON_TOPK_MAX_TOP_M
-from lopd_kernels._custom_ops import CustomOps
+from lopd_kernels._custom_ops import CustomOps, input_grads
 from lopd_kernels._reduction import check_module_options, reduce_kl
 from lopd_kernels.bucket_math import (
     bucket_divergence,
@@ -50,6 +50,7 @@ from lopd_kernels.bucket_math import (
     support_width,
     teacher_topk_mass,
 )
+from lopd_kernels.op_outputs import TopKTailKLOpGrads, TopKTailKLOpOutput
 from lopd_kernels.row_layout import rows_in_place
 from lopd_kernels.topk_tail_kl_checks import (
     check_inputs,
@@ -68,7 +69,10 @@ OP = "topk_tail_kl"
 # is the measured default; the CUDA kernels take over where Triton cannot run (no triton, top_m
 # above its limit) until a GPU benchmark shows them faster.
 BACKENDS = OpBackends(
-    OP, unavailable=compiled_unavailable(OP), auto={"cpu": ("cpu",), "cuda": ("triton", "cuda")}
+    OP,
+    impls=("cpu", "cuda", "triton"),
+    unavailable=compiled_unavailable(OP),
+    auto={"cpu": ("cpu",), "cuda": ("triton", "cuda")},
 )
 
 
@@ -259,12 +263,26 @@ def _bwd_fake(
     return gs, gt
 
 
+class _FwdArgs(NamedTuple):
+    """The arguments of ``topk_tail_kl_<impl>_fwd`` (csrc/common/schemas.h)."""
+
+    student_logits: Tensor
+    teacher_logits: Tensor
+    target_ids: Tensor
+    top_m: int
+    temperature: float
+    divergence: str
+    beta: float
+    support: str
+    ignore_index: int
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    student, teacher, target, _top_m, temperature, divergence, beta, _support, ignore = inputs
-    kl, _slp, _tlp, topk_ids, lse, bucket_logp = output
+    args, out = _FwdArgs(*inputs), TopKTailKLOpOutput(*output)
     # O(K) per row beyond the inputs themselves: lse [N, 2], bucket_logp [N, 2, K + 1].
-    ctx.save_for_backward(student, teacher, target, topk_ids, kl, lse, bucket_logp)
-    ctx.scalars = (temperature, divergence, beta, ignore)
+    ctx.save_for_backward(args.student_logits, args.teacher_logits, args.target_ids,
+                          out.topk_ids, out.kl, out.lse, out.bucket_logp)  # fmt: skip
+    ctx.scalars = (args.temperature, args.divergence, args.beta, args.ignore_index)
 
 
 def _make_backward(bwd_op):
@@ -272,7 +290,8 @@ def _make_backward(bwd_op):
 
     def backward(ctx, g_kl, g_slp, g_tlp, _g_ids, _g_lse, _g_bucket):
         student, teacher, target, topk_ids, kl, lse, bucket_logp = ctx.saved_tensors
-        need_s, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        needs = _FwdArgs(*ctx.needs_input_grad)
+        need_s, need_t = needs.student_logits, needs.teacher_logits
         rows = (kl.shape[0],)
 
         def upstream(g):
@@ -280,11 +299,15 @@ def _make_backward(bwd_op):
                 return kl.new_zeros(rows)
             return g.to(torch.float32).contiguous()
 
-        gs, gt = bwd_op(
+        grads = TopKTailKLOpGrads(*bwd_op(
             upstream(g_kl), upstream(g_slp), upstream(g_tlp), student, teacher, target,
             topk_ids, kl, lse, bucket_logp, *ctx.scalars, need_s, need_t,
-        )  # fmt: skip
-        return (gs if need_s else None, gt if need_t else None, *([None] * 7))
+        ))  # fmt: skip
+        return input_grads(
+            _FwdArgs._fields,
+            student_logits=grads.student_logits if need_s else None,
+            teacher_logits=grads.teacher_logits if need_t else None,
+        )
 
     return backward
 
@@ -467,19 +490,22 @@ def call_fwd_op(
     flat_target = target_ids.reshape(-1).to(torch.int64).contiguous()
     check_targets_in_range(flat_target, student_logits.shape[-1], ignore_index)
     div, b = op_divergence(divergence, beta)
-    kl, slp, tlp, ids, lse, bucket = op(
+    out = TopKTailKLOpOutput(*op(
         rows_in_place(student_logits), rows_in_place(teacher_logits), flat_target, m,
         float(temperature), div, b, support, int(ignore_index),
-    )  # fmt: skip
-    check_rows_have_mass(lse, flat_target, ignore_index, _SIDES)
+    ))  # fmt: skip
+    check_rows_have_mass(out.lse, flat_target, ignore_index, _SIDES)
     vocab = student_logits.shape[-1]
+    slp, tlp, ids = out.student_logprob, out.teacher_logprob, out.topk_ids
     return TopKTailKLOutput(
-        kl=kl.reshape(lead),
+        kl=out.kl.reshape(lead),
         privilege=(tlp - slp.detach()).reshape(lead),
         student_logprob=slp.reshape(lead),
         teacher_logprob=tlp.reshape(lead),
         topk_ids=ids.reshape(*lead, ids.shape[-1]),
-        teacher_topk_mass=teacher_topk_mass(bucket, flat_target, ignore_index).reshape(lead),
+        teacher_topk_mass=teacher_topk_mass(out.bucket_logp, flat_target, ignore_index).reshape(
+            lead
+        ),
         support_size=support_size(ids, flat_target, ignore_index, vocab).reshape(lead),
     )
 

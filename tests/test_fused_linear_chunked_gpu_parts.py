@@ -39,7 +39,7 @@ def test_epilogue_follows_topk_tail_kl_auto(monkeypatch):
     from lopd_kernels.topk_tail_kl import BACKENDS
 
     monkeypatch.setattr(_backend, "triton_available", lambda: True)
-    built = _backend.OpBackends(BACKENDS.op, unavailable={}, auto=BACKENDS.auto)
+    built = _backend.OpBackends(BACKENDS.op, BACKENDS.impls, unavailable={}, auto=BACKENDS.auto)
     monkeypatch.setattr(chunked, "TOPK_TAIL_KL_BACKENDS", built)
     gpu = torch.device("cuda")
     assert chunked.epilogue_impl(gpu, 20) == "triton"
@@ -48,7 +48,7 @@ def test_epilogue_follows_topk_tail_kl_auto(monkeypatch):
     assert chunked.epilogue_impl(torch.device("cpu"), 20) == "cpu"
     monkeypatch.setattr(_backend, "triton_available", lambda: False)
     assert chunked.epilogue_impl(gpu, 20) == "cuda"
-    no_cuda = _backend.OpBackends(BACKENDS.op, unavailable={"cuda": "not built"},
+    no_cuda = _backend.OpBackends(BACKENDS.op, BACKENDS.impls, unavailable={"cuda": "not built"},
                                   auto=BACKENDS.auto)  # fmt: skip
     monkeypatch.setattr(chunked, "TOPK_TAIL_KL_BACKENDS", no_cuda)
     assert chunked.epilogue_impl(gpu, 20) == "torch"
@@ -139,7 +139,7 @@ def test_triton_epilogue_matches_reference(case, triton_gpu_parts):
 def test_triton_tail_pass_frozen_heads(dtype, triton_gpu_parts):
     """The Triton tail pass in the forward, frozen heads, masked rows."""
     inputs, target = make_inputs(11, 16, 67, dtype, bias=True, seed=16)
-    check(inputs, target, "cpu", dtype, requires=FROZEN, top_m=8, temperature=0.9, chunk_size=4)
+    check(inputs, target, "chunked", dtype, requires=FROZEN, top_m=8, temperature=0.9, chunk_size=4)
 
 
 @pytest.fixture
@@ -170,7 +170,7 @@ def gemm_calls(monkeypatch):
                          ids=["all", "frozen-heads", "student-only"])  # fmt: skip
 def test_half_gemm_plan_matches_reference(dtype, requires, gemm_calls):
     inputs, target = make_inputs(13, 32, 301, dtype, bias=True, seed=5)
-    check(inputs, target, "cpu", dtype, requires=requires, top_m=6, temperature=1.3,
+    check(inputs, target, "chunked", dtype, requires=requires, top_m=6, temperature=1.3,
           divergence="forward", chunk_size=4)  # fmt: skip
     kinds = {k for k, *_ in gemm_calls}
     trains_head = bool(requires & {"student_weight", "teacher_weight"})
@@ -180,10 +180,10 @@ def test_half_gemm_plan_matches_reference(dtype, requires, gemm_calls):
 
 def test_half_gemm_plan_tied_head_full_vocab(gemm_calls):
     inputs, target = make_inputs(9, 16, 97, torch.bfloat16, tied=True, seed=8)
-    check(inputs, target, "cpu", torch.bfloat16, top_m=None, chunk_size=3)
+    check(inputs, target, "chunked", torch.bfloat16, top_m=None, chunk_size=3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_frozen_heads(dtype):
     inputs, target = make_inputs(11, 32, 203, dtype, bias=True, seed=16)
-    check(inputs, target, "cpu", dtype, requires=FROZEN, top_m=8, temperature=0.9, chunk_size=4)
+    check(inputs, target, "chunked", dtype, requires=FROZEN, top_m=8, temperature=0.9, chunk_size=4)

@@ -614,10 +614,10 @@ def test_backend_errors():
         torch.ops.lopd.topk_tail_kl_cpu_fwd(s, t, target, 3, 0.0, "reverse", 1.0, "teacher", -100)
     with pytest.raises(ValueError, match="reduction"):
         lk.TopKTailKL(reduction="avg")
-    with pytest.raises(ValueError, match="backend='cuda' needs CUDA tensors"):
+    with pytest.raises(RuntimeError, match="backend='cuda' needs CUDA tensors"):
         lk.topk_tail_kl(s, t, target, backend="cuda")
     meta = [x.to("meta") for x in (s, t, target)]
-    with pytest.raises(ValueError, match="backend='cpu' needs CPU tensors"):
+    with pytest.raises(RuntimeError, match="backend='cpu' needs CPU tensors"):
         lk.topk_tail_kl(*meta, backend="cpu")
     # float64 on "auto" goes to the reference, not to an error.
     out = lk.topk_tail_kl(s.double(), t.double(), target)

@@ -4,10 +4,11 @@
 ``-1`` padding and ``-inf`` slots included).
 
 The public API over every support x divergence x dtype is tests/test_topk_tail_kl_options.py;
-here each way a kernel updates its running top-M is driven on purpose (sequential inserts in v1
-and v2, v1's bitonic merge), with vocabulary orders that make the union's two sets evict each
-other's members (an evicted entry joins the tails only once neither set holds it), and the
-union's edge cases: sets that coincide, a union covering the whole vocabulary (empty tail).
+here each way a kernel updates its running top-M is driven on purpose (sequential inserts with
+separate and with joined reductions, the separate-reductions kernel's bitonic merge), with
+vocabulary orders that make the union's two sets evict each other's members (an evicted entry
+joins the tails only once neither set holds it), and the union's edge cases: sets that
+coincide, a union covering the whole vocabulary (empty tail).
 Small blocks so that a few hundred entries span several of them (``TRITON_INTERPRET=1``).
 """
 
@@ -104,8 +105,13 @@ def rows(order: str, n: int, v: int, seed: int):
     return s, t
 
 
-# (variant, bulk_min): v1 by sequential inserts, v1 by bitonic merges only, v2.
-PATHS = {"v1-insert": ("v1", -1), "v1-merge": ("v1", 0), "v2": ("v2", -1)}
+# (kernel, bulk_min): separate reductions by sequential inserts, by bitonic merges only, joined
+# reductions.
+PATHS = {
+    "separate-insert": ("separate_reductions", -1),
+    "separate-merge": ("separate_reductions", 0),
+    "joined": ("joined_reductions", -1),
+}
 
 
 # Every path with each support's own update code (the union's evictions, coinciding sets, the
@@ -116,24 +122,24 @@ UPDATE_CASES = [
     for path in PATHS
     for case in (("crossed", "union", "jsd", 0.5), ("shared", "union", "reverse", 1.0),
                  ("crossed", "student", "jsd", 0.25))
-] + [("v1-insert", "random", "union", "forward", 0.0)]  # fmt: skip
+] + [("separate-insert", "random", "union", "forward", 0.0)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("path", "order", "support", "divergence", "beta"), UPDATE_CASES)
 def test_update_paths(path, order, support, divergence, beta):
-    variant, bulk_min = PATHS[path]
+    kernel, bulk_min = PATHS[path]
     s, t = rows(order, 3, 131, seed=31)
     target = torch.tensor([7, 130, IGNORE])
     check_options(
         s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), 10, 0.8, divergence, beta, support, 32,
-        variant=variant, bulk_min=bulk_min,
+        kernel=kernel, bulk_min=bulk_min,
     )  # fmt: skip
 
 
 def test_union_large_m_and_whole_vocabulary():
-    """M > 64 takes v1's merge by default; with 2M >= V the union may cover every id (row 0:
-    its tail then has no mass, -inf on both sides) or be the teacher's top-M alone (row 1: M
-    slots of padding)."""
+    """M > 64 takes the separate-reductions kernel's merge by default; with 2M >= V the union
+    may cover every id (row 0: its tail then has no mass, -inf on both sides) or be the teacher's
+    top-M alone (row 1: M slots of padding)."""
     m = 66
     s, t = rows("crossed", 2, 129, seed=5)
     s[0] = t[0].flip(-1)  # the two top-66 sets overlap in 3 ids: together all 129
