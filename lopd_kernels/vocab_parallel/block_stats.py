@@ -23,7 +23,13 @@ from lopd_kernels.vocab_parallel.candidates import (
     pack,
     unpack,
 )
-from lopd_kernels.vocab_parallel.shard_grads import topk_shard_grads, topk_shard_grads_torch
+from lopd_kernels.vocab_parallel.shard_grads import (
+    LogitGrads,
+    Sides,
+    Upstream,
+    topk_shard_grads,
+    topk_shard_grads_torch,
+)
 from lopd_kernels.vocab_parallel.shard_stats import (
     compute_dtype,
     full_shard_stats,
@@ -32,7 +38,16 @@ from lopd_kernels.vocab_parallel.shard_stats import (
 )
 from lopd_kernels.vocab_parallel.shards import ShardLayout, all_gather_rows
 
-__all__ = ["BlockOptions", "GlobalRows", "block_grads", "merge_block", "uses_twin"]
+__all__ = [
+    "BlockOptions",
+    "GlobalRows",
+    "LogitGrads",
+    "Sides",
+    "Upstream",
+    "block_grads",
+    "merge_block",
+    "uses_twin",
+]
 
 
 class BlockOptions(NamedTuple):
@@ -106,11 +121,19 @@ def merge_block(
         kept = type(stats)(*(x.index_select(0, rows) for x in stats))
         gathered = unpack(all_gather_rows(pack(kept, dt), layout), kept.ids.shape[1])
         merged = merge_topk(gathered, opts.m, opts.support, opts.temperature, owner)
-        return GlobalRows(*merged, bucket_kl(merged.bucket_logp, opts.divergence, opts.beta), None)
+        return GlobalRows(
+            ids=merged.ids,
+            bucket_logp=merged.bucket_logp,
+            lse=merged.lse,
+            logprob=merged.logprob,
+            kl=bucket_kl(merged.bucket_logp, opts.divergence, opts.beta),
+            jsd_kls=None,
+        )
     full = full_shard_stats(impl, s, t, local, ignore, opts.temperature, opts.divergence)
     cols = torch.cat([full.kl.unsqueeze(1), full.lse, full.logprob], 1).index_select(0, rows)
     got = all_gather_rows(cols.to(dt), layout).double()  # [W, R, 5]
-    kl, lse = merge_full_kl(got[..., 0], got[..., 1:3], opts.divergence == "reverse")
+    full_kl = merge_full_kl(got[..., 0], got[..., 1:3], opts.divergence == "reverse")
+    kl, lse = full_kl.kl, full_kl.lse
     logprob = torch.stack(
         [owner_logprob(got[..., 3 + x], got[..., 1 + x], owner) for x in (0, 1)], 1
     )
@@ -134,10 +157,10 @@ def block_grads(
     t: Tensor,
     targets: tuple[Tensor, Tensor, Tensor, int],
     stats: tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None],
-    upstream: tuple[Tensor, Tensor, Tensor],
-    needs: tuple[bool, bool],
-) -> tuple[Tensor | None, Tensor | None]:
-    """This shard's ``(grad_student, grad_teacher)`` of a block (None where not needed).
+    upstream: Upstream,
+    needs: Sides,
+) -> LogitGrads:
+    """This shard's logit gradients of a block.
 
     Args:
         s, t: the shard's logits of the block.
@@ -145,18 +168,18 @@ def block_grads(
             whose target is in this shard, rows with a target, the local ignore marker).
         stats: the global ``(ids [B, K], kl [B], lse [B, 2], bucket_logp [B, 2, K + 1],
             jsd_kls [B, 2] or None)`` of every row of the block (0 at ignored rows).
-        upstream: ``[B]`` gradients of ``kl``, ``student_logprob`` and ``teacher_logprob``.
+        upstream: ``[B]`` each.
     """
     local, owned, valid, ignore = targets
     ids, kl, lse, bucket, jsd_kls = stats
     local_ids = torch.where(layout.owned(ids) & (ids >= 0), ids - layout.start, -1)
     if uses_twin(opts, s.shape[-1]):
-        up = tuple(u.to(kl.dtype) for u in upstream)
+        up = Upstream(*(u.to(kl.dtype) for u in upstream))
         return topk_shard_grads_torch(
             up, s, t, local, owned, valid, local_ids, (kl, lse, bucket), opts.temperature,
             opts.divergence, opts.beta, needs, jsd_kls,
         )  # fmt: skip
-    up = tuple(u.float().contiguous() for u in upstream)
+    up = Upstream(*(u.float().contiguous() for u in upstream))
     f32 = (kl.float(), lse.float().contiguous(), bucket.float().contiguous())
     return topk_shard_grads(
         opts.impl, up, s, t, local, ignore, valid & ~owned, local_ids, f32, opts.temperature,

@@ -28,6 +28,7 @@ from torch import Tensor
 from lopd_kernels.bucket_math import bucket_divergence, select_support
 
 __all__ = [
+    "FullKL",
     "GlobalBuckets",
     "ShardStats",
     "merge_full_kl",
@@ -182,7 +183,14 @@ def merge_topk(
     return GlobalBuckets(out_ids, torch.stack(logs, 1), lse, logprob)
 
 
-def merge_full_kl(kl: Tensor, lse: Tensor, reverse: bool) -> tuple[Tensor, Tensor]:
+class FullKL(NamedTuple):
+    """The merged full-vocabulary KL of the rows and their log-sum-exps (float64)."""
+
+    kl: Tensor  # [N]
+    lse: Tensor  # [N, 2]
+
+
+def merge_full_kl(kl: Tensor, lse: Tensor, reverse: bool) -> FullKL:
     """The full-vocabulary KL from each shard's own KL, by the chain rule of the KL over the
     grouping of the vocabulary into shards.
 
@@ -194,7 +202,7 @@ def merge_full_kl(kl: Tensor, lse: Tensor, reverse: bool) -> tuple[Tensor, Tenso
         kl: ``[R, N]`` each shard's KL of its renormalized rows; lse: ``[R, N, 2]``.
 
     Returns:
-        ``(kl [N], lse [N, 2])`` float64.
+        :class:`FullKL`.
     """
     total = _logsumexp(lse, 0)
     log_mass = lse - total.unsqueeze(0)  # [R, N, 2]: log P_r, log Q_r
@@ -202,7 +210,7 @@ def merge_full_kl(kl: Tensor, lse: Tensor, reverse: bool) -> tuple[Tensor, Tenso
     term = w.exp() * (kl + w - o)
     term = torch.where(o == -math.inf, math.inf, term)
     term = torch.where(w == -math.inf, 0.0, term)
-    return term.sum(0), total
+    return FullKL(term.sum(0), total)
 
 
 def bucket_kl(bucket_logp: Tensor, divergence: str, beta: float) -> Tensor:

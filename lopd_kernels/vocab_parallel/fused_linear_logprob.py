@@ -38,6 +38,7 @@ from lopd_kernels._backend import check_backend
 from lopd_kernels.fused_linear_logprob import BACKENDS, CUSTOM_OPS, FusedLinearLogprobOutput
 from lopd_kernels.fused_linear_logprob_checks import check_inputs
 from lopd_kernels.fused_linear_logprob_chunked import chunk_plan
+from lopd_kernels.op_outputs import FusedLinearLogprobOpGrads, FusedLinearLogprobOpOutput
 from lopd_kernels.topk_tail_kl_checks import check_targets_in_range
 from lopd_kernels.vocab_parallel.candidates import owner_logprob
 from lopd_kernels.vocab_parallel.shard_stats import compute_dtype
@@ -57,6 +58,26 @@ __all__ = ["fused_linear_logprob"]
 _MAX_RATIO = 1e30
 
 
+class _ShardStats(NamedTuple):
+    """``[N]`` each: the shard's log-sum-exp, entropy within the shard, target log-prob within
+    the shard (meaningful at rows whose target it holds)."""
+
+    lse: Tensor
+    entropy: Tensor
+    logprob: Tensor
+
+
+class _Upstream(NamedTuple):
+    logprob: Tensor  # [N]
+    entropy: Tensor | None  # [N], None: the entropy has no gradient
+
+
+class _Grads(NamedTuple):
+    hidden: Tensor | None
+    weight: Tensor | None
+    bias: Tensor | None
+
+
 class _Plan(NamedTuple):
     layout: ShardLayout
     target: Tensor  # [N] int64 global
@@ -74,13 +95,16 @@ def _logits_torch(h: Tensor, w: Tensor, b: Tensor | None, temperature: float) ->
     return (z if b is None else z + b.to(dt)) / temperature
 
 
-def _shard_stats(plan: _Plan, h: Tensor, w: Tensor, b: Tensor | None, local: Tensor, ignore: int):
-    """``(lse_r, H_r, lp_r)`` ``[N]`` of this shard (the single-process op, or the twin)."""
+def _shard_stats(
+    plan: _Plan, h: Tensor, w: Tensor, b: Tensor | None, local: Tensor, ignore: int
+) -> _ShardStats:
+    """This shard's statistics (the single-process op, or the twin)."""
     if plan.impl != "torch":
-        lp, ent, lse, _ = CUSTOM_OPS.fwd_op(plan.impl)(
+        out = FusedLinearLogprobOpOutput(*CUSTOM_OPS.fwd_op(plan.impl)(
             h, w, b, local, plan.temperature, ignore, plan.with_entropy, False, *plan.chunk
-        )
-        return lse, ent if plan.with_entropy else torch.zeros_like(lse), lp
+        ))  # fmt: skip
+        ent = out.entropy if plan.with_entropy else torch.zeros_like(out.lse)
+        return _ShardStats(out.lse, ent, out.logprob)
     z = _logits_torch(h, w, b, plan.temperature)
     lse = torch.logsumexp(z, 1)
     logp = z - lse[:, None]
@@ -88,12 +112,12 @@ def _shard_stats(plan: _Plan, h: Tensor, w: Tensor, b: Tensor | None, local: Ten
     ent = -(p * torch.where(p > 0, logp, 0.0)).sum(1)
     inside = (local >= 0) & (local < w.shape[0])
     lp = logp.gather(1, torch.where(inside, local, 0)[:, None]).squeeze(1)
-    return lse, ent, torch.where(inside, lp, 0.0)
+    return _ShardStats(lse, ent, torch.where(inside, lp, 0.0))
 
 
-def _merge(plan: _Plan, got: Tensor, owner: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(lse, entropy, logprob)`` float64 of the rows from the gathered ``[W, R, 3]``."""
-    lse_r, ent_r, lp_r = got[..., 0], got[..., 1], got[..., 2]
+def _merge(got: _ShardStats, owner: Tensor) -> _ShardStats:
+    """The rows' global statistics (float64) from every rank's (``[W, R]`` each)."""
+    lse_r, ent_r, lp_r = got
     top = lse_r.amax(0)
     safe = torch.where(top == -math.inf, 0.0, top)
     lse = (lse_r - safe).exp().sum(0).log() + safe
@@ -101,7 +125,7 @@ def _merge(plan: _Plan, got: Tensor, owner: Tensor) -> tuple[Tensor, Tensor, Ten
     mass = log_mass.exp()
     zero = mass == 0
     ent = (mass * ent_r.masked_fill(zero, 0.0) - mass * log_mass.masked_fill(zero, 0.0)).sum(0)
-    return lse, ent, owner_logprob(lp_r, lse_r, owner)
+    return _ShardStats(lse, ent, owner_logprob(lp_r, lse_r, owner))
 
 
 class _Logprob(torch.autograd.Function):
@@ -117,8 +141,10 @@ class _Logprob(torch.autograd.Function):
         if rows.numel():
             stats = torch.stack(_shard_stats(plan, hidden, weight, bias, local, ignore), 1)
             got = all_gather_rows(stats.index_select(0, rows).to(dt), layout).double()
-            merged = _merge(plan, got, layout.owner(target.index_select(0, rows)))
-            for dst, src in zip((lse, ent, lp), merged):
+            merged = _merge(
+                _ShardStats(*got.unbind(-1)), layout.owner(target.index_select(0, rows))
+            )
+            for dst, src in ((lse, merged.lse), (ent, merged.entropy), (lp, merged.logprob)):
                 dst.index_copy_(0, rows, src.to(dt))
         ctx.save_for_backward(hidden, weight, bias, local, owned, valid, lse, ent, lp)
         ctx.plan, ctx.ignore = plan, ignore
@@ -129,29 +155,32 @@ class _Logprob(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent, _g_lse):
         hidden, weight, bias, local, owned, valid, lse, ent, lp = ctx.saved_tensors
         plan = ctx.plan
-        needs = list(ctx.needs_input_grad[:3])
+        needs = _Grads(*ctx.needs_input_grad[:3])
         if not any(needs):
             return None, None, None, None
         u = torch.zeros_like(lse) if g_lp is None else g_lp.to(lse.dtype)
         v = None if g_ent is None or not plan.with_entropy else g_ent.to(lse.dtype)
-        u, v = torch.where(valid, u, 0.0), None if v is None else torch.where(valid, v, 0.0)
+        up = _Upstream(
+            torch.where(valid, u, 0.0), None if v is None else torch.where(valid, v, 0.0)
+        )
         if plan.impl == "torch":
-            grads = _grads_torch(plan, hidden, weight, bias, local, owned, (u, v), lse, ent, needs)
+            grads = _grads_torch(plan, hidden, weight, bias, local, owned, up, lse, ent, needs)
         else:
-            grads = _grads_kernel(plan, hidden, weight, bias, local, owned & valid, valid,
-                                  (u, v), (lse, ent, lp), needs, ctx.ignore)  # fmt: skip
-        if needs[0] and plan.reduce_hidden_grad and plan.layout.world > 1:
+            stats = _ShardStats(lse, ent, lp)
+            grads = _grads_kernel(plan, hidden, weight, bias, local, owned & valid, valid, up,
+                                  stats, needs, ctx.ignore)  # fmt: skip
+        d_h = grads.hidden
+        if needs.hidden and plan.reduce_hidden_grad and plan.layout.world > 1:
             # Every rank has a hidden-state gradient here (zeros without rows): one collective.
-            if grads[0] is None:
-                grads[0] = torch.zeros_like(hidden)
-            dist.all_reduce(grads[0], group=plan.layout.group)
-        return (*grads, None)
+            d_h = torch.zeros_like(hidden) if d_h is None else d_h
+            dist.all_reduce(d_h, group=plan.layout.group)
+        return d_h, grads.weight, grads.bias, None
 
 
 def _grads_kernel(plan, hidden, weight, bias, local, owned, valid, up, stats, needs, ignore):
     """The single-process backward fed the global statistics (module docstring)."""
     u, v = up
-    lse, ent, lp = stats
+    lse, ent, lp = stats.lse, stats.entropy, stats.logprob
     foreign = valid & ~owned
     lp_in, u_in, ent_in = lp.clone(), u.clone(), ent.clone()
     rows = foreign.nonzero().squeeze(1)
@@ -173,12 +202,12 @@ def _grads_kernel(plan, hidden, weight, bias, local, owned, valid, up, stats, ne
     f32 = torch.float32
     grad_ent = v.to(f32).contiguous() if v is not None else lse.new_empty(0, dtype=f32)
     _, bwd = CUSTOM_OPS.ops(plan.impl)
-    grads = bwd(
+    grads = FusedLinearLogprobOpGrads(*bwd(
         u_in.to(f32).contiguous(), grad_ent, hidden, weight, bias, local, lp_in.to(f32),
         ent_in.to(f32) if v is not None else ent.new_empty(0, dtype=f32), lse.to(f32),
-        hidden.new_empty(0), plan.temperature, ignore, *plan.chunk, needs,
-    )  # fmt: skip
-    return [g if need and g.numel() else None for g, need in zip(grads, needs)]
+        hidden.new_empty(0), plan.temperature, ignore, *plan.chunk, list(needs),
+    ))  # fmt: skip
+    return _Grads(*(g if need and g.numel() else None for g, need in zip(grads, needs)))
 
 
 def _grads_torch(plan, hidden, weight, bias, local, owned, up, lse, ent, needs):
@@ -188,17 +217,18 @@ def _grads_torch(plan, hidden, weight, bias, local, owned, up, lse, ent, needs):
     z = _logits_torch(hidden, weight, bias, plan.temperature)
     logp = z - lse[:, None]
     p = logp.exp()
-    coef = (
-        u[:, None] if v is None else u[:, None] + v[:, None] * (logp.clamp(min=-150) + ent[:, None])
-    )
+    coef = u[:, None]
+    if v is not None:  # the clamp keeps 0 * (-inf) out at -inf logits
+        coef = coef + v[:, None] * (logp.clamp(min=-150) + ent[:, None])
     g = -p * coef
     a = torch.where(owned, local, 0)[:, None]
     g.scatter_add_(1, a, torch.where(owned, u, 0.0)[:, None])
     g = g / plan.temperature
-    d_h = (g @ weight.to(g.dtype)).to(hidden.dtype) if needs[0] else None
-    d_w = (g.T @ hidden.to(g.dtype)).to(weight.dtype) if needs[1] else None
-    d_b = g.sum(0).to(bias.dtype) if needs[2] else None
-    return [d_h, d_w, d_b]
+    return _Grads(
+        (g @ weight.to(g.dtype)).to(hidden.dtype) if needs.hidden else None,
+        (g.T @ hidden.to(g.dtype)).to(weight.dtype) if needs.weight else None,
+        g.sum(0).to(bias.dtype) if needs.bias else None,
+    )
 
 
 def fused_linear_logprob(

@@ -34,9 +34,16 @@ from lopd_kernels.chunked_linear import Chunk, Head, HeadGrads, Rows, auto_chunk
 from lopd_kernels.fused_linear_topk_tail_kl_checks import check_inputs, check_row_weights
 from lopd_kernels.fused_linear_topk_tail_kl_chunked import Needs, shared_head
 from lopd_kernels.fused_linear_topk_tail_kl_loss import FusedLinearTopKTailKLLoss
+from lopd_kernels.op_outputs import LinearPairGrads
 from lopd_kernels.topk_tail_kl import BACKENDS, TopKTailKLOutput, implementation_limits
 from lopd_kernels.topk_tail_kl_checks import check_targets_in_range
-from lopd_kernels.vocab_parallel.block_stats import BlockOptions, block_grads, merge_block
+from lopd_kernels.vocab_parallel.block_stats import (
+    BlockOptions,
+    Sides,
+    Upstream,
+    block_grads,
+    merge_block,
+)
 from lopd_kernels.vocab_parallel.shard_stats import compute_dtype
 from lopd_kernels.vocab_parallel.shards import (
     LocalShard,
@@ -97,16 +104,16 @@ def _forward(plan: _Plan, heads: tuple[Head, Head]):
         chunk.put(out["tlp"], got.logprob[:, 1].to(dt))
         if not sides:
             return
-        up = tuple(chunk.take(w) for w in plan.weights)
+        up = Upstream(*(chunk.take(w) for w in plan.weights))
         targets = (local, owned, torch.ones_like(owned), ignore)
         stats = (got.ids, got.kl, got.lse, got.bucket_logp, got.jsd_kls)
         # With M > 0 a side's gradient reads its own logits only: one gradient block at a time;
         # the full-vocabulary divergence couples both (one kernel call, both blocks).
         turns = [sides] if opts.m == 0 else [(x,) for x in sides]
         for turn in turns:
-            grads = block_grads(opts, layout, s, t, targets, stats, up, (0 in turn, 1 in turn))
+            grads = block_grads(opts, layout, s, t, targets, stats, up, Sides(0 in turn, 1 in turn))
             for x in turn:
-                chunk.backprop(x, grads[x])
+                chunk.backprop(x, grads.student_logits if x == 0 else grads.teacher_logits)
             del grads
 
     run_chunks(heads, rows, math, chunk_rows=plan.chunk_rows,
@@ -127,10 +134,15 @@ class _FusedLoss(torch.autograd.Function):
         def cast(g: Tensor | None, like: Tensor | None) -> Tensor | None:
             return None if g is None or like is None else g.to(like.dtype)
 
-        grads = [
-            cast(d_s.hidden, hs), cast(d_s.weight, ws), cast(d_s.bias, bs),
-            cast(d_t.hidden, ht), None if plan.shared else cast(d_t.weight, wt), cast(d_t.bias, bt),
-        ]  # fmt: skip
+        grads = LinearPairGrads(
+            student_hidden=cast(d_s.hidden, hs),
+            student_weight=cast(d_s.weight, ws),
+            student_bias=cast(d_s.bias, bs),
+            teacher_hidden=cast(d_t.hidden, ht),
+            # One head for both models: its gradient is in the student's slot.
+            teacher_weight=None if plan.shared else cast(d_t.weight, wt),
+            teacher_bias=cast(d_t.bias, bt),
+        )
         ctx.present = [g is not None for g in grads]
         ctx.save_for_backward(*(g for g in grads if g is not None))
         ctx.plan = plan
@@ -144,7 +156,7 @@ class _FusedLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, *_unused):
         saved = iter(ctx.saved_tensors)
-        grads = [next(saved) if present else None for present in ctx.present]
+        grads = LinearPairGrads(*(next(saved) if present else None for present in ctx.present))
         if g_loss is None:
             return (*([None] * 6), None)
         plan = ctx.plan
@@ -154,11 +166,9 @@ class _FusedLoss(torch.autograd.Function):
             if g is not None:
                 g.mul_(g_loss.to(g.dtype))
         if plan.reduce_hidden_grad and plan.layout.world > 1:
-            for i in (0, 3):
-                if grads[i] is not None:
-                    dist.all_reduce(grads[i], group=plan.layout.group)
-        if plan.shared:
-            grads[4] = None  # in the student's slot: autograd sums both slots of one tensor
+            for g in (grads.student_hidden, grads.teacher_hidden):
+                if g is not None:
+                    dist.all_reduce(g, group=plan.layout.group)
         return (*grads, None)
 
 

@@ -22,21 +22,48 @@ coefficient needs the global ``KL(P || M)``.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from lopd_kernels.bucket_math import bucket_coefs, mixture_logmass
+from lopd_kernels.op_outputs import TopKTailKLOpGrads
 from lopd_kernels.sparse_teacher_topk_tail_kl import CUSTOM_OPS as SPARSE_OPS
 from lopd_kernels.topk_tail_kl import CUSTOM_OPS as TOPK_OPS
 from lopd_kernels.vocab_parallel.shard_stats import compute_dtype
 
 __all__ = [
+    "LogitGrads",
+    "Sides",
+    "Upstream",
     "sparse_shard_grads",
     "sparse_shard_grads_torch",
     "topk_shard_grads",
     "topk_shard_grads_torch",
 ]
+
+
+class Upstream(NamedTuple):
+    """``[N]`` upstream gradients of a row's outputs."""
+
+    kl: Tensor
+    student_logprob: Tensor
+    teacher_logprob: Tensor  # the privilege's included (a sparse teacher's: zeros)
+
+
+class Sides(NamedTuple):
+    """Which logits need a gradient."""
+
+    student: bool
+    teacher: bool
+
+
+class LogitGrads(NamedTuple):
+    """A shard's logit gradients, in the logits' dtypes and shapes; None where not needed."""
+
+    student_logits: Tensor | None
+    teacher_logits: Tensor | None
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -73,7 +100,7 @@ def _correct_foreign_targets(
 
 def topk_shard_grads(
     impl: str,
-    upstream: tuple[Tensor, Tensor, Tensor],
+    upstream: Upstream,
     s: Tensor,
     t: Tensor,
     target: Tensor,
@@ -84,13 +111,13 @@ def topk_shard_grads(
     temperature: float,
     divergence: str,
     beta: float,
-    needs: tuple[bool, bool],
-) -> tuple[Tensor | None, Tensor | None]:
-    """This shard's ``(grad_student, grad_teacher)`` (None where not needed).
+    needs: Sides,
+) -> LogitGrads:
+    """This shard's logit gradients.
 
     Args:
         impl: the implementation whose backward kernel runs (not ``"torch"``).
-        upstream: ``[N]`` float32 ``(u_kl, u_ls, u_lt)`` (``u_lt`` with the privilege's).
+        upstream: float32.
         s, t: the shard's logits as the forward kernel read them; target: ``[N]`` local targets
             (0 at ``foreign`` rows); ignore_index: the local ignore marker.
         foreign: ``[N]`` bool, the rows whose target another shard holds.
@@ -99,17 +126,18 @@ def topk_shard_grads(
     """
     kl, lse, bucket = stats
     _, bwd = TOPK_OPS.ops(impl)
-    u_kl, u_ls, u_lt = upstream
-    gs, gt = bwd(
-        u_kl, u_ls, u_lt, s, t, target, local_ids, kl, lse, bucket, float(temperature),
-        divergence, beta, int(ignore_index), needs[0], needs[1],
-    )  # fmt: skip
-    grads = [gs if needs[0] else None, gt if needs[1] else None]
+    out = TopKTailKLOpGrads(*bwd(
+        *upstream, s, t, target, local_ids, kl, lse, bucket, float(temperature), divergence,
+        beta, int(ignore_index), needs.student, needs.teacher,
+    ))  # fmt: skip
+    grads = [
+        out.student_logits if needs.student else None,
+        out.teacher_logits if needs.teacher else None,
+    ]
     rows = foreign.nonzero().squeeze(1)
     if rows.numel():
         k = local_ids.shape[1]
-        sub = (u.index_select(0, rows).double() for u in upstream)
-        u_kl_r, u_ls_r, u_lt_r = sub
+        u_kl_r, u_ls_r, u_lt_r = Upstream(*(u.index_select(0, rows).double() for u in upstream))
         if k == 0:  # the full vocabulary: entry 0 is its own bucket
             x0 = torch.stack([_flat(x)[rows, 0].double() for x in (s, t)], 1) / temperature
             buckets = (x0 - lse[rows].double()).unsqueeze(2)
@@ -120,7 +148,7 @@ def topk_shard_grads(
         coefs = bucket_coefs(u_kl_r, kl[rows].double(), buckets, divergence, beta, u_ls_r, u_lt_r)
         lse_rows = [lse[rows, 0], lse[rows, 1]]
         _correct_foreign_targets(grads, [s, t], lse_rows, list(coefs), rows, slot, temperature)
-    return grads[0], grads[1]
+    return LogitGrads(*grads)
 
 
 def _spread(coef: Tensor, local_ids: Tensor, vocab: int) -> Tensor:
@@ -143,7 +171,7 @@ def _finish(
 
 
 def topk_shard_grads_torch(
-    upstream: tuple[Tensor, Tensor, Tensor],
+    upstream: Upstream,
     s: Tensor,
     t: Tensor,
     target: Tensor,
@@ -154,9 +182,9 @@ def topk_shard_grads_torch(
     temperature: float,
     divergence: str,
     beta: float,
-    needs: tuple[bool, bool],
+    needs: Sides,
     jsd_kls: Tensor | None = None,
-) -> tuple[Tensor | None, Tensor | None]:
+) -> LogitGrads:
     """The twin of :func:`topk_shard_grads`, from the formulas (float64 for float64 inputs).
 
     ``owned``: rows whose target is in this shard (``target`` its local id); ``valid``: rows
@@ -166,7 +194,7 @@ def topk_shard_grads_torch(
     kl, lse, bucket = stats
     dt = compute_dtype(s, t)
     keep = valid.unsqueeze(1)
-    up = [torch.where(valid, u.to(dt), 0.0) for u in upstream]
+    up = Upstream(*(torch.where(valid, u.to(dt), 0.0) for u in upstream))
     log_s = _flat(s).to(dt) / temperature - lse[:, :1].to(dt)
     log_t = _flat(t).to(dt) / temperature - lse[:, 1:].to(dt)
     log_s, log_t = (torch.where(keep, x, -math.inf) for x in (log_s, log_t))
@@ -174,25 +202,28 @@ def topk_shard_grads_torch(
     if local_ids.shape[1] == 0 and divergence == "jsd":
         lm = mixture_logmass(log_s, log_t, beta)
         kp, kq = (jsd_kls[:, i : i + 1].to(dt) for i in (0, 1))
-        u_kl = up[0].unsqueeze(1)
-        c_s = u_kl * (1 - beta) * (log_s - lm - kp) - up[1].unsqueeze(1)
-        c_t = u_kl * beta * (log_t - lm - kq) - up[2].unsqueeze(1)
+        u_kl = up.kl.unsqueeze(1)
+        c_s = u_kl * (1 - beta) * (log_s - lm - kp) - up.student_logprob.unsqueeze(1)
+        c_t = u_kl * beta * (log_t - lm - kq) - up.teacher_logprob.unsqueeze(1)
         c_s = torch.where(log_s == -math.inf, 0.0, c_s)
         c_t = torch.where(log_t == -math.inf, 0.0, c_t)
-    elif local_ids.shape[1] == 0:
-        per_entry = torch.stack([log_s, log_t], 1)
-        c_s, c_t = bucket_coefs(up[0], kl.to(dt), per_entry, divergence, beta, up[1], up[2])
     else:
-        coefs = bucket_coefs(up[0], kl.to(dt), bucket.to(dt), divergence, beta, up[1], up[2])
-        c_s, c_t = (_spread(c, local_ids, vocab) for c in coefs)
-    gs = _finish(s, log_s, c_s, up[1], target, owned, temperature) if needs[0] else None
-    gt = _finish(t, log_t, c_t, up[2], target, owned, temperature) if needs[1] else None
-    return gs, gt
+        full = local_ids.shape[1] == 0  # every entry its own bucket (the KLs need no sum)
+        buckets = torch.stack([log_s, log_t], 1) if full else bucket.to(dt)
+        c_s, c_t = bucket_coefs(up.kl, kl.to(dt), buckets, divergence, beta,
+                                up.student_logprob, up.teacher_logprob)  # fmt: skip
+        if not full:
+            c_s, c_t = _spread(c_s, local_ids, vocab), _spread(c_t, local_ids, vocab)
+    u_s, u_t = up.student_logprob, up.teacher_logprob
+    return LogitGrads(
+        _finish(s, log_s, c_s, u_s, target, owned, temperature) if needs.student else None,
+        _finish(t, log_t, c_t, u_t, target, owned, temperature) if needs.teacher else None,
+    )
 
 
 def sparse_shard_grads(
     impl: str,
-    upstream: tuple[Tensor, Tensor],
+    upstream: Upstream,
     s: Tensor,
     target: Tensor,
     ignore_index: int,
@@ -213,25 +244,24 @@ def sparse_shard_grads(
     local_bucket = bucket.clone()
     local_bucket[:, :, :-1] = bucket[:, :, :-1].masked_fill(~owned.unsqueeze(1), -math.inf)
     _, bwd = SPARSE_OPS.ops(impl)
-    u_kl, u_ls = upstream
     grad = bwd(
-        u_kl, u_ls, s, local_ids, target, kl, lse, local_bucket, float(temperature), reverse,
-        int(ignore_index),
+        upstream.kl, upstream.student_logprob, s, local_ids, target, kl, lse, local_bucket,
+        float(temperature), reverse, int(ignore_index),
     )  # fmt: skip
     rows = foreign.nonzero().squeeze(1)
     if rows.numel():
         div = "reverse" if reverse else "forward"
-        u_kl_r, u_ls_r = (u.index_select(0, rows).double() for u in upstream)
-        zero = torch.zeros_like(u_kl_r)
+        up = Upstream(*(u.index_select(0, rows).double() for u in upstream))
         bucket_r = bucket[rows].double()
-        c_s, _ = bucket_coefs(u_kl_r, kl[rows].double(), bucket_r, div, 1.0, u_ls_r, zero)
+        c_s, _ = bucket_coefs(up.kl, kl[rows].double(), bucket_r, div, 1.0,
+                              up.student_logprob, up.teacher_logprob)  # fmt: skip
         slot = _entry_bucket(local_ids[rows].masked_fill(~owned[rows], -1), local_ids.shape[1])
         _correct_foreign_targets([grad], [s], [lse[rows]], [c_s], rows, slot, temperature)
     return grad
 
 
 def sparse_shard_grads_torch(
-    upstream: tuple[Tensor, Tensor],
+    upstream: Upstream,
     s: Tensor,
     target: Tensor,
     owned_target: Tensor,
@@ -245,11 +275,12 @@ def sparse_shard_grads_torch(
     """The twin of :func:`sparse_shard_grads` (float64 for float64 inputs)."""
     kl, lse, bucket = stats
     dt = compute_dtype(s)
-    up = [torch.where(valid, u.to(dt), 0.0) for u in upstream]
+    up = Upstream(*(torch.where(valid, u.to(dt), 0.0) for u in upstream))
     div = "reverse" if reverse else "forward"
-    c_s, _ = bucket_coefs(up[0], kl.to(dt), bucket.to(dt), div, 1.0, up[1], torch.zeros_like(up[0]))
+    c_s, _ = bucket_coefs(up.kl, kl.to(dt), bucket.to(dt), div, 1.0, up.student_logprob,
+                          up.teacher_logprob)  # fmt: skip
     ids = local_ids.masked_fill(~owned, -1)
     log_s = s.to(dt) / temperature - lse.to(dt).unsqueeze(1)
     log_s = torch.where(valid.unsqueeze(1), log_s, -math.inf)
     coef = _spread(c_s, ids, s.shape[1])
-    return _finish(s, log_s, coef, up[1], target, owned_target, temperature)
+    return _finish(s, log_s, coef, up.student_logprob, target, owned_target, temperature)

@@ -30,6 +30,7 @@ from lopd_kernels.bucket_math import (
     select_support,
     support_masks,
 )
+from lopd_kernels.op_outputs import SparseTeacherTopKTailKLOpOutput, TopKTailKLOpOutput
 from lopd_kernels.sparse_teacher_topk_tail_kl import CUSTOM_OPS as SPARSE_OPS
 from lopd_kernels.topk_tail_kl import CUSTOM_OPS as TOPK_OPS
 from lopd_kernels.vocab_parallel.candidates import ShardStats
@@ -123,24 +124,23 @@ def topk_shard_stats(
     v_local = s.shape[-1]
     if impl == "torch" or m >= v_local:
         return _topk_stats_torch(s, t, target, ignore_index, m, support, temperature, start)
-    op = TOPK_OPS.fwd_op(impl)
-    _, slp, tlp, ids, lse, bucket = op(
+    out = TopKTailKLOpOutput(*TOPK_OPS.fwd_op(impl)(
         s, t, target, m, float(temperature), divergence, beta, support, int(ignore_index)
-    )
+    ))  # fmt: skip
+    ids = out.topk_ids
     pad = ids < 0
     safe = ids.clamp(min=0)
     f32 = torch.float32
     raw_s = gather_rows(s, safe).to(f32).masked_fill(pad, -math.inf)
     raw_t = gather_rows(t, safe).to(f32).masked_fill(pad, -math.inf)
     k = ids.shape[1]
-    tail = _tail_from_bucket(bucket[:, :, k], lse)
     return ShardStats(
         ids=torch.where(pad, ids, ids + start),
         s=raw_s,
         t=raw_t,
-        lse=lse,
-        tail=tail,
-        logprob=torch.stack([slp, tlp], 1),
+        lse=out.lse,
+        tail=_tail_from_bucket(out.bucket_logp[:, :, k], out.lse),
+        logprob=torch.stack([out.student_logprob, out.teacher_logprob], 1),
     )
 
 
@@ -206,11 +206,12 @@ def full_shard_stats(
     mode on the shard (its own KL, renormalized within the shard); the JSD (and the twin) only
     the log-sum-exps and log-probs here (:func:`jsd_partial_kls` needs the global ones)."""
     if impl != "torch" and divergence != "jsd":
-        op = TOPK_OPS.fwd_op(impl)
-        kl, slp, tlp, _ids, lse, _bucket = op(
+        out = TopKTailKLOpOutput(*TOPK_OPS.fwd_op(impl)(
             s, t, target, 0, float(temperature), divergence, 1.0, "teacher", int(ignore_index)
+        ))  # fmt: skip
+        return FullStats(
+            out.kl, out.lse, torch.stack([out.student_logprob, out.teacher_logprob], 1)
         )
-        return FullStats(kl, lse, torch.stack([slp, tlp], 1))
     dt = compute_dtype(s, t)
     x_s, x_t = _flat(s, dt) / temperature, _flat(t, dt) / temperature
     v_local = x_s.shape[1]
@@ -283,10 +284,11 @@ def sparse_shard_stats(
         # The teacher's other slots become padding for the shard's kernel: their ids stay out
         # of its tail only in the shards that hold them.
         lp = torch.where(owned, logprobs.float(), -math.inf).contiguous()
-        _, logprob, lse, bucket = SPARSE_OPS.fwd_op(impl)(
+        out = SparseTeacherTopKTailKLOpOutput(*SPARSE_OPS.fwd_op(impl)(
             s, lp, local_ids.contiguous(), target, float(temperature), reverse,
             int(ignore_index), float(tail_floor),
-        )  # fmt: skip
-        tail = _tail_from_bucket(bucket[:, 0, -1], lse)
+        ))  # fmt: skip
+        lse, logprob = out.lse, out.student_logprob
+        tail = _tail_from_bucket(out.bucket_logp[:, 0, -1], lse)
     top = gather_rows(s, local_ids).to(compute_dtype(s)).masked_fill(~owned, -math.inf)
     return SparseStats(top, lse, tail, logprob)

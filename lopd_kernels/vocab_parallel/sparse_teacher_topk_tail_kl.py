@@ -33,7 +33,11 @@ from lopd_kernels.sparse_teacher_topk_tail_kl_checks import (
     check_values,
 )
 from lopd_kernels.vocab_parallel.candidates import owner_logprob
-from lopd_kernels.vocab_parallel.shard_grads import sparse_shard_grads, sparse_shard_grads_torch
+from lopd_kernels.vocab_parallel.shard_grads import (
+    Upstream,
+    sparse_shard_grads,
+    sparse_shard_grads_torch,
+)
 from lopd_kernels.vocab_parallel.shard_stats import compute_dtype, sparse_shard_stats
 from lopd_kernels.vocab_parallel.shards import (
     LocalShard,
@@ -122,10 +126,8 @@ class _SparseTeacher(torch.autograd.Function):
         s = student.reshape(-1, student.shape[-1]).contiguous()
         twin = plan.impl == "torch"
         dt = kl.dtype if twin else torch.float32
-        up = tuple(
-            kl.new_zeros(kl.shape, dtype=dt) if g is None else g.to(dt).contiguous()
-            for g in (g_kl, g_slp)
-        )
+        zero = kl.new_zeros(kl.shape, dtype=dt)
+        up = Upstream(*(zero if g is None else g.to(dt).contiguous() for g in (g_kl, g_slp)), zero)
         if twin:
             grad = sparse_shard_grads_torch(
                 up, s, local, owned_t, valid, local_ids, owned, (kl, lse, bucket),

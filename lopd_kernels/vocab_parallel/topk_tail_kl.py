@@ -24,7 +24,13 @@ from lopd_kernels.topk_tail_kl_checks import (
     check_rows_have_mass,
     check_targets_in_range,
 )
-from lopd_kernels.vocab_parallel.block_stats import BlockOptions, block_grads, merge_block
+from lopd_kernels.vocab_parallel.block_stats import (
+    BlockOptions,
+    Sides,
+    Upstream,
+    block_grads,
+    merge_block,
+)
 from lopd_kernels.vocab_parallel.shard_stats import compute_dtype
 from lopd_kernels.vocab_parallel.shards import (
     LocalShard,
@@ -77,7 +83,9 @@ class _TopKTailKL(torch.autograd.Function):
         jsd_kls = None
         if rows.numel():
             got = merge_block(opts, layout, s, t, tgt, local, ignore, rows)
-            for dst, src in zip((ids, bucket, lse, logprob, kl), got[:5]):
+            pairs = ((ids, got.ids), (bucket, got.bucket_logp), (lse, got.lse))
+            pairs += ((logprob, got.logprob), (kl, got.kl))
+            for dst, src in pairs:
                 dst.index_copy_(0, rows, src.to(dst.dtype))
             check_rows_have_mass(lse, tgt, plan.ignore_index, _SIDES)
             if got.jsd_kls is not None:
@@ -92,12 +100,13 @@ class _TopKTailKL(torch.autograd.Function):
     def backward(ctx, g_kl, g_slp, g_tlp, _g_ids, _g_bucket):
         student, teacher, local, owned, valid, ids, kl, lse, bucket = ctx.saved_tensors
         plan = ctx.plan
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        up = tuple(kl.new_zeros(kl.shape) if g is None else g for g in (g_kl, g_slp, g_tlp))
-        gs, gt = block_grads(
+        needs = Sides(*ctx.needs_input_grad[:2])
+        up = Upstream(*(kl.new_zeros(kl.shape) if g is None else g for g in (g_kl, g_slp, g_tlp)))
+        grads = block_grads(
             plan.opts, plan.layout, rows_in_place(student), rows_in_place(teacher),
             (local, owned, valid, ctx.ignore), (ids, kl, lse, bucket, ctx.jsd_kls), up, needs,
         )  # fmt: skip
+        gs, gt = grads.student_logits, grads.teacher_logits
         gs = None if gs is None else gs.reshape(student.shape)
         gt = None if gt is None else gt.reshape(teacher.shape)
         return gs, gt, None
