@@ -122,7 +122,8 @@ def check_loss(case: Head, rank: int, world: int) -> None:
             "student_bias": leaf(None if bs is None else cut(bs)),
             "teacher_bias": leaf(None if bt is None else cut(bt), not case.frozen_teacher),
         }
-        res = fn(*args, target, **weights, **biases, **case.kw, **kw)
+        options = {**case.kw, **kw, **({"backend": "torch"} if f64 else {})}  # the oracle
+        res = fn(*args, target, **weights, **biases, **options)
         res.loss.backward()
         named = {"student_hidden": args[0], "student_weight": args[1],
                  "teacher_hidden": args[2], "teacher_weight": args[3], **biases}  # fmt: skip
@@ -175,6 +176,7 @@ LOSS = {
     "loss_no_rows": Head(kw={"top_m": 5}, n=0, ignore_rows=()),
     "loss_float64": Head(kw={"top_m": 5, "backend": "torch"}, dtype=F64),
     "loss_torch_backend": Head(kw={"top_m": 5, "backend": "torch", "support": "union"}),
+    "loss_chunked_backend": Head(kw={"top_m": 5, "backend": "chunked"}),
 }
 
 
@@ -240,6 +242,8 @@ LOGPROB = {
     "logprob_all_rows_ignored": Head(ignore_rows=tuple(range(10))),
     "logprob_no_rows": Head(n=0, ignore_rows=()),
     "logprob_float64": Head(kw={"with_entropy": True, "backend": "torch"}, dtype=F64),
+    "logprob_chunked_backend": Head(kw={"with_entropy": True, "backend": "chunked"}),
+    "logprob_triton_backend": Head(n=4, kw={"with_entropy": True, "backend": "triton"}),
 }
 
 

@@ -28,14 +28,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lopd_kernels._backend import check_backend
+from lopd_kernels._backend import BackendUnavailableError, check_backend
 from lopd_kernels.bucket_math import effective_top_m, op_divergence, support_size, support_width
 from lopd_kernels.chunked_linear import Chunk, Head, HeadGrads, Rows, auto_chunk_rows, run_chunks
+from lopd_kernels.fused_linear_topk_tail_kl import BACKENDS as FUSED_BACKENDS
 from lopd_kernels.fused_linear_topk_tail_kl_checks import check_inputs, check_row_weights
 from lopd_kernels.fused_linear_topk_tail_kl_chunked import Needs, shared_head
 from lopd_kernels.fused_linear_topk_tail_kl_loss import FusedLinearTopKTailKLLoss
 from lopd_kernels.op_outputs import LinearPairGrads
-from lopd_kernels.topk_tail_kl import BACKENDS, TopKTailKLOutput, implementation_limits
+from lopd_kernels.topk_tail_kl import BACKENDS as ROW_BACKENDS
+from lopd_kernels.topk_tail_kl import TopKTailKLOutput, implementation_limits
 from lopd_kernels.topk_tail_kl_checks import check_targets_in_range
 from lopd_kernels.vocab_parallel.block_stats import (
     BlockOptions,
@@ -172,6 +174,20 @@ class _FusedLoss(torch.autograd.Function):
         return (*grads, None)
 
 
+def _row_kernels(backend: str, device: torch.device, fp64: bool, m: int) -> str:
+    """The per-row implementation the chunks run for ``backend`` (the fused op's words)."""
+    word = FUSED_BACKENDS.resolve(backend, device, fp64=fp64)
+    if word == "triton":
+        raise BackendUnavailableError(
+            "vocab_parallel.fused_linear_topk_tail_kl_loss: backend='triton' has no "
+            "vocabulary-parallel form (the fused kernel keeps its statistics inside one launch); "
+            "backend='chunked' runs Triton's per-row kernels on a GPU"
+        )
+    if word == "torch":
+        return "torch"
+    return ROW_BACKENDS.resolve("auto", device, unsupported=implementation_limits(m))
+
+
 def _row_weight(w, n: int, like: Tensor) -> Tensor:
     dt = torch.float64 if like.dtype == torch.float64 else torch.float32
     return torch.as_tensor(w, dtype=dt, device=like.device).expand(n).contiguous()
@@ -212,8 +228,11 @@ def fused_linear_topk_tail_kl_loss(
         kl_weight, student_logprob_weight, teacher_logprob_weight, student_bias, teacher_bias
             (this rank's ``[V_local]`` shards), top_m, temperature, divergence, beta, support,
             ignore_index: as the single-process op; the weights the same on every rank.
-        backend: the per-row kernels each rank runs on its chunks (``"auto"``: C++ on CPU,
-            Triton / CUDA on a GPU; ``"torch"``: the PyTorch twins; float64: the twins).
+        backend: ``"auto"`` / ``"chunked"``: the chunk loop, with the per-row kernels
+            ``topk_tail_kl``'s ``"auto"`` picks on the device (C++ on CPU, Triton / CUDA on a
+            GPU), as the single-process op's chunk loop; ``"torch"``: the chunk loop with the
+            PyTorch twins (what float64 inputs take). No ``"triton"``: the fused Triton kernel
+            keeps its statistics inside one launch, so it has no vocabulary-parallel form.
         chunk_size: rows per chunk (``None``: from each rank's free memory, then the group's
             smallest).
         reduce_hidden_grad: sum the hidden states' gradient over the group in the backward
@@ -275,7 +294,7 @@ def fused_linear_topk_tail_kl_loss(
     m = effective_top_m(0 if top_m is None else top_m, layout.vocab)
     div, div_beta = op_divergence(divergence, beta)
     fp64 = torch.float64 in (hs.dtype, ht.dtype)
-    impl = BACKENDS.resolve(backend, hs.device, fp64=fp64, unsupported=implementation_limits(m))
+    impl = _row_kernels(backend, hs.device, fp64, m)
     grad = torch.is_grad_enabled()
     inputs = (hs, ws, student_bias, ht, wt, teacher_bias)
     needs = Needs(*(bool(grad and x is not None and x.requires_grad) for x in inputs))
