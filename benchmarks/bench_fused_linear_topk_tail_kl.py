@@ -8,7 +8,7 @@ Both variants backpropagate ``sum(kl) + sum(privilege) + sum(student_logprob)``:
 
 * ``materialized``: ``s = h_s W_s^T``, ``t = h_t W_t^T`` then ``lk.topk_tail_kl`` (its C++
   kernel), autograd through the matmuls;
-* ``fused``: ``lk.fused_linear_topk_tail_kl(..., backend="cpu")``.
+* ``fused``: ``lk.fused_linear_topk_tail_kl(..., backend="chunked")``.
 
 Recorded per variant via :func:`benchmarks.common.record` into
 ``benchmarks/results/fused_linear_topk_tail_kl.json``: median seconds, and the peak RSS of a fresh
@@ -19,12 +19,9 @@ targets: fused <= 1/10 of materialized in memory, <= 1.3x in time).
 
 ``-k apart`` times forward and backward apart, fused, materialized and
 ``fused_linear_topk_tail_kl_loss`` (the same loss as a fixed row weighting, gradients formed in
-the forward: backend ``cpu[loss]``) alternating in one process, with both heads trained
+the forward: backend ``chunked[loss]``) alternating in one process, with both heads trained
 (``LOPD_BENCH_FL_APART_GRADS``) at d = 256 and 1,024 (``LOPD_BENCH_FL_DS``), and records
 ``fwd_vs_materialized`` / ``bwd_vs_materialized``.
-
-``-k variants`` times the chunked path's two variants (``LOPD_FUSED_LINEAR_CHUNKED=v1|v2``)
-against each other, interleaved, and records ``cpu[v1]`` / ``cpu[v2]``.
 
 Each pass is ~2 TFLOP of GEMMs: on a small machine set ``LOPD_BENCH_FL_N=256`` (and/or
 ``LOPD_BENCH_FL_V``) for a quick look; ``LOPD_BENCH_THREADS`` sets the thread count (default 2,
@@ -104,7 +101,7 @@ def fwd_materialized():
 
 
 def fwd_fused():
-    return loss(lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=M, backend="cpu"))
+    return loss(lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=M, backend="chunked"))
 
 
 def fwd_fused_loss():
@@ -112,7 +109,7 @@ def fwd_fused_loss():
     # gradients are formed in the forward.
     return lk.fused_linear_topk_tail_kl_loss(
         hs, ws, ht, wt, a, kl_weight=1.0, student_logprob_weight=1.0,
-        teacher_logprob_weight=1.0, top_m=M, backend="cpu",
+        teacher_logprob_weight=1.0, top_m=M, backend="chunked",
     ).loss  # fmt: skip
 
 
@@ -137,7 +134,8 @@ _x = torch.randn(4, 8, requires_grad=True)
 _w = torch.randn(64, 8, requires_grad=True)
 _a = torch.randint(0, 64, (4,))
 loss(lk.topk_tail_kl(_x @ _w.T, _x @ _w.T, _a, top_m=4)).backward()
-loss(lk.fused_linear_topk_tail_kl(_x, _w, _x, _w.detach(), _a, top_m=4, backend="cpu")).backward()
+_out = lk.fused_linear_topk_tail_kl(_x, _w, _x, _w.detach(), _a, top_m=4, backend="chunked")
+loss(_out).backward()
 lk.fused_linear_topk_tail_kl_loss(_x, _w, _x, _w.detach(), _a, top_m=4).loss.backward()
 """
 
@@ -145,21 +143,6 @@ lk.fused_linear_topk_tail_kl_loss(_x, _w, _x, _w.detach(), _a, top_m=4).loss.bac
 SETUP = setup_code(D, "student-head" if HEAD_GRAD else "frozen-heads")
 
 RUNS = {"materialized": "run_materialized()", "fused": "run_fused()"}
-
-# The chunked path's variants (switch fused_linear_topk_tail_kl.chunked in
-# lopd_kernels/kernel_variants.py; v1 is the previous path), timed by
-# test_chunked_variants_interleaved (-k variants): LOPD_BENCH_FL_AB_ROUNDS calls of each,
-# alternating which goes first, so that a drifting machine load hits both alike.
-CHUNKED_SWITCH = "fused_linear_topk_tail_kl.chunked"
-CHUNKED_VARIANTS = ("v1", "v2")
-AB_ROUNDS = int(os.environ.get("LOPD_BENCH_FL_AB_ROUNDS", "3"))
-
-
-def _fused_as(kv: str) -> str:
-    return (
-        "from lopd_kernels.kernel_variants import use_variant\n"
-        f"with use_variant({CHUNKED_SWITCH!r}, {kv!r}):\n    run_fused()\n"
-    )
 
 
 @pytest.fixture(scope="module")
@@ -178,17 +161,6 @@ def peak_extra() -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def variant_peaks() -> dict[str, int]:
-    """``peak_extra`` of the fused op under each chunked variant (fresh processes, requested
-    before ``env`` for the reason ``peak_extra`` gives)."""
-    extra = {}
-    for kv in CHUNKED_VARIANTS:
-        before, peak = peak_rss_bytes(SETUP, _fused_as(kv), threads=THREADS)
-        extra[kv] = max(0, peak - before - GRAD_BYTES)
-    return extra
-
-
-@pytest.fixture(scope="module")
 def env(peak_extra):
     with torch_threads(THREADS):
         ns: dict = {}
@@ -197,36 +169,6 @@ def env(peak_extra):
 
 
 _medians: dict[str, float] = {}
-
-
-# Defined first so that its fresh-process peaks are measured before env allocates anything.
-def test_chunked_variants_interleaved(benchmark, variant_peaks, env):
-    import statistics
-    import time
-
-    from lopd_kernels.kernel_variants import use_variant
-
-    times: dict[str, list[float]] = {kv: [] for kv in CHUNKED_VARIANTS}
-
-    def rounds() -> None:
-        for i in range(AB_ROUNDS):
-            for kv in CHUNKED_VARIANTS if i % 2 == 0 else CHUNKED_VARIANTS[::-1]:
-                env["clear_grads"]()
-                with use_variant(CHUNKED_SWITCH, kv):
-                    t0 = time.perf_counter()
-                    env["run_fused"]()
-                    times[kv].append(time.perf_counter() - t0)
-        env["clear_grads"]()
-
-    benchmark.group = f"fused_linear_topk_tail_kl chunked variants N={N} d={D} V={V} M={M}"
-    benchmark.pedantic(rounds, rounds=1, iterations=1)
-    medians = {kv: statistics.median(t) for kv, t in times.items()}
-    for kv in CHUNKED_VARIANTS:
-        record("fused_linear_topk_tail_kl", f"cpu[{kv}]", SHAPES, medians[kv], variant_peaks[kv],
-               threads=THREADS, calls_s=times[kv], interleaved_rounds=AB_ROUNDS)  # fmt: skip
-    peaks_mib = {k: v >> 20 for k, v in variant_peaks.items()}
-    print(f"\nchunked variants: medians {medians}, calls {times}, "
-          f"peak RSS beyond inputs/params/grads {peaks_mib} MiB")  # fmt: skip
 
 
 @pytest.mark.parametrize("variant", ["materialized", "fused"])
@@ -242,7 +184,7 @@ def test_fused_linear_topk_tail_kl_fwd_bwd(benchmark, peak_extra, env, variant):
     if variant == "fused" and "materialized" in _medians:
         fields["time_vs_materialized"] = median / _medians["materialized"]
         fields["memory_vs_materialized"] = extra / max(1, peak_extra["materialized"])
-    backend = "cpu" if variant == "fused" else variant
+    backend = "chunked" if variant == "fused" else variant
     record("fused_linear_topk_tail_kl", backend, SHAPES, median, extra, **fields)
     print(f"\n{variant}: {median:.2f} s, peak RSS beyond inputs/params/grads "
           f"{extra / 2**20:.0f} MiB", fields)  # fmt: skip
@@ -259,7 +201,7 @@ APART_DTYPE = os.environ.get("LOPD_BENCH_FL_DTYPE", "float32")
 APART_REPS = int(os.environ.get("LOPD_BENCH_FL_APART_REPS", "3"))
 APART_VARIANTS = ("materialized", "fused", "fused_loss")
 # The record's backend word per variant (fused_loss: fused_linear_topk_tail_kl_loss).
-APART_BACKENDS = {"materialized": "materialized", "fused": "cpu", "fused_loss": "cpu[loss]"}
+APART_BACKENDS = {"materialized": "materialized", "fused": "chunked", "fused_loss": "chunked[loss]"}
 _GRAD_NAMES = {"student-head": "h_s, W_s, h_t", "frozen-heads": "h_s, h_t",
                "both-heads": "h_s, W_s, h_t, W_t"}  # fmt: skip
 
@@ -388,13 +330,13 @@ def run_materialized():
 
 
 def run_fused():
-    kl = lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=None, backend="cpu").kl
+    kl = lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=None, backend="chunked").kl
     kl.sum().backward()
     kl_mean["fused"] = kl.mean().item()
 
 
 def run_fused_top20():
-    kl = lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=20, backend="cpu").kl
+    kl = lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=20, backend="chunked").kl
     kl.sum().backward()
     kl_mean["fused_top20"] = kl.mean().item()
 

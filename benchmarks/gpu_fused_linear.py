@@ -6,11 +6,9 @@ Variants (``--variant``), each forward and backward timed apart, with peak memor
 
 * ``materialized``: ``lk.topk_tail_kl(h_s @ W_s^T, h_t @ W_t^T, ...)`` (cuBLAS logits, [N, V]
   twice, then the per-row kernel);
-* ``chunked``: ``lk.fused_linear_topk_tail_kl(..., backend="cuda")`` (cuBLAS logit blocks per
-  token chunk + the per-row kernels), every variant of its switch
-  ``fused_linear_topk_tail_kl.chunked`` in the same process (``chunked`` = the default,
-  ``chunked[v1]`` = the previous path: CUDA epilogue, multi-pass tail, slab-wise dW);
-* ``chunked_loss``: ``lk.fused_linear_topk_tail_kl_loss(..., backend="cuda")``, the same loss
+* ``chunked``: ``lk.fused_linear_topk_tail_kl(..., backend="chunked")`` (cuBLAS logit blocks per
+  token chunk + the per-row kernels ``topk_tail_kl``'s ``"auto"`` picks on the GPU);
+* ``chunked_loss``: ``lk.fused_linear_topk_tail_kl_loss(..., backend="chunked")``, the same loss
   as a fixed weighting of the rows (weights 1 on the KL and both log-probs: the gradient of
   ``sum(kl) + sum(privilege) + sum(student_logprob)``), its gradients formed in the forward;
 * ``triton``: ``backend="triton"``, the fully fused kernel;
@@ -22,10 +20,10 @@ Variants (``--variant``), each forward and backward timed apart, with peak memor
 
 Options: the LOPD fused variants (``chunked``, ``triton``) are also timed with ``--options``
 (default ``student``, ``union``, ``jsd``: ``support="student"``, ``support="union"``,
-``divergence="jsd", beta=0.5``) in the first gradient setting, the switch's default kernels only,
-each a record of its own (``shapes["support"]``, ``["divergence"]``, ``["beta"]``) checked
-against the float64 reference like the teacher's (the union's ``topk_ids`` too), with
-``time_vs_teacher``: its median over the teacher's reverse KL's in the same process.
+``divergence="jsd", beta=0.5``) in the first gradient setting, each a record of its own
+(``shapes["support"]``, ``["divergence"]``, ``["beta"]``) checked against the float64 reference
+like the teacher's (the union's ``topk_ids`` too), with ``time_vs_teacher``: its median over the
+teacher's reverse KL's in the same process.
 
 All LOPD variants backpropagate ``sum(kl) + sum(privilege) + sum(student_logprob)`` into both
 hidden states (and the student head under ``student-head``). Two gradient settings, each its own
@@ -53,8 +51,6 @@ VARIANTS = ("materialized", "chunked", "chunked_loss", "triton", "trl_chunked_di
 SETTINGS = ("frozen-heads", "student-head")
 SIZES = {"full": (8192, 4096, 151_936, 20), "tiny": (6, 16, 70, 4)}
 CHECK_ROWS = 16
-# The chunked path's switch (lopd_kernels/kernel_variants.py): v1, the previous path, and v2.
-CHUNKED_SWITCH = "fused_linear_topk_tail_kl.chunked"
 # --options: (support, divergence, beta) of each case timed after the teacher's reverse KL.
 OPTIONS = {
     "student": ("student", "reverse", None),
@@ -93,20 +89,16 @@ def variant_fns(name: str, lk, hs, ws, ht, wt, a, m: int, device: torch.device, 
             lambda out: check_rows(lk, out.kl, hs, ws, ht, wt, a, m, rounded_logits=True),
         )
     if name in ("chunked", "triton"):
-        backend = name if name == "triton" else ("cuda" if device.type == "cuda" else "cpu")
-        fwd = lambda: lk.fused_linear_topk_tail_kl(
-            hs, ws, ht, wt, a, top_m=m, backend=backend, **opts
-        )
+        fwd = lambda: lk.fused_linear_topk_tail_kl(hs, ws, ht, wt, a, top_m=m, backend=name, **opts)
         return (
             fwd,
             lambda out: _lopd_sum(out).backward(),
             lambda out: check_rows(lk, out.kl, hs, ws, ht, wt, a, m, ids=out.topk_ids, **opts),
         )
     if name == "chunked_loss":
-        backend = "cuda" if device.type == "cuda" else "cpu"
         weights = {"kl_weight": 1.0, "student_logprob_weight": 1.0, "teacher_logprob_weight": 1.0}
         fwd = lambda: lk.fused_linear_topk_tail_kl_loss(
-            hs, ws, ht, wt, a, top_m=m, backend=backend, **weights, **opts
+            hs, ws, ht, wt, a, top_m=m, backend="chunked", **weights, **opts
         )
         return (
             fwd,
@@ -163,33 +155,20 @@ def check_rows(
 
 
 def bench_setting(args, lk, rec, device, setting: str) -> None:
-    """One gradient setting; ``chunked``: every variant of its switch, old against new in this
-    process (one record each: ``chunked`` for the switch's default, ``chunked[<v>]`` for the
-    others), each within half of ``--budget-s``."""
-    if args.variant != "chunked":
-        teacher_r = _bench_one(args, lk, rec, device, setting, args.variant, args.budget_s, {})
-    else:
-        from lopd_kernels.kernel_variants import SWITCHES, use_variant
-
-        sw = SWITCHES[CHUNKED_SWITCH]
-        for kv in sw.choices:
-            with use_variant(CHUNKED_SWITCH, kv):
-                label = "chunked" if kv == sw.default else f"chunked[{kv}]"
-                budget = args.budget_s / len(sw.choices)
-                r = _bench_one(args, lk, rec, device, setting, label, budget, {CHUNKED_SWITCH: kv})
-                teacher_r = r if kv == sw.default else None
-            gc.free_cuda(device)
+    """One gradient setting: the variant, then its ``--options`` cases."""
+    teacher_r = _bench_one(args, lk, rec, device, setting, args.variant, args.budget_s)
+    gc.free_cuda(device)
     if args.variant in ("chunked", "triton") and setting == args.settings.split(",")[0]:
         for key in filter(None, args.options.split(",")):
             support, divergence, beta = OPTIONS[key]
             opts = {"support": support, "divergence": divergence, "beta": beta}
-            _bench_one(args, lk, rec, device, setting, args.variant, args.budget_s, {},
-                       opts=opts, baseline=teacher_r)  # fmt: skip
+            _bench_one(args, lk, rec, device, setting, args.variant, args.budget_s, opts=opts,
+                       baseline=teacher_r)  # fmt: skip
             gc.free_cuda(device)
 
 
 def _bench_one(
-    args, lk, rec, device, setting: str, label: str, budget_s: float, kv, *, opts=None,
+    args, lk, rec, device, setting: str, label: str, budget_s: float, *, opts=None,
     baseline=None,
 ):  # fmt: skip
     """One variant in one gradient setting (``opts``: support / divergence / beta); returns
@@ -208,8 +187,6 @@ def _bench_one(
         hs.grad = ht.grad = ws.grad = None
 
     extra: dict = {"teacher_grad": lopd, "grad_fp32": head_grad and lopd}
-    if kv:
-        extra["kernel_variants"] = kv
     # The warm-up call (JIT, allocator; at least one: the check needs it) also gives the
     # correctness check its output; how long it took decides how many timed calls fit in
     # budget_s.

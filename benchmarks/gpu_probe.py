@@ -1,6 +1,6 @@
 """Which backends run here: each op once on tiny inputs per backend, through the public API.
 
-    python benchmarks/gpu_probe.py --env-json OUT/env.json [--backends triton,cuda]
+    python benchmarks/gpu_probe.py --env-json OUT/env.json [--backends triton,cuda,chunked]
 
 Adds ``{"backends": {"<op>/<backend>": "ok" | "<error>"}}`` to the environment file and prints
 it; exit status 0 when every probe ran. ``benchmarks/gpu_run.py`` runs it after the extension
@@ -51,13 +51,19 @@ def probes(lk, device: torch.device, backend: str) -> dict:
         out.sum().backward()
         return out, q.grad
 
-    return {"topk_tail_kl": topk, "fused_linear_topk_tail_kl": fused, "varlen": varlen}
+    # Each op with the backend words it has (docs/kernels.md, "Backends").
+    ops = {
+        "topk_tail_kl": (topk, ("cpu", "cuda", "triton")),
+        "fused_linear_topk_tail_kl": (fused, ("chunked", "triton")),
+        "varlen": (varlen, ("cpu", "cuda", "triton")),
+    }
+    return {op: fn for op, (fn, words) in ops.items() if backend in words}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env-json", required=True)
-    parser.add_argument("--backends", default="triton,cuda", help="comma-separated")
+    parser.add_argument("--backends", default="triton,cuda,chunked", help="comma-separated")
     args, device = gc.parse_args(parser, argv, reps=1)
     if device is None:
         return 0

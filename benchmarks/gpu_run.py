@@ -231,7 +231,7 @@ class Run:
         """Waits for the background build (within the build's own cap), installs what it built,
         then runs ``gpu_probe.py``; its results gate the CUDA steps."""
         self.wait_build(self.left())
-        backends = "cpu,triton" if self.dry else "triton,cuda"
+        backends = "cpu,triton,chunked" if self.dry else "triton,cuda,chunked"
         cmd = [self.py, "benchmarks/gpu_probe.py", "--env-json", str(self.env_json),
                "--backends", backends, *self.device_args()]  # fmt: skip
         rc = self.run_cmd(step, cmd, max(MIN_CAP_S, min(cap, self.left())), self.env)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,16 @@ class Step:
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def gpu_count() -> int:
+    """The GPUs ``nvidia-smi -L`` lists (0 without it)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30,
+                             check=True).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
 def sanitizer_path() -> str | None:
     found = shutil.which("compute-sanitizer")
     if found:
@@ -79,7 +90,7 @@ def plan(run: Any) -> list[Step]:
     sanitizer = sanitizer_path()
     steps = [
         Step("env", 15, bench("gpu_env.py", "--env-json", str(run.env_json))),
-        # Both top-M forward kernels (switch topk_tail_kl.triton_fwd), old against new.
+        # Both top-M forward kernels (slot topk_tail_kl.triton_forward), timed in one process.
         Step("topk_triton", 40, bench("gpu_topk_tail_kl.py", "--variant", "triton")),
         Step("topk_torch_topk", 12, bench("gpu_topk_tail_kl.py", "--variant", "torch_topk")),
         Step("topk_torch_reference", 18,
@@ -96,10 +107,10 @@ def plan(run: Any) -> list[Step]:
              needs=("topk_tail_kl/cuda",)),
         Step("fused_materialized", 20, bench("gpu_fused_linear.py", "--variant", "materialized")),
         Step("fused_chunked", 20, bench("gpu_fused_linear.py", "--variant", "chunked"),
-             needs=("fused_linear_topk_tail_kl/cuda",)),
+             needs=("fused_linear_topk_tail_kl/chunked",)),
         Step("fused_triton", 40, bench("gpu_fused_linear.py", "--variant", "triton")),
         Step("fused_chunked_loss", 20, bench("gpu_fused_linear.py", "--variant", "chunked_loss"),
-             needs=("fused_linear_topk_tail_kl/cuda",)),
+             needs=("fused_linear_topk_tail_kl/chunked",)),
         Step("fused_trl", 20, bench("gpu_fused_linear.py", "--variant", "trl_chunked_divergence"),
              requires=("trl", "datasets")),
         Step("fused_liger", 20, bench("gpu_fused_linear.py", "--variant",
@@ -114,7 +125,13 @@ def plan(run: Any) -> list[Step]:
         Step("qformer_module_padded", 12, bench("gpu_qformer.py", "--variant", "module_padded")),
         Step("train_fused_linear", 35, bench("gpu_train_step.py", "--variant", "fused_linear")),
         Step("train_materialized", 35, bench("gpu_train_step.py", "--variant", "materialized")),
+        # Tensor parallelism: torchrun over every visible GPU (NCCL); 2 gloo ranks in a dry run.
+        Step("vocab_parallel", 30, bench("gpu_vocab_parallel.py")),
     ]  # fmt: skip
+    gpus = gpu_count()
+    if gpus < 2 and not run.dry:
+        steps[-1].status = "skipped"
+        steps[-1].note = f"needs 2 or more GPUs for tensor parallelism, found {gpus}"
     memcheck = run.pytest_cmd("memcheck", list(MEMCHECK_TESTS), MEMCHECK_K)
     if sanitizer and not run.dry:
         memcheck = [sanitizer, "--tool", "memcheck", "--error-exitcode", "9", "--print-limit",

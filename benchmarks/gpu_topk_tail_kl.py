@@ -5,8 +5,10 @@
 Variants (``--variant``):
 
 * ``triton`` / ``cuda``: ``lk.topk_tail_kl(s, t, a, top_m=M, backend=...)``, gradients into both
-  logits through ``sum(kl) + sum(privilege) + sum(student_logprob)``, once per variant of the
-  backend's forward kernel switch (``triton``, ``triton[v2]``; ``cuda``, ``cuda[v1]``);
+  logits through ``sum(kl) + sum(privilege) + sum(student_logprob)``, once per forward kernel of
+  the backend's slot in ``lopd_kernels/kernel_variants.py`` (``triton``,
+  ``triton[joined_reductions]``; ``cuda``, ``cuda[natural_exp]``): both timed in one process, so
+  that the slower one can be deleted;
 * ``torch_reference``: ``lk.topk_tail_kl_reference`` (eager PyTorch, plain autograd);
 * ``trl_eager``: TRL's ``compute_topk_self_distillation_loss`` + ``log_softmax(x).gather`` on both
   sides (the eager loss a TRL user runs), same backward;
@@ -17,8 +19,7 @@ reverse KL, the same backend with ``--options`` (default: ``student``, ``union``
 ``support="student"``, ``support="union"``, ``divergence="jsd", beta=0.5``), each a record of
 its own (``shapes["support"]``, ``shapes["divergence"]``, ``shapes["beta"]``), checked against
 the float64 reference like the teacher's, with ``time_vs_teacher``: its median over the
-teacher's reverse KL's in the same process. An option the backend has no kernel for is skipped
-with a line saying so (``lopd_kernels/_constants.py``).
+teacher's reverse KL's in the same process.
 
 Two teachers, each a record of its own (``shapes["teacher"]``): ``iid`` (i.i.d. normal logits,
 the top-M scattered over the vocabulary: the most work for a running top-M) and ``zipf`` (logits
@@ -46,9 +47,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as gc
 
-# Each compiled backend's forward kernel switch (lopd_kernels/kernel_variants.py; for Triton the
-# launcher's FWD_SWITCH, named here so that the script imports no Triton before it needs to).
-FWD_SWITCHES = {"triton": "topk_tail_kl.triton_fwd", "cuda": "topk_tail_kl.cuda_fwd"}
+# Each compiled backend's forward kernel slot (lopd_kernels/kernel_variants.py; for Triton the
+# launcher's FWD_SLOT, named here so that the script imports no Triton before it needs to).
+FWD_SLOTS = {"triton": "topk_tail_kl.triton_forward", "cuda": "topk_tail_kl.cuda_forward"}
 
 VARIANTS = ("triton", "cuda", "torch_reference", "trl_eager", "torch_topk")
 TEACHERS = ("iid", "zipf")
@@ -156,24 +157,24 @@ def bench_teacher(args, lk, rec, device, teacher: str) -> None:
         rec.add("topk_tail_kl", "torch_topk", {**base_shapes, "pass": "fwd"}, r["fwd"],
                 r["peak_bytes"], **gc.bandwidth_fields(n * v * elt, r["fwd"], copy))  # fmt: skip
         return
-    if args.variant in FWD_SWITCHES:
-        from lopd_kernels.kernel_variants import SWITCHES, use_variant
+    if args.variant in FWD_SLOTS:
+        from lopd_kernels.kernel_variants import SLOTS, selecting
 
         # CPU dry run: the C++ kernel stands in for CUDA (Triton runs under its interpreter).
         backend = "cpu" if args.variant == "cuda" and device.type != "cuda" else args.variant
-        # Every kernel variant of the backend's forward switch, old against new in this process
-        # (one record each: "<backend>" for the switch's default, "<backend>[<variant>]" for the
-        # others).
-        switch = SWITCHES[FWD_SWITCHES[args.variant]]
-        name = FWD_SWITCHES[args.variant]
+        # Both forward kernels of the backend's slot in this process, so that the slower one can
+        # be deleted (one record each: "<backend>" for the slot's default, "<backend>[<kernel>]"
+        # for the other).
+        name = FWD_SLOTS[args.variant]
+        slot = SLOTS[name]
         timed = {}
-        for kv in args.fwd_variants.split(",") if args.fwd_variants else switch.choices:
-            with use_variant(name, kv):
-                label = backend if kv == switch.default else f"{backend}[{kv}]"
-                timed[kv] = _time_lopd(args, lk, rec, device, (s, t, a), m, base_shapes, copy,
-                                       backend, label, {name: kv})  # fmt: skip
+        for kernel in args.fwd_kernels.split(",") if args.fwd_kernels else slot.choices:
+            with selecting(name, kernel):
+                label = backend if kernel == slot.default else f"{backend}[{kernel}]"
+                timed[kernel] = _time_lopd(args, lk, rec, device, (s, t, a), m, base_shapes,
+                                           copy, backend, label, {name: kernel})  # fmt: skip
         _time_options(args, lk, rec, device, (s, t, a), m, base_shapes, copy, backend,
-                      timed.get(switch.default))  # fmt: skip
+                      timed.get(slot.default))  # fmt: skip
         return
     if args.variant == "torch_reference":
         backend = "torch_reference"
@@ -188,15 +189,8 @@ def bench_teacher(args, lk, rec, device, teacher: str) -> None:
 def _time_options(args, lk, rec, device, inputs, m, base_shapes, copy, backend, teacher_r):
     """The ``--options`` cases on ``backend``'s default kernels, each checked and recorded with
     its options in the shapes and its time over the teacher's reverse KL's (``teacher_r``)."""
-    from lopd_kernels.bucket_math import op_divergence
-    from lopd_kernels.topk_tail_kl import kernel_option_refusal
-
     for key in filter(None, args.options.split(",")):
         support, divergence, beta = OPTIONS[key]
-        reason = kernel_option_refusal(backend, op_divergence(divergence, beta)[0], support)
-        if reason is not None:
-            print(f"topk_tail_kl {backend} {key}: skipped, the backend {reason}", flush=True)
-            continue
         opts = {"support": support, "divergence": divergence, "beta": beta}
         shapes = {**base_shapes, "support": support, "divergence": divergence, "beta": beta}
         _time_lopd(args, lk, rec, device, inputs, m, shapes, copy, backend, backend, None,
@@ -204,10 +198,10 @@ def _time_options(args, lk, rec, device, inputs, m, base_shapes, copy, backend, 
 
 
 def _time_lopd(
-    args, lk, rec, device, inputs, m, base_shapes, copy, backend, label, variants, *, opts=None,
+    args, lk, rec, device, inputs, m, base_shapes, copy, backend, label, kernels, *, opts=None,
     baseline=None,
 ):  # fmt: skip
-    """Checks one LOPD backend (as the kernel switches now select; ``opts``: support /
+    """Checks one LOPD backend (as the kernel slots now select; ``opts``: support /
     divergence / beta) against the float64 reference on the first rows, then times it and
     records it as ``label``; returns the timings."""
     s, t, a = inputs
@@ -219,8 +213,8 @@ def _time_lopd(
     extra["teacher_topk_mass"] = float(out.teacher_topk_mass.mean())
     if opts and opts["support"] == "union":
         extra["mean_support_size"] = float(out.support_size.float().mean())
-    if variants:
-        extra["kernel_variants"] = variants
+    if kernels:
+        extra["kernels"] = kernels
     del out
     return _record(args, rec, device, (s, t), forward, backward, base_shapes, copy, label, extra,
                    baseline)  # fmt: skip
@@ -257,10 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", required=True, choices=VARIANTS)
     parser.add_argument("--teachers", default=",".join(TEACHERS), help="comma-separated")
     parser.add_argument(
-        "--fwd-variants",
-        help="--variant triton / cuda: the forward kernels to time (switches "
-        f"{', '.join(FWD_SWITCHES.values())}, lopd_kernels/kernel_variants.py), "
-        "comma-separated; default: every variant",
+        "--fwd-kernels",
+        help="--variant triton / cuda: the forward kernels to time (slots "
+        f"{', '.join(FWD_SLOTS.values())}, lopd_kernels/kernel_variants.py), "
+        "comma-separated; default: both",
     )
     parser.add_argument(
         "--options",

@@ -28,8 +28,8 @@ install does not support is reported as such, not dropped):
 * dense: ``lk.topk_tail_kl`` (``backend="cpu"`` and ``"torch"``); the obvious PyTorch code
   (``log_softmax`` of the logits cast to float32, the divergence in float32); TRL's
   ``GKDTrainer.generalized_jsd_loss`` on the bf16 logits as ``GKDTrainer`` passes them;
-* fused: ``lk.fused_linear_topk_tail_kl`` (``backend="cpu"``); the obvious PyTorch code on a bf16
-  LM head (``h @ W.T`` in bf16, as ``nn.Linear`` gives it, then the float32 code above); TRL's
+* fused: ``lk.fused_linear_topk_tail_kl`` (``backend="chunked"``); the obvious PyTorch code on a
+  bf16 LM head (``h @ W.T`` in bf16, as ``nn.Linear`` gives it, then the float32 code above); TRL's
   ``ChunkedDivergenceFunction`` (``DistillationTrainer``'s chunked loss); Liger's
   ``LigerFusedLinearJSDLoss`` (``weight_hard_loss=0, weight_soft_loss=1``; eager and
   ``compiled=True``), run in-process when ``liger_kernel`` imports, else by ``--liger-python``

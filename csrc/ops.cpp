@@ -9,6 +9,7 @@
 // `python -m lopd_kernels.info`) is csrc/module.cpp.
 #include <torch/library.h>
 
+#include "common/kernel_choices.h"
 #include "common/schemas.h"
 
 TORCH_LIBRARY(lopd, m) {
@@ -24,4 +25,10 @@ TORCH_LIBRARY(lopd, m) {
   m.def(lopd::schemas::kVarlenCrossAttentionCudaBwd);
   m.def(lopd::schemas::kFusedLinearLogprobCpuFwd);
   m.def(lopd::schemas::kFusedLinearLogprobCpuBwd);
+  // The process-wide kernel choices (csrc/common/kernel_choices.h).
+  m.def("set_kernel_choice(str name, str value) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(lopd, CatchAll, m) {
+  m.impl("set_kernel_choice", &lopd::choices::set_kernel_choice);
 }

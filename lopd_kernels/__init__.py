@@ -8,13 +8,16 @@ given by its top-M ids and log-probs only), each with its ``nn.Module`` (``TopKT
 log-probs and entropies from hidden states and an LM head) and its loss module
 ``FusedLinearCrossEntropy``;
 ``varlen_cross_attention`` and its module ``QFormerCompressor``;
-the Hugging Face helpers of :mod:`lopd_kernels.hf`. Each op has a PyTorch reference and C++ CPU,
+the Hugging Face helpers of :mod:`lopd_kernels.hf`; :mod:`lopd_kernels.vocab_parallel`: the
+top-M + tail ops and the log-prob op over an LM head sharded over the vocabulary (tensor
+parallelism, Megatron-core's layout). Each op has a PyTorch reference and C++ CPU,
 Triton and CUDA kernels behind ``backend=`` (the words of :data:`BACKENDS`, chosen by
 :mod:`lopd_kernels._backend`); kernels are the custom ops ``torch.ops.lopd.<op>_<impl>_fwd/_bwd``
 (:mod:`lopd_kernels._custom_ops`). ``python -m lopd_kernels.info`` prints what this install was
 built with and what ``"auto"`` picks.
 """
 
+from lopd_kernels import vocab_parallel
 from lopd_kernels._backend import BACKENDS, BackendUnavailableError, extension_loaded
 from lopd_kernels._constants import DIVERGENCES, KL_DIVERGENCES, SUPPORTS
 from lopd_kernels.fused_linear_logprob import (
@@ -80,4 +83,5 @@ __all__ = [
     "topk_tail_kl",
     "topk_tail_kl_reference",
     "varlen_cross_attention",
+    "vocab_parallel",
 ]

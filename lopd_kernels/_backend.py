@@ -1,27 +1,29 @@
 """Backends of the ops: one vocabulary, one resolver, one error; and loading of ``_C``.
 
-Every op has the same implementation words (:data:`IMPLS`):
+Every ``backend=`` word means one thing for every op that has it (:data:`BACKEND_MEANINGS`):
 
-* ``"torch"``: the op's PyTorch reference (float64-capable; the oracle of every test). Always
-  there, and where ``"auto"`` ends when nothing else can run.
+* ``"torch"``: the op's PyTorch reference (float64-capable; the oracle of every test). Every op
+  has it, and it is where ``"auto"`` ends when nothing else can run.
 * ``"cpu"``: C++ kernels for CPU tensors, in ``lopd_kernels._C``.
 * ``"cuda"``: hand-written CUDA kernels, in ``lopd_kernels._C`` built with nvcc.
 * ``"triton"``: Triton kernels (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``).
+* ``"chunked"``: the LM-head chunk loop of the fused-linear ops
+  (:mod:`lopd_kernels.chunked_linear`): vendor GEMMs per chunk, per-row work on each chunk; any
+  device.
 
 Each kernel implementation of op ``<op>`` is the custom-op pair ``torch.ops.lopd.<op>_<impl>_fwd``
 and ``..._bwd``, the forward differentiable through the backward (names and registration:
-:mod:`lopd_kernels._custom_ops`). An op module declares one :class:`OpBackends`: what this
-install lacks (:func:`compiled_unavailable`) and the order in which ``"auto"`` tries
-implementations per device type. :meth:`OpBackends.resolve`
-turns a ``backend=`` argument into an implementation word or raises
-:class:`BackendUnavailableError`, whose message always reads ``"<op>: backend='<b>' <reason>;
-..."``.
+:mod:`lopd_kernels._custom_ops`). An op module declares one :class:`OpBackends`: the words it has,
+what this install lacks (:func:`compiled_unavailable`) and the order in which ``"auto"`` tries
+implementations per device type. :meth:`OpBackends.resolve` turns a ``backend=`` argument into an
+implementation word or raises :class:`BackendUnavailableError`, whose message always reads
+``"<op>: backend='<b>' <reason>; ..."``.
 
 Adding an op: give it a reference, declare its ``OpBackends`` and register ``<op>_<impl>_fwd/_bwd``
 for each kernel through its ``CustomOps`` (C++ ops declared in ``csrc/common/schemas.h`` +
 ``csrc/ops.cpp``; Python ones defined by ``CustomOps.define`` in ``lopd_kernels/<op>.py``).
-Adding a kernel *variant* (a second Triton forward, say) keeps the op name and is chosen inside
-its launcher, so the resolver and the autograd wiring do not change (``docs/kernels.md``).
+A second algorithm for a kernel keeps the op name and is chosen inside its launcher
+(:mod:`lopd_kernels.kernel_variants`), so the resolver and the autograd wiring do not change.
 
 ``import lopd_kernels`` always works: when ``lopd_kernels._C`` is missing (a pure-Python install,
 or a build that failed) the compiled implementations are unavailable and one warning says so.
@@ -37,7 +39,7 @@ from collections.abc import Mapping
 
 import torch
 
-from lopd_kernels._constants import IMPLS
+from lopd_kernels._constants import BACKEND_MEANINGS, IMPLS
 from lopd_kernels._custom_ops import NAMESPACE, op_name
 
 BACKENDS = ("auto", *IMPLS)
@@ -53,12 +55,9 @@ NOT_BUILT = "has no kernel in this build of lopd_kernels._C"
 TRITON_MISSING = "needs triton (pip install triton) and a CUDA device, or TRITON_INTERPRET=1"
 
 
-class BackendUnavailableError(RuntimeError, ValueError):
-    """An explicitly requested backend cannot run these inputs in this install.
-
-    Subclasses both ``RuntimeError`` and ``ValueError``: the per-op resolvers it replaced raised
-    one or the other for the same conditions, and code catching either keeps working.
-    """
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot run these inputs in this install (the op has no
+    such implementation, this install lacks it, or the inputs are outside its limits)."""
 
 
 def triton_import_error(op: str, err: ImportError) -> RuntimeError:
@@ -156,18 +155,26 @@ def check_backend(backend: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class OpBackends:
-    """Which implementations of one op can run, and which ``"auto"`` picks.
+    """Which implementations one op has, which can run, and which ``"auto"`` picks.
 
     Attributes:
         op: the op's name (``"topk_tail_kl"``), used in messages and custom-op names.
+        impls: the implementation words the op has besides ``"torch"`` (every op has that).
         unavailable: implementation word -> why this install cannot run it at all (absent: it
             can, device permitting). Computed once at import of the op module.
         auto: device type -> implementations ``"auto"`` tries, in order (then ``"torch"``).
     """
 
     op: str
+    impls: tuple[str, ...]
     unavailable: Mapping[str, str]
     auto: Mapping[str, tuple[str, ...]]
+
+    def __post_init__(self) -> None:
+        unknown = [i for i in (*self.impls, *(i for o in self.auto.values() for i in o))
+                   if i not in IMPLS or i == "torch" or i not in self.impls]  # fmt: skip
+        if unknown:
+            raise ValueError(f"{self.op}: OpBackends names {unknown}, not implementations of it")
 
     def why_not(
         self, impl: str, device: torch.device, unsupported: Mapping[str, str] | None = None
@@ -176,6 +183,11 @@ class OpBackends:
         per-call reasons (an argument outside an implementation's limits)."""
         if impl == "torch":
             return None
+        if impl not in self.impls:
+            others = ", ".join(repr(i) for i in ("torch", *self.impls))
+            return (
+                f"is not an implementation of this op ({BACKEND_MEANINGS[impl]}); it has {others}"
+            )
         if impl == "cpu" and device.type != "cpu":
             return f"needs CPU tensors, got tensors on {device}"
         if impl == "cuda" and device.type != "cuda":
@@ -217,6 +229,8 @@ class OpBackends:
             BackendUnavailableError: an explicit backend that cannot run here.
         """
         check_backend(backend)
+        if backend not in ("auto", "torch") and backend not in self.impls:
+            raise self._unavailable(backend, self.why_not(backend, device))
         if fp64:
             if backend in ("auto", "torch"):
                 return "torch"
@@ -232,8 +246,11 @@ class OpBackends:
             return "torch"
         reason = self.why_not(backend, device, unsupported)
         if reason is not None:
-            raise BackendUnavailableError(
-                f"{self.op}: backend={backend!r} {reason}; backend='auto' picks an "
-                "implementation that can run (at worst 'torch', the reference)"
-            )
+            raise self._unavailable(backend, reason)
         return backend
+
+    def _unavailable(self, backend: str, reason: str | None) -> BackendUnavailableError:
+        return BackendUnavailableError(
+            f"{self.op}: backend={backend!r} {reason}; backend='auto' picks an "
+            "implementation that can run (at worst 'torch', the reference)"
+        )

@@ -8,9 +8,23 @@ from __future__ import annotations
 
 import torch
 
-#: The implementation words of every op, the ``backend=`` values besides ``"auto"``: the PyTorch
-#: reference, the C++ CPU kernels, the hand-written CUDA kernels, the Triton kernels.
-IMPLS = ("torch", "cpu", "cuda", "triton")
+#: The implementation words, the ``backend=`` values besides ``"auto"``; each means one thing for
+#: every op that has it (:data:`BACKEND_MEANINGS`).
+IMPLS = ("torch", "cpu", "cuda", "triton", "chunked")
+
+#: What each ``backend=`` word runs (docs/kernels.md, ``python -m lopd_kernels.info``).
+BACKEND_MEANINGS = {
+    "auto": "per op and device type, the first of the op's implementations that can run here "
+    "(its order: OpBackends.auto), else 'torch'; float64 inputs take 'torch'",
+    "torch": "the op's PyTorch reference: plain autograd, float64-capable, the oracle of every "
+    "test",
+    "cpu": "C++ kernels for CPU tensors (lopd_kernels._C; AVX2 / AVX-512 chosen at run time)",
+    "cuda": "hand-written CUDA kernels for CUDA tensors (lopd_kernels._C built with nvcc)",
+    "triton": "Triton kernels (CUDA tensors; CPU tensors under TRITON_INTERPRET=1)",
+    "chunked": "the LM-head chunk loop (lopd_kernels/chunked_linear.py), any device: one vendor "
+    "GEMM (MKL / cuBLAS) per chunk of h @ W^T, then the per-row work on the chunk (topk_tail_kl's "
+    "'auto' kernels there, or ATen passes)",
+}
 
 #: ``divergence=`` values of ``topk_tail_kl`` and ``fused_linear_topk_tail_kl``: KL(student ||
 #: teacher) (the paper's), KL(teacher || student), and TRL's generalized Jensen-Shannon divergence
@@ -23,22 +37,6 @@ KL_DIVERGENCES = ("reverse", "forward")
 #: ``support=`` values: whose top-M ids get their own buckets (the rest is one exact tail): the
 #: teacher's (the paper's), the student's, or the union of both (up to 2M ids).
 SUPPORTS = ("teacher", "student", "union")
-
-#: The options each kernel implementation of ``topk_tail_kl`` has (``"cpu"``, ``"cuda"``,
-#: ``"triton"``: its per-row kernels, which the chunked ``fused_linear_topk_tail_kl`` also runs)
-#: and the fused Triton kernel of ``fused_linear_topk_tail_kl`` (``"fused_triton"``). The
-#: references have all of them. ``backend="auto"`` routes a call whose ``support`` or
-#: ``divergence="jsd"`` (0 < beta < 1) an implementation lacks to the next one that has it (at
-#: worst the reference; the chunked path's epilogue to the PyTorch twins); an explicit backend
-#: that lacks it raises ``BackendUnavailableError``. An implementation that gains an option
-#: adds it here.
-TOPK_KERNEL_SUPPORTS = {
-    "cpu": SUPPORTS,
-    "cuda": SUPPORTS,
-    "triton": SUPPORTS,
-    "fused_triton": SUPPORTS,
-}
-TOPK_KERNEL_JSD = {"cpu": True, "cuda": True, "triton": True, "fused_triton": True}
 
 #: ``reduction=`` values of the loss modules.
 REDUCTIONS = ("none", "mean", "sum")

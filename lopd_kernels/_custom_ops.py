@@ -31,7 +31,15 @@ import torch
 
 from lopd_kernels._constants import IMPLS
 
-__all__ = ["KERNEL_IMPLS", "NAMESPACE", "PHASES", "CustomOps", "op_name", "qualified_name"]
+__all__ = [
+    "KERNEL_IMPLS",
+    "NAMESPACE",
+    "PHASES",
+    "CustomOps",
+    "input_grads",
+    "op_name",
+    "qualified_name",
+]
 
 #: The library of every op (``torch.ops.lopd``; ``TORCH_LIBRARY(lopd, m)`` in ``csrc/ops.cpp``).
 NAMESPACE = "lopd"
@@ -41,6 +49,16 @@ KERNEL_IMPLS = tuple(i for i in IMPLS if i != "torch")
 PHASES = ("fwd", "bwd")
 #: The C++ implementations, declared by the compiled extension (``csrc/ops.cpp``).
 COMPILED_IMPLS = ("cpu", "cuda")
+
+
+def input_grads(fields: tuple[str, ...], **grads: Any) -> tuple:
+    """An autograd backward's return value: one entry per input of the forward op, in its
+    argument order ``fields`` (a NamedTuple's ``_fields``), the gradients given by name and None
+    for every other input."""
+    unknown = set(grads) - set(fields)
+    if unknown:
+        raise ValueError(f"no inputs named {sorted(unknown)}; the op takes {fields}")
+    return tuple(grads.get(name) for name in fields)
 
 
 def op_name(op: str, impl: str, phase: str) -> str:

@@ -10,9 +10,9 @@ the head and its bias, and never holds the ``[N, V]`` logits or their gradient (
 - ``"cpu"`` (and ``"auto"`` on CPU): C++ (csrc/cpu/fused_linear_logprob.cpp): token chunks x
   vocabulary blocks, one MKL GEMM per block through ATen, the per-row online log-sum-exp and the
   logit gradient in AVX-512 / AVX2 kernels (csrc/cpu/isa/fused_linear_logprob_kernel.cpp);
-- ``"cuda"`` (and ``"auto"`` on a GPU): the same blocks in PyTorch
-  (:mod:`lopd_kernels.fused_linear_logprob_chunked`): cuBLAS GEMMs, ATen's elementwise kernels
-  per block; no hand-written CUDA kernel (``docs/kernels.md`` says why);
+- ``"chunked"`` (and ``"auto"`` on a GPU), any device: the same chunks in PyTorch
+  (:mod:`lopd_kernels.fused_linear_logprob_chunked`): vendor GEMMs (cuBLAS on a GPU), ATen's
+  elementwise kernels per chunk; no hand-written CUDA kernel (``docs/kernels.md`` says why);
 - ``"triton"`` (GPU, or ``TRITON_INTERPRET=1``): one kernel over token x vocabulary tiles with
   the logit tile in registers (:mod:`lopd_kernels.triton.fused_linear_logprob`);
 - ``"torch"``: :func:`fused_linear_logprob_reference`, the materialized float64-capable oracle.
@@ -34,11 +34,12 @@ from lopd_kernels._backend import (
     compiled_unavailable,
     triton_import_error,
 )
-from lopd_kernels._constants import KERNEL_DTYPES, REDUCTIONS
-from lopd_kernels._custom_ops import CustomOps
+from lopd_kernels._constants import REDUCTIONS
+from lopd_kernels._custom_ops import CustomOps, input_grads
 from lopd_kernels._reduction import reduce_kl
 from lopd_kernels.fused_linear_logprob_checks import check_inputs
-from lopd_kernels.fused_linear_logprob_chunked import block_plan, blocked_bwd, blocked_fwd
+from lopd_kernels.fused_linear_logprob_chunked import chunk_plan, chunked_bwd, chunked_fwd
+from lopd_kernels.op_outputs import FusedLinearLogprobOpGrads, FusedLinearLogprobOpOutput
 from lopd_kernels.topk_tail_kl_checks import check_values
 
 __all__ = [
@@ -49,12 +50,13 @@ __all__ = [
 ]
 
 OP = "fused_linear_logprob"
-#: "cpu" is the C++ op (compiled); "cuda" and "triton" are Python custom ops, always defined.
-#: "auto" on a GPU takes the cuBLAS blocks: the Triton kernel's tiles are untuned tl.dot loops.
+#: "cpu" is the C++ op (compiled); "chunked" and "triton" are Python custom ops, always defined.
+#: "auto" on a GPU takes the cuBLAS chunks: the Triton kernel's tiles are untuned tl.dot loops.
 BACKENDS = OpBackends(
     OP,
-    unavailable={k: v for k, v in compiled_unavailable(OP).items() if k == "cpu"},
-    auto={"cpu": ("cpu",), "cuda": ("cuda",)},
+    impls=("cpu", "chunked", "triton"),
+    unavailable=compiled_unavailable(OP),
+    auto={"cpu": ("cpu",), "cuda": ("chunked",)},
 )
 
 
@@ -108,7 +110,7 @@ def fused_linear_logprob_reference(
 
 
 # ----------------------------------------------------------------------------------------------
-# Custom ops: fused_linear_logprob_{cpu,cuda,triton}_{fwd,bwd} (one schema; "cpu" is C++)
+# Custom ops: fused_linear_logprob_{cpu,chunked,triton}_{fwd,bwd} (one schema; "cpu" is C++)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -120,7 +122,7 @@ def _forward(impl: str, args: tuple) -> tuple:
         except ImportError as err:
             raise triton_import_error(OP, err) from err
         return fused_linear_logprob_fwd_triton(*args)
-    return blocked_fwd(*args)
+    return chunked_fwd(*args)
 
 
 def _backward(impl: str, args: tuple) -> list:
@@ -129,7 +131,7 @@ def _backward(impl: str, args: tuple) -> list:
         from lopd_kernels.triton.fused_linear_logprob import fused_linear_logprob_bwd_triton
 
         return fused_linear_logprob_bwd_triton(*args)
-    return blocked_bwd(*args)
+    return chunked_bwd(*args)
 
 
 def _kernels(impl: str):
@@ -151,7 +153,7 @@ def _kernels(impl: str):
         """Forward: ``logprob [N]``, ``entropy [N]`` (``[0]`` unless ``with_entropy``), ``lse
         [N]`` (float32, log-sum-exp of the tempered logits, for the backward) and the gradient
         projection ``[N, d]`` in the hidden states' dtype where ``projection`` (frozen head),
-        else ``[0]``. ``chunk_size`` / ``vocab_block``: the block shape (``block_plan``)."""
+        else ``[0]``. ``chunk_size`` / ``vocab_block``: the chunk shape (``chunk_plan``)."""
         args = (hidden, weight, bias, targets, temperature, ignore_index, with_entropy)
         return _forward(impl, (*args, projection, chunk_size, vocab_block))
 
@@ -209,14 +211,30 @@ def _bwd_fake(grad_logprob, grad_entropy, hidden, weight, bias, targets, logprob
     return out
 
 
+class _FwdArgs(NamedTuple):
+    """The arguments of ``fused_linear_logprob_<impl>_fwd`` (csrc/common/schemas.h)."""
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Tensor | None
+    targets: Tensor
+    temperature: float
+    ignore_index: int
+    with_entropy: bool
+    projection: bool
+    chunk_size: int
+    vocab_block: int
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, bias, targets, temperature, ignore, _, _, chunk, vb = inputs
-    logprob, entropy, lse, proj = output
-    if proj.numel():  # the projection replaces hidden states and head in the backward
+    args, out = _FwdArgs(*inputs), FusedLinearLogprobOpOutput(*output)
+    hidden, weight = args.hidden, args.weight
+    if out.projection.numel():  # the projection replaces hidden states and head in the backward
         hidden = weight = None
-    ctx.save_for_backward(hidden, weight, bias, targets, logprob, entropy, lse, proj)
-    ctx.args = (temperature, ignore, chunk, vb)
-    ctx.mark_non_differentiable(lse, proj)
+    ctx.save_for_backward(hidden, weight, args.bias, args.targets, out.logprob, out.entropy,
+                          out.lse, out.projection)  # fmt: skip
+    ctx.args = (args.temperature, args.ignore_index, args.chunk_size, args.vocab_block)
+    ctx.mark_non_differentiable(out.lse, out.projection)
 
 
 def _make_backward(bwd_op):
@@ -225,27 +243,29 @@ def _make_backward(bwd_op):
     def backward(ctx, g_lp, g_ent, *_unused):
         hidden, weight, bias, targets, logprob, entropy, lse, proj = ctx.saved_tensors
         temperature, ignore, chunk, vb = ctx.args
-        needs = list(ctx.needs_input_grad[:3])
+        needs = _FwdArgs(*ctx.needs_input_grad)
         empty = lse.new_empty(0)
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp
         g_ent = empty if g_ent is None or not entropy.numel() else g_ent
         hidden = empty if hidden is None else hidden
         weight = empty if weight is None else weight
-        grads = bwd_op(
+        grads = FusedLinearLogprobOpGrads(*bwd_op(
             g_lp, g_ent, hidden, weight, bias, targets, logprob, entropy, lse, proj,
-            temperature, ignore, chunk, vb, needs,
-        )  # fmt: skip
-        out = [g if need and g.numel() else None for g, need in zip(grads, needs)]
-        return (*out, *([None] * 7))
+            temperature, ignore, chunk, vb, [needs.hidden, needs.weight, needs.bias],
+        ))  # fmt: skip
+        return input_grads(
+            _FwdArgs._fields,
+            hidden=grads.hidden if needs.hidden else None,
+            weight=grads.weight if needs.weight else None,
+            bias=grads.bias if needs.bias else None,
+        )
 
     return backward
 
 
 CUSTOM_OPS = CustomOps(OP, _make_fwd_fake(True), _bwd_fake, _setup_context, _make_backward)
-# The C++ "cpu" op first: register_compiled also registers a declared "cuda" op, and the
-# "cuda" one here is the Python blocked path, defined next.
-CUSTOM_OPS.register_compiled()
-CUSTOM_OPS.define("cuda", *_kernels("cuda"))
+CUSTOM_OPS.register_compiled()  # the C++ "cpu" op
+CUSTOM_OPS.define("chunked", *_kernels("chunked"))
 # The Triton kernel keeps no projection (its backward recomputes the logit tiles).
 CUSTOM_OPS.define("triton", *_kernels("triton"), fwd_fake=_make_fwd_fake(False))
 
@@ -282,9 +302,10 @@ def fused_linear_logprob(
         temperature: the logits are divided by it.
         ignore_index: target value marking rows without a target.
         with_entropy: also return the entropy of each row's distribution (differentiable).
-        backend: ``"auto"``, ``"torch"`` (the reference), ``"cpu"``, ``"cuda"`` or ``"triton"``.
+        backend: ``"auto"``, ``"torch"`` (the reference), ``"cpu"``, ``"chunked"`` or
+            ``"triton"``.
         chunk_size: token rows per chunk (``None``: up to 4,096 on CPU, 16,384 on a GPU); the
-            vocabulary block then fills the block budget (``block_plan``).
+            vocabulary chunk then fills the chunk budget (``chunk_plan``).
 
     Returns:
         :class:`FusedLinearLogprobOutput` ``(logprob, entropy)``: ``[N]`` float32 (float64 for
@@ -299,8 +320,6 @@ def fused_linear_logprob(
             hidden, weight, targets, bias=bias, temperature=temperature,
             ignore_index=ignore_index, with_entropy=with_entropy,
         )  # fmt: skip
-    if impl == "triton" and hidden.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"backend='triton' supports {KERNEL_DTYPES}, got {hidden.dtype}")
     frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
     # Worth one GEMM more in the forward when it saves the logit recompute and both GEMMs of
     # the backward: hidden states need grad, the head does not (and no entropy gradient).
@@ -311,12 +330,12 @@ def fused_linear_logprob(
         and frozen
         and not with_entropy
     )
-    rows, vocab_block = block_plan(hidden.shape[0], weight.shape[0], hidden.device.type, chunk_size)
-    lp, ent, _lse, _proj = CUSTOM_OPS.fwd_op(impl)(
+    rows, vocab_block = chunk_plan(hidden.shape[0], weight.shape[0], hidden.device.type, chunk_size)
+    out = FusedLinearLogprobOpOutput(*CUSTOM_OPS.fwd_op(impl)(
         hidden, weight, bias, targets.long(), float(temperature), ignore_index, with_entropy,
         projection, rows, vocab_block,
-    )  # fmt: skip
-    return FusedLinearLogprobOutput(lp, ent if with_entropy else None)
+    ))  # fmt: skip
+    return FusedLinearLogprobOutput(out.logprob, out.entropy if with_entropy else None)
 
 
 class FusedLinearCrossEntropy(nn.Module):

@@ -6,11 +6,11 @@ maths is ``docs/math.md``), but takes the final hidden states and the LM heads i
 logits, so the ``[N, V]`` logits of both models and their gradients never exist in memory at once.
 Implementations (``torch.ops.lopd.fused_linear_topk_tail_kl_<impl>_fwd/_bwd``, one schema):
 
-- ``"cpu"``, ``"cuda"`` (and ``"auto"``): the chunked path
+- ``"chunked"`` (and ``"auto"``), any device: the chunk loop
   (:mod:`lopd_kernels.fused_linear_topk_tail_kl_chunked`): token chunks, one vendor GEMM (MKL /
-  cuBLAS) per logit block, the per-row ``topk_tail_kl`` kernels as the epilogue (C++ on CPU; on
-  a GPU Triton's, else CUDA's: ``epilogue_impl`` there), O(M) state per row; frozen heads skip
-  their logit recompute (tail projections).
+  cuBLAS) per logit block, the per-row ``topk_tail_kl`` kernels ``"auto"`` picks on that device
+  (C++ on CPU; on a GPU Triton's, else CUDA's), O(M) state per row; frozen heads skip their
+  logit recompute (tail projections).
 - ``"triton"`` (GPU, or ``TRITON_INTERPRET=1``): one kernel that tiles tokens x vocabulary, keeps
   the logit tile in registers and streams the tail log-sum-exps and the running teacher top-M;
   see :mod:`lopd_kernels.triton.fused_linear_topk_tail_kl`.
@@ -25,24 +25,29 @@ dtype) and weight gradients accumulate in float32 across token chunks. Hugging F
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from lopd_kernels._backend import OpBackends
-from lopd_kernels._constants import KERNEL_DTYPES
-from lopd_kernels._custom_ops import CustomOps
+from lopd_kernels._custom_ops import CustomOps, input_grads
 from lopd_kernels.bucket_math import effective_top_m, op_divergence, support_width
+from lopd_kernels.chunked_linear import auto_chunk_rows
 from lopd_kernels.fused_linear_topk_tail_kl_checks import check_inputs
 from lopd_kernels.fused_linear_topk_tail_kl_chunked import (
-    auto_chunk_rows,
+    Needs,
     chunked_bwd,
     chunked_fwd,
     shared_head,
 )
+from lopd_kernels.op_outputs import (
+    FusedLinearTopKTailKLOpOutput,
+    LinearPairGrads,
+    TopKTailKLOpOutput,
+)
 from lopd_kernels.topk_tail_kl import (
     TopKTailKLOutput,
-    kernel_option_refusal,
-    refuse_options,
     support_size,
     teacher_topk_mass,
     topk_tail_kl_reference,
@@ -56,11 +61,15 @@ __all__ = [
 ]
 
 OP = "fused_linear_topk_tail_kl"
-#: The chunked "cpu" / "cuda" implementations need no compiled code (their per-row epilogue
-#: falls back to PyTorch twins); "auto" keeps the chunked path on GPUs too: the Triton kernel's
-#: logit tiles are plain tl.dot loops, not yet tuned against cuBLAS
-#: (benchmarks/gpu_fused_linear.py measures both).
-BACKENDS = OpBackends(OP, unavailable={}, auto={"cpu": ("cpu",), "cuda": ("cuda",)})
+#: "chunked" needs no compiled code (its per-row work falls back to PyTorch twins); "auto" keeps
+#: it on GPUs too: the Triton kernel's logit tiles are plain tl.dot loops, not yet tuned against
+#: cuBLAS (benchmarks/gpu_fused_linear.py measures both).
+BACKENDS = OpBackends(
+    OP,
+    impls=("chunked", "triton"),
+    unavailable={},
+    auto={"cpu": ("chunked",), "cuda": ("chunked",)},
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,33 +131,6 @@ def fused_linear_topk_tail_kl_reference(
 # ----------------------------------------------------------------------------------------------
 
 
-def _forward(impl: str, args: tuple, chunk_size: int, tail_proj: list[bool]) -> tuple:
-    if impl == "triton":
-        # triton is optional (machines without it run the chunked path): imported lazily.
-        from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_fwd_triton
-
-        *head, divergence, _beta, support, _ignore_index = args
-        refuse_options("fused_triton", divergence, support if head[7] else "teacher")
-        empty = args[0].new_empty(0, dtype=torch.float32)
-        out = fused_linear_fwd_triton(*args)
-        return (*out, empty, empty.clone())
-    return chunked_fwd(*args, chunk_size, (tail_proj[0], tail_proj[1]))
-
-
-def _backward_grads(
-    impl: str, args: tuple, projs: tuple, scalars: tuple, chunk_size: int, needs, shared: bool
-) -> list:
-    if impl == "triton":
-        # triton is optional (machines without it run the chunked path): imported lazily.
-        from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_bwd_triton
-
-        temperature, divergence, beta, support, ignore_index = scalars
-        refuse_options("fused_triton", divergence, support if args[10].shape[1] else "teacher")
-        scalars = (temperature, divergence, beta, ignore_index)
-        return fused_linear_bwd_triton(*args, *scalars, tuple(needs), shared)
-    return chunked_bwd(*args, *projs, *scalars, chunk_size, tuple(needs), shared)
-
-
 def _kernels(impl: str):
     """The forward and backward of implementation ``impl`` as functions with the op's schema
     (the chunked path for ``cpu`` / ``cuda``, the fused kernel for ``triton``)."""
@@ -170,21 +152,27 @@ def _kernels(impl: str):
         chunk_size: int,
         tail_proj: list[bool],
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """Forward on hidden states.
+        """Forward on hidden states: a ``FusedLinearTopKTailKLOpOutput`` (op_outputs.py).
 
-        Returns ``kl, student_logprob, teacher_logprob [N]``, ``topk_ids [N, K]``, ``lse [N, 2]``,
-        ``bucket_logp [N, 2, K+1]`` (as ``topk_tail_kl``'s ops, whose schema the options
-        ``top_m, temperature, divergence, beta, support, ignore_index`` follow) and the
-        student's / teacher's tail projections ``[N, d]`` float32 where ``tail_proj`` asks for
-        them (chunked, M > 0), else ``[0]``: ``sum_{j not in support} softmax(x / T)_j W[j]``,
-        which gives that side's hidden-state gradient in the backward without recomputing its
-        logits. ``chunk_size`` (0: automatic) and ``tail_proj`` are ignored by the Triton
+        The first six outputs are ``topk_tail_kl``'s ops' (whose schema the options ``top_m,
+        temperature, divergence, beta, support, ignore_index`` follow); then the student's /
+        teacher's tail projections ``[N, d]`` float32 where ``tail_proj`` asks for them
+        (chunked, M > 0), else ``[0]``: ``sum_{j not in support} softmax(x / T)_j W[j]``, which
+        gives that side's hidden-state gradient in the backward without recomputing its logits.
+        ``chunk_size`` (0: automatic) and ``tail_proj`` are ignored by the Triton
         implementation.
         """
-        args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight)
-        args += (teacher_bias, target_ids, top_m, temperature, divergence, beta, support)
-        args += (ignore_index,)
-        return _forward(impl, args, chunk_size, tail_proj)
+        head = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight)
+        head += (teacher_bias, target_ids)
+        options = (top_m, temperature, divergence, beta, support, ignore_index)
+        if impl == "triton":
+            # triton is optional (machines without it run the chunked path): imported lazily.
+            from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_fwd_triton
+
+            rows = TopKTailKLOpOutput(*fused_linear_fwd_triton(*head, *options))
+            empty = student_hidden.new_empty(0, dtype=torch.float32)
+            return FusedLinearTopKTailKLOpOutput(*rows, empty, empty.clone())
+        return chunked_fwd(*head, *options, chunk_size, (tail_proj[0], tail_proj[1]))
 
     def bwd(
         grad_kl: Tensor,
@@ -212,18 +200,25 @@ def _kernels(impl: str):
         needs: list[bool],
         shared_weight: bool,
     ) -> list[Tensor]:
-        """Backward: ``[d_student_hidden, d_student_weight, d_student_bias, d_teacher_hidden,
-        d_teacher_weight, d_teacher_bias]``; an entry not in ``needs`` (or the teacher weight when
-        ``shared_weight``, whose gradient is summed into the student's) is an empty ``[0]``
-        tensor."""
-        args = (grad_kl, grad_student_logprob, grad_teacher_logprob, student_hidden)
-        args += (student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias)
-        args += (target_ids, topk_ids, kl, lse, bucket_logp)
+        """Backward: :class:`~lopd_kernels.op_outputs.LinearPairGrads`' six gradients; an entry
+        not in ``needs`` (or the teacher weight when ``shared_weight``, whose gradient is summed
+        into the student's) is an empty ``[0]`` tensor. The support is read from ``topk_ids``."""
+        up = (grad_kl, grad_student_logprob, grad_teacher_logprob)
+        head = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight)
+        head += (teacher_bias, target_ids)
+        saved = (topk_ids, kl, lse, bucket_logp)
+        options = (temperature, divergence, beta, ignore_index)
+        if impl == "triton":
+            # triton is optional (machines without it run the chunked path): imported lazily.
+            from lopd_kernels.triton.fused_linear_topk_tail_kl import fused_linear_bwd_triton
+
+            grads = fused_linear_bwd_triton(*up, *head, *saved, *options, tuple(needs),
+                                            shared_weight)  # fmt: skip
+            # One fresh empty per unused slot: a custom op's outputs must not alias each other.
+            return [student_hidden.new_empty(0) if g is None else g for g in grads]
         projs = (student_tail_proj, teacher_tail_proj)
-        scalars = (temperature, divergence, beta, support, ignore_index)
-        grads = _backward_grads(impl, args, projs, scalars, chunk_size, needs, shared_weight)
-        # One fresh empty per unused slot: a custom op's outputs must not alias each other.
-        return [student_hidden.new_empty(0) if g is None else g for g in grads]
+        return list(chunked_bwd(*up, *head, *saved, *projs, *options, chunk_size, Needs(*needs),
+                                shared_weight))  # fmt: skip
 
     return fwd, bwd
 
@@ -244,15 +239,15 @@ def _make_fwd_fake(tail_projections: bool):
             kl.new_empty(n, h.shape[1]) if flag and m > 0 and tail_projections else kl.new_empty(0)
             for flag, h in zip(tail_proj, (student_hidden, teacher_hidden))
         ]
-        bucket = kl.new_empty(n, 2, k + 1)
-        return (
-            kl,
-            torch.empty_like(kl),
-            torch.empty_like(kl),
-            ids,
-            kl.new_empty(n, 2),
-            bucket,
-            *projs,
+        return FusedLinearTopKTailKLOpOutput(
+            kl=kl,
+            student_logprob=torch.empty_like(kl),
+            teacher_logprob=torch.empty_like(kl),
+            topk_ids=ids,
+            lse=kl.new_empty(n, 2),
+            bucket_logp=kl.new_empty(n, 2, k + 1),
+            student_tail_proj=projs[0],
+            teacher_tail_proj=projs[1],
         )
 
     return fwd_fake
@@ -266,24 +261,47 @@ def _bwd_fake(grad_kl, grad_student_logprob, grad_teacher_logprob, student_hidde
     return fake_grads((*likes, teacher_bias), needs, shared_weight)
 
 
-def fake_grads(likes: tuple, needs, shared_weight: bool) -> list[Tensor]:
-    """The fakes of the six gradient slots ``[d_hs, d_ws, d_bs, d_ht, d_wt, d_bt]`` of the
-    inputs ``likes``: each input's shape where needed, else ``[0]`` (the teacher weight's too
+def fake_grads(likes: tuple, needs, shared_weight: bool) -> LinearPairGrads:
+    """The fakes of the six gradient slots (:class:`LinearPairGrads`) of the inputs ``likes``
+    (in that order): each input's shape where needed, else ``[0]`` (the teacher weight's too
     with ``shared_weight``: its gradient is in the student's slot)."""
-    out = []
-    for i, (need, like) in enumerate(zip(needs, likes)):
-        skip = not need or like is None or (i == 4 and shared_weight)
-        out.append(likes[0].new_empty(0) if skip else torch.empty_like(like))
-    return out
+    slots = {}
+    for name, need, like in zip(LinearPairGrads._fields, needs, likes):
+        skip = not need or like is None or (name == "teacher_weight" and shared_weight)
+        slots[name] = likes[0].new_empty(0) if skip else torch.empty_like(like)
+    return LinearPairGrads(**slots)
+
+
+class _FwdArgs(NamedTuple):
+    """The arguments of ``fused_linear_topk_tail_kl_<impl>_fwd``."""
+
+    student_hidden: Tensor
+    student_weight: Tensor
+    student_bias: Tensor | None
+    teacher_hidden: Tensor
+    teacher_weight: Tensor
+    teacher_bias: Tensor | None
+    target_ids: Tensor
+    top_m: int
+    temperature: float
+    divergence: str
+    beta: float
+    support: str
+    ignore_index: int
+    chunk_size: int
+    tail_proj: list[bool]
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    hs, ws, bs, ht, wt, bt, target = inputs[:7]
-    temperature, divergence, beta, support, ignore, chunk = inputs[8:14]
-    kl, _, _, ids, lse, bucket, proj_s, proj_t = output
-    ctx.save_for_backward(hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket, proj_s, proj_t)
-    ctx.args = (temperature, divergence, beta, support, ignore, chunk)
-    ctx.mark_non_differentiable(ids, lse, bucket, proj_s, proj_t)
+    args, out = _FwdArgs(*inputs), FusedLinearTopKTailKLOpOutput(*output)
+    heads = (args.student_hidden, args.student_weight, args.student_bias, args.teacher_hidden)
+    heads += (args.teacher_weight, args.teacher_bias, args.target_ids)
+    ctx.save_for_backward(*heads, out.topk_ids, out.kl, out.lse, out.bucket_logp,
+                          out.student_tail_proj, out.teacher_tail_proj)  # fmt: skip
+    ctx.args = (args.temperature, args.divergence, args.beta, args.support, args.ignore_index)
+    ctx.args += (args.chunk_size,)
+    ctx.mark_non_differentiable(out.topk_ids, out.lse, out.bucket_logp, out.student_tail_proj,
+                                out.teacher_tail_proj)  # fmt: skip
 
 
 def _make_backward(bwd_op):
@@ -292,25 +310,27 @@ def _make_backward(bwd_op):
     def backward(ctx, g_kl, g_slp, g_tlp, *_unused):
         hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket, proj_s, proj_t = ctx.saved_tensors
         temperature, divergence, beta, support, ignore, chunk = ctx.args
-        needs = list(ctx.needs_input_grad[:6])
+        wanted = _FwdArgs(*ctx.needs_input_grad)
+        needs = Needs(*(getattr(wanted, name) for name in Needs._fields))
         zeros = kl.new_zeros(kl.shape)
         g_kl, g_slp, g_tlp = (zeros if g is None else g for g in (g_kl, g_slp, g_tlp))
         shared = shared_head(ws, wt, needs)
-        grads = bwd_op(
+        grads = LinearPairGrads(*bwd_op(
             g_kl, g_slp, g_tlp, hs, ws, bs, ht, wt, bt, target, ids, kl, lse, bucket, proj_s,
-            proj_t, temperature, divergence, beta, support, ignore, chunk, needs, shared,
-        )  # fmt: skip
-        out = [g if need and g.numel() else None for g, need in zip(grads, needs)]
-        if shared and out[1] is None and needs[1]:
-            out[1] = torch.zeros_like(ws)
-        return (*out, *([None] * 9))
+            proj_t, temperature, divergence, beta, support, ignore, chunk, list(needs), shared,
+        ))  # fmt: skip
+        # With one head for both models its gradient is in the student's slot; autograd adds
+        # nothing for the teacher's (the same tensor).
+        given = {name: getattr(grads, name) for name in Needs._fields if getattr(needs, name)}
+        if shared:
+            given.pop("teacher_weight", None)
+        return input_grads(_FwdArgs._fields, **given)
 
     return backward
 
 
 CUSTOM_OPS = CustomOps(OP, _make_fwd_fake(True), _bwd_fake, _setup_context, _make_backward)
-CUSTOM_OPS.define("cpu", *_kernels("cpu"))
-CUSTOM_OPS.define("cuda", *_kernels("cuda"))
+CUSTOM_OPS.define("chunked", *_kernels("chunked"))
 # The Triton kernel keeps no tail projections (its backward recomputes the logit tiles).
 CUSTOM_OPS.define("triton", *_kernels("triton"), fwd_fake=_make_fwd_fake(False))
 
@@ -363,10 +383,10 @@ def fused_linear_topk_tail_kl(
         support: ``"teacher"``, ``"student"`` or ``"union"``: whose top-M ids are buckets, as in
             ``topk_tail_kl`` (the union's ``topk_ids`` are ``[N, 2M]`` with -1 padding).
         ignore_index: target value marking rows without a target.
-        backend: ``"auto"`` (the chunked path; float64 inputs: the reference), ``"torch"``
-            (the materialized reference), ``"cpu"``/``"cuda"`` (chunked: vendor GEMMs + the
-            ``topk_tail_kl`` kernels per token chunk, or their PyTorch twins for options a
-            kernel lacks) or ``"triton"`` (the fully fused kernel, every option).
+        backend: ``"auto"`` (``"chunked"``; float64 inputs: the reference), ``"torch"`` (the
+            materialized reference), ``"chunked"`` (vendor GEMMs + the ``topk_tail_kl``
+            kernels per token chunk, or their PyTorch twins without the extension) or
+            ``"triton"`` (the fully fused kernel).
         chunk_size: token rows per chunk of the chunked path; ``None`` picks it from the free
             memory (:func:`auto_chunk_rows`).
 
@@ -384,13 +404,7 @@ def fused_linear_topk_tail_kl(
     fp64 = torch.float64 in (hs.dtype, ht.dtype)
     div, div_beta = op_divergence(divergence, beta)
     m = effective_top_m(m, ws.shape[0])
-    # The chunked "cpu" / "cuda" paths have every option (their epilogue falls back to the
-    # PyTorch twins where a per-row kernel lacks one); the fused Triton kernel has its own.
-    refusal = kernel_option_refusal("fused_triton", div, support if m else "teacher")
-    unsupported = {} if refusal is None else {"triton": refusal}
-    impl = BACKENDS.resolve(backend, hs.device, fp64=fp64, unsupported=unsupported)
-    if impl == "triton" and any(dt not in KERNEL_DTYPES for dt in (hs.dtype, ht.dtype)):
-        raise TypeError(f"backend='triton' supports {KERNEL_DTYPES}, got {hs.dtype}, {ht.dtype}")
+    impl = BACKENDS.resolve(backend, hs.device, fp64=fp64)
     if impl == "torch":
         return fused_linear_topk_tail_kl_reference(
             hs, ws, ht, wt, target,
@@ -406,12 +420,19 @@ def fused_linear_topk_tail_kl(
         return torch.is_grad_enabled() and h.requires_grad and frozen and m > 0
 
     flags = [False, False]
-    if impl != "triton":  # the chunked path
+    if impl == "chunked":
         flags = [tail_proj(hs, ws, student_bias), tail_proj(ht, wt, teacher_bias)]
-    kl, lp_s, lp_t, ids, _lse, bucket, *_ = CUSTOM_OPS.fwd_op(impl)(
+    out = FusedLinearTopKTailKLOpOutput(*CUSTOM_OPS.fwd_op(impl)(
         hs, ws, student_bias, ht, wt, teacher_bias, target, m, float(temperature),
         div, div_beta, support, ignore_index, chunk_size or 0, flags,
-    )  # fmt: skip
-    mass = teacher_topk_mass(bucket, target, ignore_index)
-    size = support_size(ids, target, ignore_index, ws.shape[0])
-    return TopKTailKLOutput(kl, lp_t - lp_s.detach(), lp_s, lp_t, ids, mass, size)
+    ))  # fmt: skip
+    lp_s, lp_t, ids = out.student_logprob, out.teacher_logprob, out.topk_ids
+    return TopKTailKLOutput(
+        kl=out.kl,
+        privilege=lp_t - lp_s.detach(),
+        student_logprob=lp_s,
+        teacher_logprob=lp_t,
+        topk_ids=ids,
+        teacher_topk_mass=teacher_topk_mass(out.bucket_logp, target, ignore_index),
+        support_size=support_size(ids, target, ignore_index, ws.shape[0]),
+    )

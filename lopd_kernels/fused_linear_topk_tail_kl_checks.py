@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lopd_kernels._constants import REFERENCE_DTYPES
 from lopd_kernels.topk_tail_kl_checks import check_loss_options, check_support
 
 __all__ = ["check_inputs", "check_row_weights"]
@@ -60,8 +61,8 @@ def check_inputs(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.device != hs.device:
             raise ValueError(f"{name} is on {x.device} but student_hidden is on {hs.device}")
-        if name != "target_ids" and not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        if name != "target_ids" and x.dtype not in REFERENCE_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {x.dtype}")
     for name, x in (("student_hidden", hs), ("student_weight", ws)):
         if x.dim() != 2:
             raise ValueError(f"{name} must be 2-D, got shape {tuple(x.shape)}")

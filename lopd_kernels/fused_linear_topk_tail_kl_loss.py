@@ -15,9 +15,9 @@ the backward, where it recomputes the logit blocks (eight GEMMs). The backward o
 the kept gradients by the upstream scalar, in place (Liger's fused linear losses work the same
 way).
 
-Implementations (``torch.ops.lopd.fused_linear_topk_tail_kl_loss_<impl>_fwd/_bwd``): ``"cpu"``
-and ``"cuda"``, the chunked path (:mod:`lopd_kernels.fused_linear_topk_tail_kl_chunked`'s blocks
-and per-row kernels). ``backend="torch"`` and ``"triton"`` (and float64 inputs under ``"auto"``)
+Implementation (``torch.ops.lopd.fused_linear_topk_tail_kl_loss_chunked_fwd/_bwd``):
+``"chunked"``, the chunk loop (:mod:`lopd_kernels.fused_linear_topk_tail_kl_chunked`'s chunk
+math), any device. ``backend="torch"`` and ``"triton"`` (and float64 inputs under ``"auto"``)
 weight the outputs of :func:`fused_linear_topk_tail_kl` under autograd: the same loss and
 gradients, without the saving.
 
@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lopd_kernels._custom_ops import CustomOps
+from lopd_kernels._custom_ops import CustomOps, input_grads
 from lopd_kernels._reduction import check_module_options
 from lopd_kernels.bucket_math import effective_top_m, op_divergence, support_width
 from lopd_kernels.fused_linear_topk_tail_kl import (
@@ -43,19 +43,12 @@ from lopd_kernels.fused_linear_topk_tail_kl import (
 )
 from lopd_kernels.fused_linear_topk_tail_kl_checks import check_inputs, check_row_weights
 from lopd_kernels.fused_linear_topk_tail_kl_chunked import (
-    CHUNKED_SWITCH,
-    Rows,
-    Side,
-    accumulate_logit_grad,
-    auto_chunk_rows,
-    block_buffers,
-    chunks,
-    epilogue_kernels,
-    grad_buffers,
-    logits_block,
+    LossWeights,
+    Needs,
+    chunked_loss_fwd,
     shared_head,
 )
-from lopd_kernels.kernel_variants import variant as selected_variant
+from lopd_kernels.op_outputs import FusedLinearTopKTailKLLossOpOutput, LinearPairGrads
 from lopd_kernels.topk_tail_kl import TopKTailKLOutput, support_size, teacher_topk_mass
 from lopd_kernels.topk_tail_kl_checks import check_targets_in_range
 
@@ -79,99 +72,6 @@ class FusedLinearTopKTailKLLoss(NamedTuple):
 
     loss: Tensor
     output: TopKTailKLOutput
-
-
-# ----------------------------------------------------------------------------------------------
-# The chunked forward with its gradients
-# ----------------------------------------------------------------------------------------------
-
-
-def chunked_loss_fwd(
-    hs: Tensor,
-    ws: Tensor,
-    bs: Tensor | None,
-    ht: Tensor,
-    wt: Tensor,
-    bt: Tensor | None,
-    target: Tensor,
-    w_kl: Tensor,
-    w_slp: Tensor,
-    w_tlp: Tensor,
-    top_m: int,
-    temperature: float,
-    divergence: str,
-    beta: float,
-    support: str,
-    ignore_index: int,
-    chunk_size: int,
-    needs: list[bool],
-    shared_weight: bool,
-) -> tuple[Tensor, ...]:
-    """Per token chunk: both logit blocks, the per-row forward, then (where ``needs``) the
-    per-row backward with the row weights as upstream gradients and the gradient GEMMs.
-
-    Returns ``loss [], kl, lp_s, lp_t [N], topk_ids [N, K], bucket_logp [N, 2, K+1]`` and the
-    gradients ``d_hs, d_ws, d_bs, d_ht, d_wt, d_bt`` of the loss in the inputs' dtypes (an empty
-    ``[0]`` where not needed, and the teacher weight's when it is the student's: summed there).
-    """
-    n, vocab, dev = hs.shape[0], ws.shape[0], hs.device
-    m = effective_top_m(top_m, vocab)
-    k = support_width(m, support)
-    f32 = torch.float64 if hs.dtype == torch.float64 else torch.float32
-    kl = torch.zeros(n, dtype=torch.float32, device=dev)
-    lp_s, lp_t = torch.zeros_like(kl), torch.zeros_like(kl)
-    ids = torch.zeros(n, k, dtype=torch.long, device=dev)
-    bucket = kl.new_zeros(n, 2, k + 1)
-    rows = Rows(target, ignore_index)
-    grads = grad_buffers(hs, ws, ht, wt, needs, shared_weight, rows)
-    d_hs, d_ws, d_bs, d_ht, d_wt, d_bt = grads
-    if rows.n:
-        v2 = selected_variant(CHUNKED_SWITCH) == "v2"
-        fwd, bwd = epilogue_kernels(dev, m, divergence, support)
-        need_s = needs[0] or needs[1] or needs[2]
-        need_t = needs[3] or needs[4] or needs[5]
-        student = Side(0, hs, ws, bs, d_hs, d_ws, d_bs)
-        teacher = Side(1, ht, wt, bt, d_ht, d_wt, d_bt)
-        sides = [side for side, need in ((student, need_s), (teacher, need_t)) if need]
-        # Live [C, V] blocks: both logit blocks, and one gradient block per side in turn (with
-        # M > 0 a side's logit gradient reads only its own logits); the full-vocabulary KL
-        # couples every entry: both gradient blocks at once.
-        live = 2 + (0 if not sides else (2 if m == 0 else 1))
-        chunk = min(chunk_size or auto_chunk_rows(vocab, rows.n, dev, live_blocks=live), rows.n)
-        buf_s, buf_t = block_buffers(2, chunk, vocab, hs)
-        written: set[int] = set()
-        opts = (temperature, divergence, beta, ignore_index)
-        for c0, c1 in chunks(rows.n, chunk):
-            h = (rows.take(hs, c0, c1), rows.take(ht, c0, c1))
-            s = logits_block(h[0], ws, bs, buf_s[: c1 - c0])
-            t = logits_block(h[1], wt, bt, buf_t[: c1 - c0])
-            tgt = rows.take(target, c0, c1)
-            out = fwd(s, t, tgt, m, temperature, divergence, beta, support, ignore_index)
-            for dst, src in zip((kl, lp_s, lp_t, ids), out[:4]):
-                rows.put(dst, c0, c1, src)
-            rows.put(bucket, c0, c1, out[5])
-            if not sides:
-                continue
-            up = [rows.take(x, c0, c1) for x in (w_kl, w_slp, w_tlp)]
-            saved = (tgt, out[3], out[0], out[4], out[5])
-            if m == 0:
-                both = bwd(*up, s, t, *saved, *opts, need_s, need_t)
-                for side in sides:
-                    accumulate_logit_grad(both[side.x], h[side.x], side, rows, c0, c1, v2, written)
-                del both
-            else:
-                for side in sides:
-                    grad = bwd(*up, s, t, *saved, *opts, side.x == 0, side.x == 1)[side.x]
-                    accumulate_logit_grad(grad, h[side.x], side, rows, c0, c1, v2, written)
-                    del grad
-            del s, t
-    loss = (w_kl.to(f32) * kl).sum() + (w_slp.to(f32) * lp_s).sum() + (w_tlp.to(f32) * lp_t).sum()
-    likes = (hs, ws, ws, ht, wt, wt)
-    out_grads = [
-        hs.new_empty(0) if g is None or (i == 4 and shared_weight) else g.to(like.dtype)
-        for i, (g, like) in enumerate(zip(grads, likes))
-    ]
-    return (loss, kl, lp_s, lp_t, ids, bucket, *out_grads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,15 +102,15 @@ def _fwd(
 ) -> tuple[
     Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor
 ]:
-    """``loss [], kl, student_logprob, teacher_logprob [N], topk_ids [N, K], bucket_logp
-    [N, 2, K+1]`` and the loss's gradients in the six differentiable inputs (``[0]`` where
+    """A :class:`~lopd_kernels.op_outputs.FusedLinearTopKTailKLLossOpOutput`: the loss, the
+    per-row outputs and the loss's gradients in the six differentiable inputs (``[0]`` where
     ``needs`` is false; the teacher weight's too with ``shared_weight``, summed into the
-    student's): :func:`chunked_loss_fwd`."""
+    student's): :func:`~lopd_kernels.fused_linear_topk_tail_kl_chunked.chunked_loss_fwd`."""
+    weights = LossWeights(kl_weight, student_logprob_weight, teacher_logprob_weight)
     return chunked_loss_fwd(
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-        teacher_bias, target_ids, kl_weight, student_logprob_weight, teacher_logprob_weight,
-        top_m, temperature, divergence, beta, support, ignore_index, chunk_size, needs,
-        shared_weight,
+        teacher_bias, target_ids, weights, top_m, temperature, divergence, beta, support,
+        ignore_index, chunk_size, Needs(*needs), shared_weight,
     )  # fmt: skip
 
 
@@ -259,7 +159,7 @@ def _fwd_fake(student_hidden, student_weight, student_bias, teacher_hidden, teac
     kl = student_hidden.new_empty(n, dtype=torch.float32)
     likes = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight)
     grads = fake_grads((*likes, teacher_bias), needs, shared_weight)
-    return (
+    return FusedLinearTopKTailKLLossOpOutput(
         kl.new_empty((), dtype=f32),
         kl,
         torch.empty_like(kl),
@@ -274,9 +174,42 @@ def _bwd_fake(grad_loss, *kept) -> None:
     return None
 
 
+class _FwdArgs(NamedTuple):
+    """The arguments of ``fused_linear_topk_tail_kl_loss_<impl>_fwd``."""
+
+    student_hidden: Tensor
+    student_weight: Tensor
+    student_bias: Tensor | None
+    teacher_hidden: Tensor
+    teacher_weight: Tensor
+    teacher_bias: Tensor | None
+    target_ids: Tensor
+    kl_weight: Tensor
+    student_logprob_weight: Tensor
+    teacher_logprob_weight: Tensor
+    top_m: int
+    temperature: float
+    divergence: str
+    beta: float
+    support: str
+    ignore_index: int
+    chunk_size: int
+    needs: list[bool]
+    shared_weight: bool
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*output[6:])
-    ctx.mark_non_differentiable(*output[1:])
+    args, out = _FwdArgs(*inputs), FusedLinearTopKTailKLLossOpOutput(*output)
+    grads = out.grads()
+    ctx.save_for_backward(*grads)
+    # The gradient slots that hold a gradient (an input that needs none, and the teacher's head
+    # when it is the student's, hold an empty placeholder).
+    ctx.given = [
+        name
+        for name, need in zip(LinearPairGrads._fields, args.needs)
+        if need and not (name == "teacher_weight" and args.shared_weight)
+    ]
+    ctx.mark_non_differentiable(*(getattr(out, name) for name in out._fields if name != "loss"))
     # Only the loss carries a gradient: without this autograd would hand the backward a zero
     # tensor for every other output, the [V, d] gradients included (a fresh zero-filled copy of
     # both heads: 0.6 s and 1.2 GB at V = 151,936, d = 1,024).
@@ -286,18 +219,16 @@ def _setup_context(ctx, inputs, output) -> None:
 def _make_backward(bwd_op):
     def backward(ctx, g_loss, *_unused):
         if g_loss is None:  # nothing flowed into the loss
-            return (None,) * 19
-        kept = ctx.saved_tensors
+            return input_grads(_FwdArgs._fields)
+        kept = LinearPairGrads(*ctx.saved_tensors)
         bwd_op(g_loss, *kept)
-        out = [g if g.numel() else None for g in kept]
-        return (*out, *([None] * 13))  # 19 inputs: six differentiable, then the rest
+        return input_grads(_FwdArgs._fields, **{name: getattr(kept, name) for name in ctx.given})
 
     return backward
 
 
 CUSTOM_OPS = CustomOps(OP, _fwd_fake, _bwd_fake, _setup_context, _make_backward)
-CUSTOM_OPS.define("cpu", _fwd, _bwd, bwd_mutates_args=_KEPT)
-CUSTOM_OPS.define("cuda", _fwd, _bwd, bwd_mutates_args=_KEPT)
+CUSTOM_OPS.define("chunked", _fwd, _bwd, bwd_mutates_args=_KEPT)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,9 +279,9 @@ def fused_linear_topk_tail_kl_loss(
             Weights are constants: a weight that requires grad is refused.
         student_bias, teacher_bias, top_m, temperature, divergence, beta, support, ignore_index,
             chunk_size: as in :func:`fused_linear_topk_tail_kl`.
-        backend: ``"auto"`` (the chunked path; float64: the reference), ``"cpu"`` / ``"cuda"``
-            (chunked, gradients in the forward), ``"torch"`` / ``"triton"`` (the weighted
-            outputs of :func:`fused_linear_topk_tail_kl` under autograd).
+        backend: ``"auto"`` (``"chunked"``; float64: the reference), ``"chunked"`` (gradients
+            in the forward), ``"torch"`` / ``"triton"`` (the weighted outputs of
+            :func:`fused_linear_topk_tail_kl` under autograd).
 
     Returns:
         :class:`FusedLinearTopKTailKLLoss` ``(loss, output)``.
@@ -384,16 +315,24 @@ def fused_linear_topk_tail_kl_loss(
     m = effective_top_m(m, ws.shape[0])
     grad = torch.is_grad_enabled()
     inputs = (hs, ws, student_bias, ht, wt, teacher_bias)
-    needs = [bool(grad and x is not None and x.requires_grad) for x in inputs]
+    needs = Needs(*(bool(grad and x is not None and x.requires_grad) for x in inputs))
     shared = shared_head(ws, wt, needs)
-    loss, kl, lp_s, lp_t, ids, bucket, *_ = CUSTOM_OPS.fwd_op(impl)(
+    out = FusedLinearTopKTailKLLossOpOutput(*CUSTOM_OPS.fwd_op(impl)(
         hs, ws, student_bias, ht, wt, teacher_bias, target, w_kl, w_slp, w_tlp, m,
-        float(temperature), div, div_beta, support, ignore_index, chunk_size or 0, needs, shared,
-    )  # fmt: skip
-    mass = teacher_topk_mass(bucket, target, ignore_index)
-    size = support_size(ids, target, ignore_index, ws.shape[0])
-    output = TopKTailKLOutput(kl, lp_t - lp_s, lp_s, lp_t, ids, mass, size)
-    return FusedLinearTopKTailKLLoss(loss, output)
+        float(temperature), div, div_beta, support, ignore_index, chunk_size or 0, list(needs),
+        shared,
+    ))  # fmt: skip
+    lp_s, lp_t, ids = out.student_logprob, out.teacher_logprob, out.topk_ids
+    output = TopKTailKLOutput(
+        kl=out.kl,
+        privilege=lp_t - lp_s,
+        student_logprob=lp_s,
+        teacher_logprob=lp_t,
+        topk_ids=ids,
+        teacher_topk_mass=teacher_topk_mass(out.bucket_logp, target, ignore_index),
+        support_size=support_size(ids, target, ignore_index, ws.shape[0]),
+    )
+    return FusedLinearTopKTailKLLoss(out.loss, output)
 
 
 class FusedLinearTopKTailKL(nn.Module):

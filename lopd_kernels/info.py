@@ -2,9 +2,11 @@
 
 In the manner of ``python -m xformers.info`` and ``torch.__config__.show()``: the compiled
 extension (loaded or not, the torch it was built against, the CPU instruction set its kernels
-use here, the CUDA architectures compiled), Triton (version, whether it imports, interpreter), and
-for every op the implementation ``backend="auto"`` picks on this machine for CPU and for CUDA
-tensors (:class:`lopd_kernels._backend.OpBackends`). The build facts come from
+use here, the CUDA architectures compiled), Triton (version, whether it imports, interpreter),
+what each ``backend=`` word runs (one meaning for every op), the kernel slots' choices
+(:mod:`lopd_kernels.kernel_variants`), and for every op its implementations and the one
+``backend="auto"`` picks on this machine for CPU and for CUDA tensors
+(:class:`lopd_kernels._backend.OpBackends`). The build facts come from
 ``lopd_kernels._C.build_info()`` (csrc/module.cpp).
 """
 
@@ -19,7 +21,8 @@ from typing import Any
 import torch
 
 import lopd_kernels
-from lopd_kernels import _backend
+from lopd_kernels import _backend, kernel_variants
+from lopd_kernels._constants import BACKEND_MEANINGS
 from lopd_kernels.fused_linear_logprob import BACKENDS as FUSED_LINEAR_LOGPROB
 from lopd_kernels.fused_linear_topk_tail_kl import BACKENDS as FUSED_LINEAR
 from lopd_kernels.sparse_teacher_topk_tail_kl import BACKENDS as SPARSE_TEACHER_TOPK_TAIL_KL
@@ -76,7 +79,10 @@ def _auto_choices() -> dict[str, dict[str, str]]:
         row = {}
         for device in ("cpu", "cuda"):
             row[device] = spec.resolve("auto", torch.device(device))
-        row["unavailable"] = {impl: why for impl, why in spec.unavailable.items()}
+        row["impls"] = ["torch", *spec.impls]
+        row["unavailable"] = {
+            impl: why for impl, why in spec.unavailable.items() if impl in spec.impls
+        }
         out[spec.op] = row
     return out
 
@@ -94,6 +100,8 @@ def collect() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "extension": _extension(),
         "triton": _triton(),
+        "backends": dict(BACKEND_MEANINGS),
+        "kernel_slots": {name: kernel_variants.selected(name) for name in kernel_variants.SLOTS},
         "auto": _auto_choices(),
     }
 
@@ -130,12 +138,22 @@ def _lines(info: dict[str, Any]) -> list[str]:
     )
     if tri["interpreter"]:
         triton_state += " (TRITON_INTERPRET=1: the interpreter)"
-    out += ["", f"triton: {triton_state}", "", 'backend="auto" on this machine:']
+    out += ["", f"triton: {triton_state}", "", "backend= words (the same meaning for every op):"]
+    width = max(len(word) for word in info["backends"])
+    for word, meaning in info["backends"].items():
+        out.append(f"  {word:<{width}}  {meaning}")
+    out += ["", "kernel slots (lopd_kernels.kernel_variants.select):"]
+    for name, value in info["kernel_slots"].items():
+        choices = " | ".join(kernel_variants.SLOTS[name].choices)
+        out.append(f"  {name}: {value}  ({choices})")
+    out += ["", 'implementations, and what backend="auto" picks on this machine:']
     if not info["cuda_available"]:
         out.append("  (no CUDA device here: the CUDA column is what CUDA tensors would get)")
     width = max(len(op) for op in info["auto"])
     for op, row in info["auto"].items():
-        out.append(f"  {op:<{width}}  CPU tensors -> {row['cpu']:<7} CUDA tensors -> {row['cuda']}")
+        out.append(f"  {op:<{width}}  {', '.join(row['impls'])}")
+        out.append(f"  {'':<{width}}  auto: CPU tensors -> {row['cpu']:<7} CUDA tensors -> "
+                   f"{row['cuda']}")  # fmt: skip
         for impl, why in row["unavailable"].items():
             out.append(f"  {'':<{width}}  ({impl}: {why})")
     return out

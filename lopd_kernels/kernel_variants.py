@@ -1,137 +1,155 @@
-"""Kernel variants: one switch per kernel that has a previous and a new implementation.
+"""Kernels that compute the same thing by two algorithms, until a GPU benchmark keeps one.
 
-A new kernel that reads better in its compiled code (``tools/kernel_report.py``) may still run
-slower on a real GPU, so until a GPU benchmark has timed both, the previous kernel stays
-selectable: each switch names a kernel slot (an op's launcher picks the kernel from it at every
-call) and its variants, the first of which is the previous kernel. ``benchmarks/
-gpu_topk_tail_kl.py`` times every variant of a switch in the same process.
+Where only a GPU can tell which of two kernels is faster, both stay, each named by its
+algorithm, and the GPU check (``bash benchmarks/gpu_all.sh``: ``benchmarks/gpu_topk_tail_kl.py``)
+times both in one process; the slower one is deleted the day a GPU run shows it. Each such choice
+is a *slot* of :data:`SLOTS`:
 
-A switch is read from its environment variable at each call (so a benchmark can flip it between
-calls, and a user can pin one without code changes), or set for a block with
-:func:`use_variant`. The op, its schema, the backend resolver and autograd do not change: a
-variant is chosen inside the launcher (``lopd_kernels/_backend.py``).
+* ``topk_tail_kl.triton_forward``: the Triton top-M forward (``top_m >= 1``),
+  ``"separate_reductions"`` (the default) or ``"joined_reductions"``;
+* ``topk_tail_kl.cuda_forward``: the CUDA forward, ``"natural_exp"`` or ``"base2"`` (the
+  default).
 
-    LOPD_TOPK_TAIL_KL_TRITON_FWD=v2 python train.py
+A slot is chosen per call where the launcher takes it
+(``lopd_kernels.triton.topk_tail_kl.topk_tail_kl_fwd_triton(..., kernel=)``), else by the process
+setting: :func:`select` (or :func:`selecting` for a block). The setting is a value of this module
+(for a compiled slot also passed to the compiled op library, ``torch.ops.lopd.set_kernel_choice``);
+nothing reads or writes environment variables. The custom ops are opaque to ``torch.compile``, so
+every call reads the setting, compiled or not. It is one value per process: threads that need
+different kernels at once pass them per call.
+
+    from lopd_kernels.kernel_variants import select
+    select("topk_tail_kl.cuda_forward", "natural_exp")
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
+import threading
 from collections.abc import Iterator
+
+import torch
+
+__all__ = ["SLOTS", "Slot", "attach", "select", "selected", "selecting"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Switch:
-    """One kernel slot with selectable implementations.
+class Slot:
+    """One kernel with two algorithms.
 
     Attributes:
-        env: the environment variable that selects the variant.
-        choices: the variants; the first is the previous kernel.
-        default: the variant used when ``env`` is unset.
-        doc: what each variant is.
+        choices: the algorithms' names.
+        default: the one used until :func:`select` picks another.
+        compiled: whether the compiled op library reads the choice (then :func:`select` sets it
+            there too).
+        doc: what each algorithm does.
     """
 
-    env: str
     choices: tuple[str, ...]
     default: str
+    compiled: bool
     doc: str
 
 
-SWITCHES: dict[str, Switch] = {
-    "topk_tail_kl.triton_fwd": Switch(
-        env="LOPD_TOPK_TAIL_KL_TRITON_FWD",
-        choices=("v1", "v2"),
-        default="v1",
+SLOTS: dict[str, Slot] = {
+    "topk_tail_kl.triton_forward": Slot(
+        choices=("separate_reductions", "joined_reductions"),
+        default="separate_reductions",
+        compiled=False,
         doc=(
             "Triton top-M forward (top_m >= 1; rows merged by the bitonic path, top_m > 64 by "
-            "default, always run v1). v1: lopd_kernels/triton/topk_tail_kl_kernels.py, five "
-            "block reductions per block on the common path, evicted student logits re-read "
-            "from global memory. v2: lopd_kernels/triton/topk_tail_kl_kernels_v2.py, two "
-            "tuple reductions per block on the common path, the top-M student logits kept in "
+            "default, always take separate_reductions). separate_reductions "
+            "(lopd_kernels/triton/topk_tail_kl_kernels.py): five block reductions per block on "
+            "the common path (the selecting side's maximum, then maximum and sum of each side's "
+            "tail), an evicted entry's other-side logit re-read from global memory. "
+            "joined_reductions (lopd_kernels/triton/topk_tail_kl_kernels_joined.py): two "
+            "reductions of both sides joined per block, the top-M's other-side logits kept in "
             "registers."
         ),
     ),
-    "topk_tail_kl.cuda_fwd": Switch(
-        env="LOPD_TOPK_TAIL_KL_CUDA_FWD",
-        choices=("v1", "v2"),
-        default="v2",
+    "topk_tail_kl.cuda_forward": Slot(
+        choices=("natural_exp", "base2"),
+        default="base2",
+        compiled=True,
         doc=(
-            "CUDA forward of topk_tail_kl (backend='cuda'; read by the C++ launcher, "
-            "csrc/cuda/topk_tail_kl_launch.cuh). v1: csrc/cuda/topk_tail_kl_kernels.cuh, a "
-            "branchy natural-log lse_add with accurate expf per entry and side, the 64-bit key "
-            "built for every entry, one tile in flight, the full-vocabulary mode merging a "
-            "one-entry state per entry. v2: csrc/cuda/topk_tail_kl_kernels_v2.cuh, base-2 tails "
-            "(one FFMA + MUFU.EX2 per entry and side, one rescale per 8 entries, admitted "
-            "candidates masked to -inf), a float compare before the 64-bit key, the next tile "
-            "loaded while the current one is processed, and the same chunked base-2 state in "
-            "the full-vocabulary mode."
-        ),
-    ),
-    "fused_linear_topk_tail_kl.chunked": Switch(
-        env="LOPD_FUSED_LINEAR_CHUNKED",
-        choices=("v1", "v2"),
-        default="v2",
-        doc=(
-            "The chunked path of fused_linear_topk_tail_kl (backends cpu / cuda, "
-            "lopd_kernels/fused_linear_topk_tail_kl_chunked.py). v1: on a GPU the CUDA per-row "
-            "kernels as the epilogue (Triton only without them); the frozen-head tail projection "
-            "by three "
-            "elementwise passes + a scatter (+ a cast for a bf16 head); on a GPU with a bf16 head "
-            "the logit gradient cast twice (once per GEMM) and the weight gradient accumulated "
-            "as `out += part` per 64 MiB slab. v2: Triton-first epilogue on a GPU (as "
-            "topk_tail_kl's auto); the tail probabilities in one pass (Triton on a GPU, written "
-            "in the GEMM dtype; two PyTorch passes on CPU); one cast of the logit gradient per "
-            "chunk, accumulated into the float32 weight gradient by one fp32-output addmm "
-            "where this torch/cuBLAS supports it. CPU with fp32 or the C++ epilogue: the same "
-            "GEMMs in both."
-        ),
-    ),
-    "fused_linear_logprob.cpu_half": Switch(
-        env="LOPD_FUSED_LOGPROB_CPU_HALF",
-        choices=("upcast", "native"),
-        default="native",
-        doc=(
-            "GEMMs of fused_linear_logprob's C++ CPU op for a bfloat16 head (read by the C++ op, "
-            "csrc/cpu/fused_linear_logprob.cpp). upcast: float32 GEMMs of operands converted a "
-            "block at a time (float32 logits of the bf16 operands). native: bfloat16 GEMMs "
-            "(oneDNN through at::mm, float32 accumulation, each block's logits and gradient "
-            "products rounded to bfloat16, as torch.matmul on bf16 tensors gives them), on CPUs "
-            "with AVX512-BF16 and LOPD_CPU_ISA not below avx512; float16 heads always upcast."
+            "CUDA forward of topk_tail_kl (csrc/cuda/topk_tail_kl_launch.cuh). natural_exp "
+            "(csrc/cuda/topk_tail_kl_kernels.cuh): a natural-log lse_add with an accurate expf "
+            "per entry and side, the 64-bit key built for every entry, one tile in flight, the "
+            "full-vocabulary mode merging a one-entry state per entry. base2 "
+            "(csrc/cuda/topk_tail_kl_kernels_base2.cuh): base-2 tails (one FFMA + MUFU.EX2 per "
+            "entry and side, one rescale per 8 entries, admitted candidates masked to -inf), a "
+            "float compare before the 64-bit key, the next tile loaded while the current one is "
+            "processed, the same chunked base-2 state in the full-vocabulary mode."
         ),
     ),
 }
 
+_lock = threading.Lock()
+_selected: dict[str, str] = {}
+# The compiled op libraries that take the compiled slots: lopd's, and any other build of the same
+# kernels attached by attach() (the SIMT-emulated test build).
+_namespaces: list[str] = ["lopd"]
 
-def variant(switch: str) -> str:
-    """The variant ``switch`` selects now (its environment variable, else its default).
+
+def _slot(name: str) -> Slot:
+    try:
+        return SLOTS[name]
+    except KeyError:
+        raise ValueError(f"no kernel slot named {name!r}; slots: {sorted(SLOTS)}") from None
+
+
+def _push(namespace: str, name: str, value: str) -> None:
+    """Sets a compiled slot in one op library (a no-op where that library is not loaded)."""
+    ns = getattr(torch.ops, namespace)
+    if hasattr(ns, "set_kernel_choice"):
+        ns.set_kernel_choice(name, value)
+
+
+def selected(name: str) -> str:
+    """The algorithm slot ``name`` runs now (:func:`select`'s, else the default).
 
     Raises:
-        KeyError: unknown switch.
-        ValueError: the environment variable names no variant of the switch.
+        ValueError: no such slot.
     """
-    sw = SWITCHES[switch]
-    value = os.environ.get(sw.env, sw.default)
-    if value not in sw.choices:
-        raise ValueError(
-            f"{sw.env}={value!r} is not a variant of {switch}; choose one of {sw.choices}"
-        )
-    return value
+    slot = _slot(name)
+    return _selected.get(name, slot.default)
+
+
+def select(name: str, value: str) -> None:
+    """Makes slot ``name`` run ``value`` in this process, from the next call on.
+
+    Raises:
+        ValueError: no such slot, or ``value`` is not one of its choices.
+    """
+    slot = _slot(name)
+    if value not in slot.choices:
+        raise ValueError(f"{name} must be one of {slot.choices}, got {value!r}")
+    with _lock:
+        _selected[name] = value
+        if slot.compiled:
+            for namespace in _namespaces:
+                _push(namespace, name, value)
 
 
 @contextlib.contextmanager
-def use_variant(switch: str, value: str) -> Iterator[None]:
-    """Selects ``value`` for ``switch`` inside the block (restores the previous setting after)."""
-    sw = SWITCHES[switch]
-    if value not in sw.choices:
-        raise ValueError(f"{value!r} is not a variant of {switch}; choose one of {sw.choices}")
-    old = os.environ.get(sw.env)
-    os.environ[sw.env] = value
+def selecting(name: str, value: str) -> Iterator[None]:
+    """:func:`select` for the block; the previous choice is restored after it."""
+    previous = selected(name)
+    select(name, value)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop(sw.env, None)
-        else:
-            os.environ[sw.env] = old
+        select(name, previous)
+
+
+def attach(namespace: str) -> None:
+    """Makes the compiled slots of the op library ``torch.ops.<namespace>`` (one loaded after
+    this module, with its own ``set_kernel_choice``) follow the process setting, and sets them
+    to it now."""
+    with _lock:
+        if namespace not in _namespaces:
+            _namespaces.append(namespace)
+        for name, slot in SLOTS.items():
+            if slot.compiled:
+                _push(namespace, name, _selected.get(name, slot.default))

@@ -125,7 +125,7 @@ class QFormerLayer(nn.Module):
             w_h = torch.exp(lse_h - lse).transpose(1, 2).unsqueeze(-1).to(q.dtype)
             w_l = torch.exp(lse_l - lse).transpose(1, 2).unsqueeze(-1).to(q.dtype)
             attn = w_h * attn_h + w_l * attn_l
-        x = x + self.o_proj(attn.reshape(batch, n_lat, -1))
+        x = x + self.o_proj(attn.reshape(batch, n_lat, self.num_heads * self.head_dim))
         return x + self.ffn(self.norm_ffn(x))
 
 
@@ -298,15 +298,16 @@ def straightforward_qformer(
         layer = module.layer(i)
         hq, hkv, hd = layer.num_heads, layer.num_kv_heads, layer.head_dim
         h = layer.norm_q(x)
-        q = layer.q_proj(h).view(batch, -1, hq, hd).transpose(1, 2)  # [B, Hq, K, D]
+        q = layer.q_proj(h).view(batch, h.shape[1], hq, hd).transpose(1, 2)  # [B, Hq, K, D]
         if padded:
             kv_in = layer.norm_kv(h_pad)
             k = layer.k_proj(kv_in).view(batch, t_max, hkv, hd).transpose(1, 2)
             v = layer.v_proj(kv_in).view(batch, t_max, hkv, hd).transpose(1, 2)
             mask = valid
             if module.perceiver:
-                k = torch.cat([k, layer.k_proj(h).view(batch, -1, hkv, hd).transpose(1, 2)], 2)
-                v = torch.cat([v, layer.v_proj(h).view(batch, -1, hkv, hd).transpose(1, 2)], 2)
+                lat_shape = (batch, h.shape[1], hkv, hd)
+                k = torch.cat([k, layer.k_proj(h).view(lat_shape).transpose(1, 2)], 2)
+                v = torch.cat([v, layer.v_proj(h).view(lat_shape).transpose(1, 2)], 2)
                 mask = torch.cat([valid, valid.new_ones(batch, h.shape[1])], 1)
             # An empty item's all-False mask row would make softmax 0/0: let it attend to its
             # (finite) padding and zero the result instead.
@@ -328,7 +329,7 @@ def straightforward_qformer(
                 kb = layer.k_proj(kv_in).view(-1, hkv, hd).transpose(0, 1)
                 vb = layer.v_proj(kv_in).view(-1, hkv, hd).transpose(0, 1)
                 outs.append(F.scaled_dot_product_attention(q[b], kb, vb, enable_gqa=hq != hkv))
-            attn = torch.stack(outs, 0)
-        x = x + layer.o_proj(attn.transpose(1, 2).reshape(batch, x.shape[1], -1))
+            attn = torch.stack(outs, 0) if outs else torch.zeros_like(q)
+        x = x + layer.o_proj(attn.transpose(1, 2).reshape(batch, x.shape[1], hq * hd))
         x = x + layer.ffn(layer.norm_ffn(x))
     return module.final_norm(x)

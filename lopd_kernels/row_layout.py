@@ -4,6 +4,7 @@ view chosen from the strides alone (row-strided inputs such as ``logits[:, :-1]`
 from __future__ import annotations
 
 import itertools
+import math
 
 from torch import Tensor
 
@@ -26,11 +27,13 @@ def rows_in_place(x: Tensor) -> Tensor:
     it)."""
     vocab = x.shape[-1]
     lead, lead_strides = x.shape[:-1], x.stride()[:-1]
+    # Sizes spelled out, never -1: an empty batch (a zero-size leading dim) has any view.
+    rows = math.prod(lead)
     if x.stride(-1) == 1 or vocab <= 1:
-        if _fold(lead, lead_strides):
-            return x.view(-1, vocab)
+        if rows == 0 or _fold(lead, lead_strides):
+            return x.view(rows, vocab)
         if len(lead) >= 2 and _fold(lead[:-1], lead_strides[:-1]):
-            return x.view(-1, lead[-1], vocab)
+            return x.view(math.prod(lead[:-1]), lead[-1], vocab)
         if len(lead) >= 3 and _fold(lead[1:], lead_strides[1:]):
-            return x.view(lead[0], -1, vocab)
-    return x.reshape(-1, vocab).contiguous()
+            return x.view(lead[0], math.prod(lead[1:]), vocab)
+    return x.reshape(rows, vocab).contiguous()

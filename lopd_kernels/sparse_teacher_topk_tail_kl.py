@@ -56,9 +56,10 @@ from torch import Tensor, nn
 
 from lopd_kernels._backend import OpBackends, compiled_unavailable, triton_import_error
 from lopd_kernels._constants import KL_DIVERGENCES, TRITON_SPARSE_TEACHER_MAX_TOP_M
-from lopd_kernels._custom_ops import CustomOps
+from lopd_kernels._custom_ops import CustomOps, input_grads
 from lopd_kernels._reduction import check_module_options, reduce_kl
 from lopd_kernels.bucket_math import bucket_divergence, masked_logsumexp
+from lopd_kernels.op_outputs import SparseTeacherTopKTailKLOpOutput
 from lopd_kernels.sparse_teacher_topk_tail_kl_checks import (
     check_inputs,
     check_rows_have_mass,
@@ -73,10 +74,11 @@ __all__ = [
 ]
 
 OP = "sparse_teacher_topk_tail_kl"
-_NO_CUDA = "has no CUDA C++ kernel (on GPUs the Triton kernel runs: backend='triton' or 'auto')"
+# No CUDA C++ kernel: on GPUs the Triton kernel runs.
 BACKENDS = OpBackends(
     OP,
-    unavailable={**compiled_unavailable(OP), "cuda": _NO_CUDA},
+    impls=("cpu", "triton"),
+    unavailable=compiled_unavailable(OP),
     auto={"cpu": ("cpu",), "cuda": ("triton",)},
 )
 
@@ -217,13 +219,26 @@ def _bwd_fake(grad_kl, grad_student_logprob, student_logits, *_args):
     return torch.empty_like(student_logits)
 
 
+class _FwdArgs(NamedTuple):
+    """The arguments of ``sparse_teacher_topk_tail_kl_<impl>_fwd`` (csrc/common/schemas.h)."""
+
+    student_logits: Tensor
+    teacher_topk_logprobs: Tensor
+    teacher_topk_ids: Tensor
+    target_ids: Tensor
+    temperature: float
+    reverse: bool
+    ignore_index: int
+    tail_floor: float
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    student, _lp, ids, target, temperature, reverse, ignore_index, _floor = inputs
-    kl, _slp, lse, bucket_logp = output
-    ctx.save_for_backward(student, ids, target, kl, lse, bucket_logp)
-    ctx.temperature = temperature
-    ctx.reverse = reverse
-    ctx.ignore_index = ignore_index
+    args, out = _FwdArgs(*inputs), SparseTeacherTopKTailKLOpOutput(*output)
+    ctx.save_for_backward(args.student_logits, args.teacher_topk_ids, args.target_ids, out.kl,
+                          out.lse, out.bucket_logp)  # fmt: skip
+    ctx.temperature = args.temperature
+    ctx.reverse = args.reverse
+    ctx.ignore_index = args.ignore_index
 
 
 def _make_backward(bwd_op):
@@ -232,7 +247,7 @@ def _make_backward(bwd_op):
     def backward(ctx, g_kl, g_slp, _g_lse, _g_bucket):
         student, ids, target, kl, lse, bucket_logp = ctx.saved_tensors
         grad = None
-        if ctx.needs_input_grad[0]:
+        if _FwdArgs(*ctx.needs_input_grad).student_logits:
 
             def upstream(g):
                 return kl.new_zeros(kl.shape) if g is None else g.float().contiguous()
@@ -250,7 +265,7 @@ def _make_backward(bwd_op):
                 ctx.reverse,
                 ctx.ignore_index,
             )
-        return grad, None, None, None, None, None, None, None
+        return input_grads(_FwdArgs._fields, student_logits=grad)
 
     return backward
 
@@ -420,24 +435,18 @@ def sparse_teacher_topk_tail_kl(
     ids = teacher_topk_ids.reshape(-1, m).to(torch.int64).contiguous()
     tgt = target_ids.reshape(-1).to(torch.int64).contiguous()
     check_values(lp, ids, tgt, vocab, ignore_index, mass_tolerance)
-    kl, slp, lse, bucket = CUSTOM_OPS.fwd_op(name)(
-        s,
-        lp,
-        ids,
-        tgt,
-        float(temperature),
-        divergence == "reverse",
-        int(ignore_index),
+    out = SparseTeacherTopKTailKLOpOutput(*CUSTOM_OPS.fwd_op(name)(
+        s, lp, ids, tgt, float(temperature), divergence == "reverse", int(ignore_index),
         float(tail_floor),
-    )
-    check_rows_have_mass(lse, tgt, ignore_index, ("student_logits",))
+    ))  # fmt: skip
+    check_rows_have_mass(out.lse, tgt, ignore_index, ("student_logits",))
     with torch.no_grad():
         keep = tgt != ignore_index
-        s_mass = torch.where(keep, bucket[:, 0, :m].exp().sum(-1), 0.0)
+        s_mass = torch.where(keep, out.bucket_logp[:, 0, :m].exp().sum(-1), 0.0)
         t_mass = torch.where(keep, lp.exp().sum(-1), 0.0)
     return SparseTeacherTopKTailKLOutput(
-        kl=kl.reshape(lead),
-        student_logprob=slp.reshape(lead),
+        kl=out.kl.reshape(lead),
+        student_logprob=out.student_logprob.reshape(lead),
         student_topk_mass=s_mass.reshape(lead),
         teacher_topk_mass=t_mass.reshape(lead),
     )

@@ -36,19 +36,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lopd_kernels._backend import (
-    BackendUnavailableError,
-    OpBackends,
-    compiled_unavailable,
-    triton_import_error,
-)
-from lopd_kernels._constants import (
-    CUDA_TOPK_MAX_TOP_M,
-    TOPK_KERNEL_JSD,
-    TOPK_KERNEL_SUPPORTS,
-    TRITON_TOPK_MAX_TOP_M,
-)
-from lopd_kernels._custom_ops import CustomOps
+from lopd_kernels._backend import OpBackends, compiled_unavailable, triton_import_error
+from lopd_kernels._constants import CUDA_TOPK_MAX_TOP_M, TRITON_TOPK_MAX_TOP_M
+from lopd_kernels._custom_ops import CustomOps, input_grads
 from lopd_kernels._reduction import check_module_options, reduce_kl
 from lopd_kernels.bucket_math import (
     bucket_divergence,
@@ -60,6 +50,7 @@ from lopd_kernels.bucket_math import (
     support_width,
     teacher_topk_mass,
 )
+from lopd_kernels.op_outputs import TopKTailKLOpGrads, TopKTailKLOpOutput
 from lopd_kernels.row_layout import rows_in_place
 from lopd_kernels.topk_tail_kl_checks import (
     check_inputs,
@@ -78,7 +69,10 @@ OP = "topk_tail_kl"
 # is the measured default; the CUDA kernels take over where Triton cannot run (no triton, top_m
 # above its limit) until a GPU benchmark shows them faster.
 BACKENDS = OpBackends(
-    OP, unavailable=compiled_unavailable(OP), auto={"cpu": ("cpu",), "cuda": ("triton", "cuda")}
+    OP,
+    impls=("cpu", "cuda", "triton"),
+    unavailable=compiled_unavailable(OP),
+    auto={"cpu": ("cpu",), "cuda": ("triton", "cuda")},
 )
 
 
@@ -111,17 +105,6 @@ class TopKTailKLOutput(NamedTuple):
     topk_ids: Tensor
     teacher_topk_mass: Tensor
     support_size: Tensor
-
-
-def kernel_option_refusal(impl: str, divergence: str, support: str) -> str | None:
-    """Why kernel implementation ``impl`` cannot take ``support`` / ``divergence`` (as the ops
-    take it: :func:`lopd_kernels.bucket_math.op_divergence`), or None
-    (:data:`lopd_kernels._constants.TOPK_KERNEL_SUPPORTS`, ``TOPK_KERNEL_JSD``)."""
-    if support not in TOPK_KERNEL_SUPPORTS.get(impl, ("teacher",)):
-        return f"has no kernel for support={support!r} yet"
-    if divergence == "jsd" and not TOPK_KERNEL_JSD.get(impl, False):
-        return "has no kernel for divergence='jsd' (0 < beta < 1) yet"
-    return None
 
 
 # ------------------------------------------------------------------------------------ reference
@@ -280,12 +263,26 @@ def _bwd_fake(
     return gs, gt
 
 
+class _FwdArgs(NamedTuple):
+    """The arguments of ``topk_tail_kl_<impl>_fwd`` (csrc/common/schemas.h)."""
+
+    student_logits: Tensor
+    teacher_logits: Tensor
+    target_ids: Tensor
+    top_m: int
+    temperature: float
+    divergence: str
+    beta: float
+    support: str
+    ignore_index: int
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    student, teacher, target, _top_m, temperature, divergence, beta, _support, ignore = inputs
-    kl, _slp, _tlp, topk_ids, lse, bucket_logp = output
+    args, out = _FwdArgs(*inputs), TopKTailKLOpOutput(*output)
     # O(K) per row beyond the inputs themselves: lse [N, 2], bucket_logp [N, 2, K + 1].
-    ctx.save_for_backward(student, teacher, target, topk_ids, kl, lse, bucket_logp)
-    ctx.scalars = (temperature, divergence, beta, ignore)
+    ctx.save_for_backward(args.student_logits, args.teacher_logits, args.target_ids,
+                          out.topk_ids, out.kl, out.lse, out.bucket_logp)  # fmt: skip
+    ctx.scalars = (args.temperature, args.divergence, args.beta, args.ignore_index)
 
 
 def _make_backward(bwd_op):
@@ -293,7 +290,8 @@ def _make_backward(bwd_op):
 
     def backward(ctx, g_kl, g_slp, g_tlp, _g_ids, _g_lse, _g_bucket):
         student, teacher, target, topk_ids, kl, lse, bucket_logp = ctx.saved_tensors
-        need_s, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        needs = _FwdArgs(*ctx.needs_input_grad)
+        need_s, need_t = needs.student_logits, needs.teacher_logits
         rows = (kl.shape[0],)
 
         def upstream(g):
@@ -301,11 +299,15 @@ def _make_backward(bwd_op):
                 return kl.new_zeros(rows)
             return g.to(torch.float32).contiguous()
 
-        gs, gt = bwd_op(
+        grads = TopKTailKLOpGrads(*bwd_op(
             upstream(g_kl), upstream(g_slp), upstream(g_tlp), student, teacher, target,
             topk_ids, kl, lse, bucket_logp, *ctx.scalars, need_s, need_t,
-        )  # fmt: skip
-        return (gs if need_s else None, gt if need_t else None, *([None] * 7))
+        ))  # fmt: skip
+        return input_grads(
+            _FwdArgs._fields,
+            student_logits=grads.student_logits if need_s else None,
+            teacher_logits=grads.teacher_logits if need_t else None,
+        )
 
     return backward
 
@@ -326,18 +328,6 @@ def _triton_launchers():
     return topk_tail_kl_fwd_triton, topk_tail_kl_bwd_triton
 
 
-def refuse_options(impl: str, divergence: str, support: str) -> None:
-    """Raises :class:`BackendUnavailableError` when kernel ``impl`` (a key of
-    ``TOPK_KERNEL_SUPPORTS``) lacks the options: the op itself refuses them (the public
-    functions never send them: their resolvers know)."""
-    reason = kernel_option_refusal(impl, divergence, support)
-    if reason is not None:
-        name = "triton" if impl == "fused_triton" else impl
-        raise BackendUnavailableError(
-            f"{OP}: backend={name!r} {reason}; backend='auto' picks an implementation that has it"
-        )
-
-
 def _triton_fwd(
     student_logits: Tensor,
     teacher_logits: Tensor,
@@ -350,7 +340,6 @@ def _triton_fwd(
     ignore_index: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Triton forward as an opaque op (same contract as ``lopd::topk_tail_kl_cpu_fwd``)."""
-    refuse_options("triton", divergence, support if top_m else "teacher")
     fwd, _ = _triton_launchers()
     vocab = student_logits.shape[-1]
     if target_ids.is_cuda:
@@ -387,7 +376,6 @@ def _triton_bwd(
     teacher_requires_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     """Triton backward as an opaque op (same contract as ``lopd::topk_tail_kl_cpu_bwd``)."""
-    refuse_options("triton", divergence, "teacher")
     _, bwd = _triton_launchers()
     return bwd(
         grad_kl.contiguous(), grad_student_logprob.contiguous(),
@@ -402,20 +390,14 @@ CUSTOM_OPS.define("triton", _triton_fwd, _triton_bwd)
 CUSTOM_OPS.register_compiled()
 
 
-def _limits(top_m: int, divergence: str, support: str) -> dict[str, str]:
-    """Per-call reasons an implementation cannot take these options (``top_m`` 0: the full
-    vocabulary; ``divergence`` as the ops take it)."""
+def implementation_limits(top_m: int) -> dict[str, str]:
+    """Per-call reasons an implementation cannot take ``top_m`` (0: the full vocabulary): the
+    ``unsupported`` argument of :meth:`OpBackends.resolve`."""
     out = {}
     if top_m > TRITON_TOPK_MAX_TOP_M:
         out["triton"] = f"supports top_m <= {TRITON_TOPK_MAX_TOP_M} (or None), got {top_m}"
     if top_m > CUDA_TOPK_MAX_TOP_M:
         out["cuda"] = f"supports top_m <= {CUDA_TOPK_MAX_TOP_M} (or None), got {top_m}"
-    # The full vocabulary has no support to select: only the divergence matters there.
-    support = "teacher" if top_m == 0 else support
-    for impl in ("cpu", "cuda", "triton"):
-        reason = kernel_option_refusal(impl, divergence, support)
-        if reason is not None and impl not in out:
-            out[impl] = reason
     return out
 
 
@@ -475,8 +457,7 @@ def topk_tail_kl(
         beta, support,
     )  # fmt: skip
     fp64 = torch.float64 in (student_logits.dtype, teacher_logits.dtype)
-    div, _ = op_divergence(divergence, beta)
-    limits = _limits(m, div, support)
+    limits = implementation_limits(m)
     name = BACKENDS.resolve(backend, student_logits.device, fp64=fp64, unsupported=limits)
     if name == "torch":
         return topk_tail_kl_reference(
@@ -509,19 +490,22 @@ def call_fwd_op(
     flat_target = target_ids.reshape(-1).to(torch.int64).contiguous()
     check_targets_in_range(flat_target, student_logits.shape[-1], ignore_index)
     div, b = op_divergence(divergence, beta)
-    kl, slp, tlp, ids, lse, bucket = op(
+    out = TopKTailKLOpOutput(*op(
         rows_in_place(student_logits), rows_in_place(teacher_logits), flat_target, m,
         float(temperature), div, b, support, int(ignore_index),
-    )  # fmt: skip
-    check_rows_have_mass(lse, flat_target, ignore_index, _SIDES)
+    ))  # fmt: skip
+    check_rows_have_mass(out.lse, flat_target, ignore_index, _SIDES)
     vocab = student_logits.shape[-1]
+    slp, tlp, ids = out.student_logprob, out.teacher_logprob, out.topk_ids
     return TopKTailKLOutput(
-        kl=kl.reshape(lead),
+        kl=out.kl.reshape(lead),
         privilege=(tlp - slp.detach()).reshape(lead),
         student_logprob=slp.reshape(lead),
         teacher_logprob=tlp.reshape(lead),
         topk_ids=ids.reshape(*lead, ids.shape[-1]),
-        teacher_topk_mass=teacher_topk_mass(bucket, flat_target, ignore_index).reshape(lead),
+        teacher_topk_mass=teacher_topk_mass(out.bucket_logp, flat_target, ignore_index).reshape(
+            lead
+        ),
         support_size=support_size(ids, flat_target, ignore_index, vocab).reshape(lead),
     )
 

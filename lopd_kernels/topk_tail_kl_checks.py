@@ -161,7 +161,7 @@ def check_rows_have_mass(
         sides: the argument each column of ``lse`` belongs to, e.g. ``("student_logits",
             "teacher_logits")``.
     """
-    lse = lse.reshape(lse.shape[0], -1)
+    lse = lse if lse.dim() == 2 else lse.unsqueeze(1)
     bad = (lse == -math.inf) & (target_ids != ignore_index).unsqueeze(1)
     if lse.is_cuda or torch.compiler.is_compiling():
         torch._assert_async(

@@ -65,11 +65,13 @@ Implementations (``torch.ops.lopd.varlen_cross_attention_<impl>_fwd/_bwd``, one 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from lopd_kernels._backend import OpBackends, compiled_unavailable, triton_import_error
-from lopd_kernels._custom_ops import CustomOps
+from lopd_kernels._custom_ops import CustomOps, input_grads
+from lopd_kernels.op_outputs import VarlenCrossAttentionOpGrads, VarlenCrossAttentionOpOutput
 from lopd_kernels.varlen_cross_attention_checks import check_inputs, check_values
 
 __all__ = [
@@ -79,7 +81,10 @@ __all__ = [
 
 OP = "varlen_cross_attention"
 BACKENDS = OpBackends(
-    OP, unavailable=compiled_unavailable(OP), auto={"cpu": ("cpu",), "cuda": ("triton", "cuda")}
+    OP,
+    impls=("cpu", "cuda", "triton"),
+    unavailable=compiled_unavailable(OP),
+    auto={"cpu": ("cpu",), "cuda": ("triton", "cuda")},
 )
 
 
@@ -112,7 +117,8 @@ def varlen_cross_attention_reference(
             float64 for float64 inputs; ``-inf`` for an empty item).
 
     Returns:
-        ``[B, Lq, Hq, D]`` (rows of an empty item are zeros), or ``(out, lse)``.
+        ``[B, Lq, Hq, D]`` (rows of an empty item are zeros), or a
+        ``VarlenCrossAttentionOpOutput`` ``(out, lse)``.
     """
     batch, seq_q, n_q_heads, head_dim = q.shape
     group = n_q_heads // k.shape[1]
@@ -136,10 +142,14 @@ def varlen_cross_attention_reference(
         outs.append(torch.einsum("hit,thd->ihd", weights, vb))
         lses.append(lse)
     out = torch.stack(outs).to(q.dtype) if outs else q.new_zeros(q.shape)
+    if not out.requires_grad:
+        # No item has keys (an empty batch, or only empty items): the output is a constant 0;
+        # an empty slice of each input keeps it in the graph, so that their gradients are 0.
+        out = out + sum(x.flatten()[:0].sum() for x in (q, k, v)).to(out.dtype)
     if not return_lse:
         return out
     lse = torch.stack(lses) if lses else q.new_zeros((0, n_q_heads, seq_q), dtype=dtype)
-    return out, lse
+    return VarlenCrossAttentionOpOutput(out, lse)
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,12 +168,22 @@ def _bwd_fake(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_k, scale, max_se
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+class _FwdArgs(NamedTuple):
+    """The arguments of ``varlen_cross_attention_<impl>_fwd`` (csrc/common/schemas.h)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    scale: float
+    max_seqlen_k: int
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_seqlens_k, scale, max_seqlen_k = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_k)
-    ctx.scale = scale
-    ctx.max_seqlen_k = max_seqlen_k
+    args, res = _FwdArgs(*inputs), VarlenCrossAttentionOpOutput(*output)
+    ctx.save_for_backward(args.q, args.k, args.v, res.out, res.lse, args.cu_seqlens_k)
+    ctx.scale = args.scale
+    ctx.max_seqlen_k = args.max_seqlen_k
 
 
 def _make_backward(bwd_op):
@@ -177,19 +197,11 @@ def _make_backward(bwd_op):
         if grad_lse is None:
             grad_lse = torch.zeros_like(lse)
         # -inf lse rows (empty items) may receive a gradient; it has no keys to flow into.
-        dq, dk, dv = bwd_op(
-            grad_out.contiguous(),
-            grad_lse.contiguous(),
-            q,
-            k,
-            v,
-            out,
-            lse,
-            cu_seqlens_k,
-            ctx.scale,
-            ctx.max_seqlen_k,
-        )
-        return dq, dk, dv, None, None, None
+        grads = VarlenCrossAttentionOpGrads(*bwd_op(
+            grad_out.contiguous(), grad_lse.contiguous(), q, k, v, out, lse, cu_seqlens_k,
+            ctx.scale, ctx.max_seqlen_k,
+        ))  # fmt: skip
+        return input_grads(_FwdArgs._fields, q=grads.q, k=grads.k, v=grads.v)
 
     return backward
 
@@ -275,7 +287,8 @@ def varlen_cross_attention(
             differentiable.
 
     Returns:
-        ``[B, Lq, Hq, D]`` in q's dtype, or ``(out, lse)`` when ``return_lse``.
+        ``[B, Lq, Hq, D]`` in q's dtype, or a ``VarlenCrossAttentionOpOutput`` ``(out, lse)``
+        (lopd_kernels/op_outputs.py) when ``return_lse``.
 
     Raises:
         ValueError / TypeError: naming the offending argument for bad shapes, dtypes, devices,
@@ -296,5 +309,7 @@ def varlen_cross_attention(
         else:
             lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
             max_seqlen_k = int(lengths.max()) if lengths.numel() else 0
-    out, lse = CUSTOM_OPS.fwd_op(impl)(q, k, v, cu_seqlens_k, scale, int(max_seqlen_k))
-    return (out, lse) if return_lse else out
+    res = VarlenCrossAttentionOpOutput(
+        *CUSTOM_OPS.fwd_op(impl)(q, k, v, cu_seqlens_k, scale, int(max_seqlen_k))
+    )
+    return res if return_lse else res.out

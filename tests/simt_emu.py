@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from lopd_kernels import kernel_variants
 from lopd_kernels.topk_tail_kl import TopKTailKLOutput, call_fwd_op
 from lopd_kernels.topk_tail_kl_checks import check_inputs
 
@@ -76,6 +77,8 @@ def load() -> None:
     )
     topk_tail_kl.CUSTOM_OPS.register_compiled("lopd_simt_emu")
     varlen_cross_attention.CUSTOM_OPS.register_compiled("lopd_simt_emu")
+    # Its CUDA forward follows the process's kernel choice, like lopd's.
+    kernel_variants.attach("lopd_simt_emu")
 
 
 def set_schedule_seed(seed: int) -> None:

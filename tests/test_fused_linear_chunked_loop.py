@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import lopd_kernels as lk
+from lopd_kernels.chunked_linear import Chunk
 from tests.test_fused_linear_topk_tail_kl import check, make_inputs
 from tests.utils import assert_close
 
@@ -49,7 +50,7 @@ CASES = [
 def test_dense_rows_match_reference(case):
     n, d, vocab, top_m, chunk, bias, requires, dtype = case
     inputs, target = dense_inputs(n, d, vocab, dtype, bias=bias, seed=n + d)
-    check(inputs, target, "cpu", dtype, requires=requires, top_m=top_m, temperature=0.8,
+    check(inputs, target, "chunked", dtype, requires=requires, top_m=top_m, temperature=0.8,
           chunk_size=chunk)  # fmt: skip
 
 
@@ -63,7 +64,7 @@ def test_strided_hidden_rows(dense, top_m):
     wide = torch.randn(2 * n, 3 * d, generator=torch.Generator().manual_seed(5))
     ups = torch.randn(2, n, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     results = []
-    for backend, dtype in (("cpu", torch.float32), ("torch", torch.float64)):
+    for backend, dtype in (("chunked", torch.float32), ("torch", torch.float64)):
         leaf = wide.to(dtype, copy=True).requires_grad_(True)
         w_s, w_t = (inputs[k].to(dtype) for k in ("student_weight", "teacher_weight"))
         out = lk.fused_linear_topk_tail_kl(
@@ -80,16 +81,16 @@ def test_strided_hidden_rows(dense, top_m):
 
 @pytest.fixture
 def logit_blocks(monkeypatch):
-    """Records, per call of ``logits_block``, the storage it wrote the logits into."""
+    """Records, per call of ``Chunk.logits``, the storage it wrote the logits into."""
     seen: list[int] = []
-    inner = chunked.logits_block
+    inner = Chunk.logits
 
-    def recording(h, w, b, out=None):
-        logits = inner(h, w, b, out)
+    def recording(self, k, slot=None):
+        logits = inner(self, k, slot)
         seen.append(logits.untyped_storage().data_ptr())
         return logits
 
-    monkeypatch.setattr(chunked, "logits_block", recording)
+    monkeypatch.setattr(Chunk, "logits", recording)
     return seen
 
 
@@ -104,7 +105,7 @@ def test_logit_blocks_reused_across_chunks(logit_blocks, top_m, bwd_blocks, dens
     leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
     out = lk.fused_linear_topk_tail_kl(
         leaves["student_hidden"], leaves["student_weight"], leaves["teacher_hidden"],
-        leaves["teacher_weight"], target, top_m=top_m, chunk_size=chunk, backend="cpu",
+        leaves["teacher_weight"], target, top_m=top_m, chunk_size=chunk, backend="chunked",
     )  # fmt: skip
     chunks = -(-int((target != -100).sum()) // chunk)
     assert len(logit_blocks) == 2 * chunks and len(set(logit_blocks)) == 2
@@ -131,7 +132,7 @@ def test_backward_chunk_budget(monkeypatch):
         leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
         out = lk.fused_linear_topk_tail_kl(
             leaves["student_hidden"], leaves["student_weight"], leaves["teacher_hidden"],
-            leaves["teacher_weight"], target, top_m=top_m, backend="cpu",
+            leaves["teacher_weight"], target, top_m=top_m, backend="chunked",
         )  # fmt: skip
         out.kl.sum().backward()
         assert asked == want, (top_m, asked)

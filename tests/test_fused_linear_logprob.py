@@ -1,7 +1,7 @@
 """fused_linear_logprob: every backend against the float64 materialized reference.
 
-Backends: ``cpu`` (the C++ op), the blocked PyTorch path that ``backend="cuda"`` runs (here on CPU
-tensors, resolved by hand), ``triton`` (the interpreter on CPU: tiny shapes). Outputs and every
+Backends: ``cpu`` (the C++ op), ``chunked`` (the chunk loop in PyTorch, what ``"auto"`` runs on
+a GPU; here on CPU tensors), ``triton`` (the interpreter on CPU: tiny shapes). Outputs and every
 gradient (hidden states, head, bias) are compared at the tolerance of the input dtype
 (tests/utils.py); shapes keep N, d and V off every block multiple.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +24,6 @@ from tests.triton_compile import assert_script_compiles
 from tests.utils import TRITON_DEVICE, assert_close, triton_interpret
 
 NAMES = ("hidden", "weight", "bias")
-BLOCKED = "blocked"  # what backend="cuda" runs, here on CPU tensors
 # The module (lopd_kernels.fused_linear_logprob is also the function's name in the package).
 flp = importlib.import_module("lopd_kernels.fused_linear_logprob")
 needs_ext = pytest.mark.skipif(not lk.extension_loaded(), reason="lopd_kernels._C is not built")
@@ -47,17 +45,6 @@ def make_inputs(n, d, vocab, dtype=torch.float32, *, bias=False, seed=0, scale=2
     targets = torch.randint(0, vocab, (n,), generator=g)
     targets[1::4] = -100
     return {k: v.to(dtype) for k, v in x.items()}, targets
-
-
-@pytest.fixture
-def blocked_backend(monkeypatch):
-    """``backend=BLOCKED`` runs the ``"cuda"`` custom op (the blocked PyTorch path) on CPU."""
-    real = flp.BACKENDS
-
-    def resolve(backend, device, **kw):
-        return "cuda" if backend == BLOCKED else real.resolve(backend, device, **kw)
-
-    monkeypatch.setattr(flp, "BACKENDS", SimpleNamespace(resolve=resolve))
 
 
 def run(inputs, targets, backend, *, requires=None, upcast=False, seed=1, device="cpu", **kw):
@@ -110,10 +97,10 @@ def check(inputs, targets, backend, dtype, requires=None, device="cpu", **kw):
 
 
 # ---------------------------------------------------------------------------------------------
-# C++ CPU op and the blocked path (backend="cuda"'s code), against the float64 reference
+# The C++ CPU op and the chunked path, against the float64 reference
 # ---------------------------------------------------------------------------------------------
 
-IMPLS = [pytest.param("cpu", marks=needs_ext), BLOCKED]
+IMPLS = [pytest.param("cpu", marks=needs_ext), "chunked"]
 CASES = [
     # (n, d, V, temperature, bias, chunk_size, with_entropy)
     (13, 8, 37, 1.0, False, None, False),
@@ -124,7 +111,6 @@ CASES = [
 ]
 
 
-@pytest.mark.usefixtures("blocked_backend")
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_matches_reference_fp32(impl, case):
@@ -134,18 +120,16 @@ def test_matches_reference_fp32(impl, case):
           with_entropy=ent)  # fmt: skip
 
 
-@pytest.mark.usefixtures("blocked_backend")
 @pytest.mark.parametrize("impl", IMPLS)
 def test_many_vocabulary_blocks(impl, monkeypatch):
     """A block budget of a few entries per row: dozens of vocabulary blocks and token chunks, the
     online log-sum-exp (and the projection's rescaled accumulator) across all of them."""
-    monkeypatch.setitem(chunked.BLOCK_BUDGET, "cpu", 3 * 64 * 4)
+    monkeypatch.setitem(chunked.CHUNK_BUDGET, "cpu", 3 * 64 * 4)
     inputs, targets = make_inputs(11, 16, 1001, bias=True, seed=2)
     check(inputs, targets, impl, torch.float32, chunk_size=3, with_entropy=True)
     check(inputs, targets, impl, torch.float32, requires={"hidden"}, chunk_size=3)  # projection
 
 
-@pytest.mark.usefixtures("blocked_backend")
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision(impl, dtype):
@@ -154,7 +138,6 @@ def test_half_precision(impl, dtype):
     check(inputs, targets, impl, dtype, requires={"hidden"}, chunk_size=4)
 
 
-@pytest.mark.usefixtures("blocked_backend")
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(
     "requires",
@@ -170,7 +153,6 @@ def test_requires_grad_combinations(impl, requires, with_entropy):
     assert set(grads) == requires
 
 
-@pytest.mark.usefixtures("blocked_backend")
 @pytest.mark.parametrize("impl", IMPLS)
 def test_tied_head(impl):
     """The head is the input embedding: its gradient sums the embedding's and the head's."""
@@ -180,7 +162,6 @@ def test_tied_head(impl):
     assert set(grads) == {"hidden", "weight"}
 
 
-@pytest.mark.usefixtures("blocked_backend")
 @pytest.mark.parametrize("impl", IMPLS)
 def test_strided_hidden_rows(impl):
     """Rows of a wider buffer (``h[:, :d]``) and every other row (``h[::2]``), read in place."""
@@ -200,7 +181,6 @@ def test_strided_hidden_rows(impl):
         check(x, targets, impl, torch.float32, requires={"hidden", "weight"})
 
 
-@pytest.mark.usefixtures("blocked_backend")
 @pytest.mark.parametrize("impl", IMPLS)
 def test_masked_vocabulary(impl):
     """Padded vocabulary rows: a -inf bias (logits -inf, p = 0, no NaN anywhere) and zeroed head
@@ -215,7 +195,6 @@ def test_masked_vocabulary(impl):
         assert not grads["bias"][-6:].any() and torch.isfinite(out.logprob).all()
 
 
-@pytest.mark.usefixtures("blocked_backend")
 @pytest.mark.parametrize("impl", IMPLS)
 def test_sure_target_is_exact(impl):
     """Targets holding all but ~1e-7 .. 1e-10 of the mass: the log-prob and the gradient
@@ -234,7 +213,6 @@ def test_sure_target_is_exact(impl):
     assert (rel < 1e-3).all(), rel
 
 
-@pytest.mark.usefixtures("blocked_backend")
 @pytest.mark.parametrize("impl", IMPLS)
 def test_all_rows_ignored_and_int32_targets(impl):
     inputs, targets = make_inputs(5, 8, 19)
@@ -250,12 +228,13 @@ def test_all_rows_ignored_and_int32_targets(impl):
 
 
 @needs_ext
-@pytest.mark.parametrize("variant", ["upcast", "native"])
-def test_cpu_bf16_gemm_variants(variant, monkeypatch):
-    """A bf16 head on CPU: float32 GEMMs of upcast blocks, or bf16 GEMMs (oneDNN; used where the
-    CPU has AVX512-BF16), both within bf16 tolerance of the float64 reference, several chunks."""
-    monkeypatch.setenv("LOPD_FUSED_LOGPROB_CPU_HALF", variant)
-    monkeypatch.setitem(chunked.BLOCK_BUDGET, "cpu", 4 * 64 * 4)
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_cpu_bf16_gemms(isa, monkeypatch):
+    """A bf16 head on CPU: float32 GEMMs of upcast blocks (below AVX-512, or without
+    AVX512-BF16), or bf16 GEMMs (oneDNN, where the CPU has AVX512-BF16), both within bf16
+    tolerance of the float64 reference, several chunks."""
+    monkeypatch.setenv("LOPD_CPU_ISA", isa)
+    monkeypatch.setitem(chunked.CHUNK_BUDGET, "cpu", 4 * 64 * 4)
     inputs, targets = make_inputs(13, 48, 301, torch.bfloat16, bias=True, seed=15)
     check(inputs, targets, "cpu", torch.bfloat16, chunk_size=4, with_entropy=True)
     check(inputs, targets, "cpu", torch.bfloat16, requires={"hidden"}, chunk_size=4)
@@ -354,8 +333,8 @@ def _op_args(device, projection):
     [
         pytest.param("cpu", False, marks=needs_ext),
         pytest.param("cpu", True, marks=needs_ext),
-        ("cuda", False),
-        ("cuda", True),
+        ("chunked", False),
+        ("chunked", True),
         pytest.param("triton", False, marks=needs_triton),
     ],
 )
@@ -410,7 +389,7 @@ def test_torch_compile_fullgraph():
         ({"ignore_index": 1.5}, "ignore_index must be an int"),
         ({"chunk_size": 0}, "chunk_size must be a positive int"),
         ({"backend": "tpu"}, "backend must be one of"),
-        ({"backend": "cuda"}, "backend='cuda' needs CUDA tensors"),
+        ({"backend": "cuda"}, "backend='cuda' is not an implementation of"),
     ],
 )
 def test_bad_input_names_the_argument(kw, match):
@@ -418,7 +397,7 @@ def test_bad_input_names_the_argument(kw, match):
     args = {"hidden": torch.randn(4, 8, generator=g), "weight": torch.randn(13, 8, generator=g),
             "targets": torch.tensor([0, 3, -100, 12])}  # fmt: skip
     args.update(kw)
-    with pytest.raises((ValueError, TypeError), match=match):
+    with pytest.raises((ValueError, TypeError, lk.BackendUnavailableError), match=match):
         fused_linear_logprob(args.pop("hidden"), args.pop("weight"), args.pop("targets"), **args)
 
 
@@ -430,18 +409,18 @@ def test_float64_only_on_the_reference():
         fused_linear_logprob(h, w, targets, backend="cpu")
 
 
-def test_block_plan_and_working_set():
+def test_chunk_plan_and_working_set():
     """Vocabulary blocks of at most 16,384 entries whatever the rows (a short batch too: no
     [N, V] block), all within the block budget; the working-set bound counts what the op
     allocates."""
-    budget = chunked.BLOCK_BUDGET["cpu"]
-    assert chunked.block_plan(100, 151_936) == (100, chunked.MAX_BLOCK_VOCAB)
-    assert chunked.block_plan(100, 151_936, "cuda") == (100, chunked.MAX_BLOCK_VOCAB)
-    assert chunked.block_plan(3, 1000) == (3, 1000)
-    rows, vb = chunked.block_plan(40_960, 151_936)
+    budget = chunked.CHUNK_BUDGET["cpu"]
+    assert chunked.chunk_plan(100, 151_936) == (100, chunked.MAX_CHUNK_VOCAB)
+    assert chunked.chunk_plan(100, 151_936, "cuda") == (100, chunked.MAX_CHUNK_VOCAB)
+    assert chunked.chunk_plan(3, 1000) == (3, 1000)
+    rows, vb = chunked.chunk_plan(40_960, 151_936)
     assert rows == chunked.MAX_CHUNK_ROWS["cpu"] and vb % 64 == 0 and rows * vb * 4 <= budget
-    assert chunked.block_plan(2048, 151_936, chunk_size=7)[0] == 7
-    assert chunked.block_plan(10**6, 10, "cuda")[1] == 10
+    assert chunked.chunk_plan(2048, 151_936, chunk_size=7)[0] == 7
+    assert chunked.chunk_plan(10**6, 10, "cuda")[1] == 10
     work = chunked.workspace_bytes(40_960, 151_936, 4096, torch.bfloat16, head_grad=True)
     assert budget < work < budget + 4 * 151_936 * 4096 + 5 * 4 * 4096 * 4096
     frozen = chunked.workspace_bytes(2048, 151_936, 1024, projection=True, head_grad=False)
@@ -474,14 +453,13 @@ def _largest_allocation(fn) -> int:
     return max([e.nbytes() for e in events if e.name() == "[memory]"] + op.blocks)
 
 
-@pytest.mark.usefixtures("blocked_backend")
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_grad", [True, False])
 def test_no_allocation_of_n_x_v_elements(impl, dtype, head_grad):
     """36 scored rows over a 131,072-entry vocabulary: fewer rows than one block holds, yet no
     allocation of the forward and backward (with entropy) is as large as [36, V] in half
-    precision (the largest: a [36, 16,384] block, in float64 where the blocked path sums it on
+    precision (the largest: a [36, 16,384] block, in float64 where the chunked path sums it on
     CPU, or the [V, 8] float32 weight gradient); the materialized path is caught."""
     vocab = 131_072
     inputs, targets = make_inputs(48, 8, vocab, dtype)

@@ -4,13 +4,12 @@ same way, under autograd), on every option the chunked path has."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 import lopd_kernels as lk
 from lopd_kernels import fused_linear_topk_tail_kl_chunked as chunked
+from lopd_kernels.chunked_linear import Chunk
 from lopd_kernels.fused_linear_topk_tail_kl import fused_linear_topk_tail_kl_reference
 from lopd_kernels.fused_linear_topk_tail_kl_loss import (
     CUSTOM_OPS,
@@ -20,7 +19,6 @@ from tests.test_fused_linear_topk_tail_kl import NAMES, make_inputs
 from tests.utils import assert_close
 
 # The module (the package's attribute of that name is the function).
-LOSS_MODULE = importlib.import_module("lopd_kernels.fused_linear_topk_tail_kl_loss")
 WEIGHTS = ("kl_weight", "student_logprob_weight", "teacher_logprob_weight")
 #: The defaults: the token-mean KL, no log-prob term.
 NO_LOGPROB = {"student_logprob_weight": 0.0, "teacher_logprob_weight": 0.0}
@@ -65,7 +63,7 @@ def reference_loss(inputs, target, weights, requires=None, upstream=1.0, **kw):
     return loss.detach(), out, {k: v.grad for k, v in leaves.items() if v.requires_grad}
 
 
-def eager_loss(inputs, target, weights, requires=None, upstream=1.0, backend="cpu", **kw):
+def eager_loss(inputs, target, weights, requires=None, upstream=1.0, backend="chunked", **kw):
     leaves, args = leaves_of(inputs, requires)
     res = fused_linear_topk_tail_kl_loss(
         *(args.pop(n) for n in NAMES), target, **weights, **args, backend=backend, **kw
@@ -122,8 +120,8 @@ def emulated_cuda_epilogue(monkeypatch):
         pytest.skip(reason)
     simt_emu.load()
     ops = torch.ops.lopd_simt_emu
-    kernels = (ops.topk_tail_kl_cuda_fwd, ops.topk_tail_kl_cuda_bwd)
-    monkeypatch.setattr(LOSS_MODULE, "epilogue_kernels", lambda *_a, **_k: kernels)
+    kernels = chunked.EpilogueKernels(ops.topk_tail_kl_cuda_fwd, ops.topk_tail_kl_cuda_bwd)
+    monkeypatch.setattr(chunked, "epilogue_kernels", lambda *_a, **_k: kernels)
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "-".join(map(str, c)))
@@ -186,9 +184,9 @@ def test_no_grad_forms_no_gradient(monkeypatch):
     fwd, bwd = chunked.epilogue_kernels(torch.device("cpu"), 4)
 
     def recording(*_a, **_k):
-        return fwd, lambda *a: calls.append(1) or bwd(*a)
+        return chunked.EpilogueKernels(fwd, lambda *a: calls.append(1) or bwd(*a))
 
-    monkeypatch.setattr(LOSS_MODULE, "epilogue_kernels", recording)
+    monkeypatch.setattr(chunked, "epilogue_kernels", recording)
     _, args = leaves_of(inputs, None)
     with torch.no_grad():
         res = fused_linear_topk_tail_kl_loss(*(args.pop(n) for n in NAMES), target, top_m=4)
@@ -202,13 +200,13 @@ def test_backward_recomputes_no_logits(monkeypatch):
     inputs, target = make_inputs(16, 8, 31, seed=13)
     target[:] = target.clamp(min=0)
     calls = {"n": 0}
-    inner = chunked.logits_block
+    inner = Chunk.logits
 
     def counting(*a, **k):
         calls["n"] += 1
         return inner(*a, **k)
 
-    monkeypatch.setattr(LOSS_MODULE, "logits_block", counting)
+    monkeypatch.setattr(Chunk, "logits", counting)
     _, args = leaves_of(inputs, None)
     res = fused_linear_topk_tail_kl_loss(*(args.pop(n) for n in NAMES), target, top_m=4,
                                          chunk_size=5)  # fmt: skip
@@ -217,7 +215,7 @@ def test_backward_recomputes_no_logits(monkeypatch):
     assert calls["n"] == 8
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", "chunked"])
 def test_backends_agree(backend):
     inputs, target = make_inputs(9, 16, 37, bias=True, seed=14)
     check(inputs, target, row_weights(9, 15), torch.float32, top_m=5, backend=backend)
@@ -256,7 +254,7 @@ def test_opcheck():
         target, *w, 4, 0.9, "jsd", 0.5, "union", -100, 2, [True, True, False, True, False, True],
         False,
     )  # fmt: skip
-    fwd_op, bwd_op = (op.default for op in CUSTOM_OPS.ops("cpu"))
+    fwd_op, bwd_op = (op.default for op in CUSTOM_OPS.ops("chunked"))
     tests = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(fwd_op, args, test_utils=tests)
     grads = [g.detach() for g in fwd_op(*args)[6:]]

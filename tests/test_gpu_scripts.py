@@ -83,14 +83,15 @@ def test_every_benchmark_wrote_its_records(dry_run):
         (r["op"], r["backend"], r["shapes"].get("pass", r["shapes"].get("part"))) for r in records
     }
     want = {("device", "copy", None), ("device", "matmul", None)}
-    # "triton[v2]" / "cpu[v1]": each forward switch's other kernel, timed next to the default
-    # one (on the CPU dry run the C++ kernel stands in for CUDA, under both labels).
-    lopd_topk = ["triton", "triton[v2]", "cpu", "cpu[v1]", "torch_reference"]
+    # "triton[joined_reductions]" / "cpu[natural_exp]": each forward slot's other kernel, timed
+    # next to the default one (on the CPU dry run the C++ kernel stands in for CUDA, under both
+    # labels).
+    lopd_topk = ["triton", "triton[joined_reductions]", "cpu", "cpu[natural_exp]"]
+    lopd_topk += ["torch_reference"]
     lopd_topk += ["trl_eager"] if HAS_TRL else []
     want |= {("topk_tail_kl", b, p) for b in lopd_topk for p in ("fwd", "bwd", "fwd+bwd")}
     want.add(("topk_tail_kl", "torch_topk", "fwd"))
-    # "chunked[v1]": the chunked path's previous variant, timed next to the default one.
-    fused = ["materialized", "chunked", "chunked[v1]", "triton"]
+    fused = ["materialized", "chunked", "triton"]
     fused += ["trl_chunked_divergence"] if HAS_TRL else []
     want |= {("fused_linear_topk_tail_kl", b, p) for b in fused for p in ("fwd", "bwd")}
     want |= {("varlen_cross_attention", b, p) for b in ("triton", "cuda", "sdpa_padded")
@@ -98,6 +99,12 @@ def test_every_benchmark_wrote_its_records(dry_run):
     want |= {("qformer", b, "fwd") for b in ("module_fused", "module_padded")}
     want |= {("lopd_train_step", b, p) for b in ("fused_linear", "materialized")
              for p in ("step", "forward", "loss", "backward", "optimizer")}  # fmt: skip
+    # The multi-GPU step (2 gloo ranks in the dry run): every vocabulary-parallel op and its
+    # all-gather baseline, its loss checked against the baseline's (check_ok above).
+    vocab_ops = ("topk_tail_kl", "sparse_teacher_topk_tail_kl", "fused_linear_topk_tail_kl_loss",
+                 "fused_linear_logprob")  # fmt: skip
+    want |= {(f"vocab_parallel.{op}", b, None) for op in vocab_ops
+             for b in ("vocab_parallel", "allgather")}  # fmt: skip
     assert want <= have, sorted(want - have)
     teachers = {r["shapes"]["teacher"] for r in records if r["op"] == "topk_tail_kl"}
     assert teachers == {"iid", "zipf"}
@@ -134,9 +141,9 @@ def test_test_selections_hold_the_gpu_tests_of_every_op(dry_run):
     ):
         assert any(i.startswith(prefix) for i in triton_ids), prefix
     for prefix in (
-        # both forward kernels of the switch topk_tail_kl.cuda_fwd
-        "tests/test_topk_tail_kl_cuda.py::test_matches_reference[v1-cuda",
-        "tests/test_topk_tail_kl_cuda.py::test_matches_reference[v2-cuda",
+        # both forward kernels of the slot topk_tail_kl.cuda_forward
+        "tests/test_topk_tail_kl_cuda.py::test_matches_reference[natural_exp-cuda",
+        "tests/test_topk_tail_kl_cuda.py::test_matches_reference[base2-cuda",
         "tests/test_varlen_cross_attention_cuda.py::",
         "tests/test_fused_linear_topk_tail_kl.py::test_chunked_cuda_on_gpu",
     ):

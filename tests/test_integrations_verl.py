@@ -257,3 +257,31 @@ def test_other_loss_modes_still_use_verls_kernel(verl_env):
     actor, distill = configs("forward_kl_topk")
     out = losses.distillation_ppo_loss(actor, distill, data=td, student_logits=student)
     assert "lopd_invalid" not in out and "overlap_count" in out  # verl's own outputs
+
+
+def test_megatron_tensor_parallel_logits_processor(verl_env, tmp_path):
+    """verl's Megatron engine path at TP = 2 over gloo (tests/verl_megatron_worker.py): its
+    ``_lm_head_logits_processor`` on each rank's vocabulary shard with the plugin's loss modes
+    gives the whole-vocabulary loss, masses and log-probs on both ranks and each shard's slice of
+    the whole gradient, for float32 and bf16 logits, packed (thd) and padded (bshd) batches."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed")
+    import json
+    import os
+    import socket
+    from pathlib import Path
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    worker = Path(__file__).with_name("verl_megatron_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, str(worker), str(port), str(tmp_path)], capture_output=True, text=True,
+        timeout=600, env=env, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for rank in range(2):
+        verdicts = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(verdicts) == 4
+        for case, verdict in verdicts.items():
+            assert verdict == "ok", f"rank {rank}, {case}: {verdict}"

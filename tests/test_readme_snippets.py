@@ -36,7 +36,7 @@ def run(name: str, tmp_path, monkeypatch) -> dict:
 
 def test_every_snippet_is_checked():
     assert set(snippets()) == {
-        "pytorch", "trl", "trl-gkd", "sparse-teacher", "teacher-topk", "verl",
+        "pytorch", "trl", "trl-gkd", "sparse-teacher", "teacher-topk", "verl", "megatron",
     }  # fmt: skip
 
 
@@ -62,6 +62,31 @@ def test_teacher_topk_snippet(tmp_path, monkeypatch):
     assert (ns["out"].kl > 0).all() and not ns["out"].invalid.any()
     assert ns["student_logits"].grad.abs().sum() > 0
     assert ((ns["out"].teacher_mass > 0) & (ns["out"].teacher_mass < 1)).all()
+
+
+def test_megatron_snippet(tmp_path):
+    """The Megatron-core block in 2 gloo processes (tests/megatron_snippet_worker.py): on each
+    rank the single-process loss and log-probs, its slice of the head's gradient, the whole
+    hidden states' gradient."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (the [test] extra)")
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "megatron_snippet_worker.py"), str(port),
+         str(tmp_path)], capture_output=True, text=True, timeout=600, env=env, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for rank in range(2):
+        verdict = json.loads((tmp_path / f"rank{rank}.json").read_text())["verdict"]
+        assert verdict == "ok", f"rank {rank}: {verdict}"
 
 
 def _needs_trl() -> None:

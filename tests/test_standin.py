@@ -109,9 +109,9 @@ def test_smoke_preset_end_to_end_in_bf16(standin, tmp_path):
 
 
 def test_memory_standins_at_a_trajectory_length(standin, tmp_path, capsys):
-    """``benchmarks/memory_standins.py --trajectory-tokens L``: every trajectory of the run is
+    """``benchmarks/bench_standin_memory.py --trajectory-tokens L``: every trajectory of the run is
     ``L`` tokens (the filler's turns), and the table has a row per phase."""
-    from benchmarks.memory_standins import main
+    from benchmarks.bench_standin_memory import main
 
     length = 2048
     (tmp_path / "standin-ci").symlink_to(standin)

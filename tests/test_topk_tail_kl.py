@@ -614,10 +614,10 @@ def test_backend_errors():
         torch.ops.lopd.topk_tail_kl_cpu_fwd(s, t, target, 3, 0.0, "reverse", 1.0, "teacher", -100)
     with pytest.raises(ValueError, match="reduction"):
         lk.TopKTailKL(reduction="avg")
-    with pytest.raises(ValueError, match="backend='cuda' needs CUDA tensors"):
+    with pytest.raises(RuntimeError, match="backend='cuda' needs CUDA tensors"):
         lk.topk_tail_kl(s, t, target, backend="cuda")
     meta = [x.to("meta") for x in (s, t, target)]
-    with pytest.raises(ValueError, match="backend='cpu' needs CPU tensors"):
+    with pytest.raises(RuntimeError, match="backend='cpu' needs CPU tensors"):
         lk.topk_tail_kl(*meta, backend="cpu")
     # float64 on "auto" goes to the reference, not to an error.
     out = lk.topk_tail_kl(s.double(), t.double(), target)
@@ -663,3 +663,18 @@ def test_cpu_fast_exp2_accuracy(monkeypatch, isa):
     assert special[0] == 0.0 and special[1] == 1.0 and math.isnan(special[2])
     assert 0.0 <= special[3] < 1.2e-38 and special[4] >= 3.4e38
     assert special[5] == 2.0 and special[6] == 0.5
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=requires_cpp)])
+def test_empty_batch(backend):
+    """No rows: empty outputs and gradients, never an error (every top-M op)."""
+    s = torch.randn(0, 10, requires_grad=True)
+    t = torch.randn(0, 10, requires_grad=True)
+    target = torch.zeros(0, dtype=torch.long)
+    out = lk.topk_tail_kl(s, t, target, top_m=3, backend=backend)
+    assert out.kl.shape == (0,) and out.topk_ids.shape == (0, 3)
+    (out.kl.sum() + out.privilege.sum()).backward()
+    assert s.grad.shape == (0, 10) and t.grad.shape == (0, 10)
+    lp, ids = torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.long)
+    sparse = lk.sparse_teacher_topk_tail_kl(s, lp, ids, target, backend=backend)
+    assert sparse.kl.shape == (0,)

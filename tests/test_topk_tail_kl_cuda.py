@@ -1,6 +1,6 @@
-"""topk_tail_kl's CUDA kernels (csrc/cuda/topk_tail_kl_kernels.cuh, and the second forward
-csrc/cuda/topk_tail_kl_kernels_v2.cuh: every test runs once per variant of the switch
-topk_tail_kl.cuda_fwd) against the float64 reference: the same checks as the other backends
+"""topk_tail_kl's CUDA kernels (csrc/cuda/topk_tail_kl_kernels.cuh, and the base-2 forward
+csrc/cuda/topk_tail_kl_kernels_base2.cuh: every test runs once per forward of the kernel slot
+topk_tail_kl.cuda_forward) against the float64 reference: the same checks as the other backends
 (all outputs, both gradients under random upstream gradients), on two targets:
 
 - ``cuda``: the real kernels on a GPU (where the extension was built with CUDA; elsewhere these
@@ -20,14 +20,14 @@ import pytest
 import torch
 
 import lopd_kernels as lk
-from lopd_kernels.kernel_variants import SWITCHES
+from lopd_kernels.kernel_variants import SLOTS, selected, selecting
 from lopd_kernels.topk_tail_kl import TopKTailKLOutput, topk_tail_kl_reference
 from tests import simt_emu
 from tests.test_topk_tail_kl import assert_grad_close, make_inputs, random_upstream, run
 from tests.test_topk_tail_kl_strided import _copies
 from tests.utils import assert_close
 
-FWD_SWITCH = "topk_tail_kl.cuda_fwd"
+FWD_SLOT = "topk_tail_kl.cuda_forward"
 
 EMU_UNAVAILABLE = simt_emu.unavailable_reason()
 SMALL = os.environ.get("LOPD_TEST_SMALL") == "1"
@@ -39,12 +39,12 @@ def cuda_op(s, t, target, **kw):
     return TopKTailKLOutput(*(o.cpu() for o in out))
 
 
-@pytest.fixture(autouse=True, params=SWITCHES[FWD_SWITCH].choices)
-def fwd_variant(request, monkeypatch):
+@pytest.fixture(autouse=True, params=SLOTS[FWD_SLOT].choices)
+def fwd_variant(request):
     """Runs every test once per CUDA forward kernel (lopd_kernels/kernel_variants.py), selected
-    by the environment variable the C++ launcher reads at every call."""
-    monkeypatch.setenv(SWITCHES[FWD_SWITCH].env, request.param)
-    return request.param
+    by the process setting the C++ launcher reads at every call."""
+    with selecting(FWD_SLOT, request.param):
+        yield request.param
 
 
 @pytest.fixture(params=simt_emu.cuda_targets("topk_tail_kl_cuda_fwd"))
@@ -246,26 +246,25 @@ def test_threshold_edges(target, temperature):
     check(target, s, t, tgt, top_m=m, temperature=temperature)
 
 
-def test_fwd_switch_is_read_by_the_launcher(target, monkeypatch):
-    """The C++ launcher reads the switch's environment variable at every call, with the Python
-    declaration's default and choices (lopd_kernels/kernel_variants.py)."""
-    sw = SWITCHES[FWD_SWITCH]
+def test_fwd_choice_is_read_by_the_launcher(target, fwd_variant):
+    """The C++ launcher reads the process setting at every call (lopd_kernels/kernel_variants.py
+    passes it to the op library); the library refuses a name or value it does not know."""
+    slot = SLOTS[FWD_SLOT]
     fwd, _bwd, dev = raw_ops(target)
     s, t, tgt = (x.to(dev) for x in make_inputs(4, 5000, seed=9))
     runs = {}
-    for value in (*sw.choices, None):
-        if value is None:
-            monkeypatch.delenv(sw.env, raising=False)
-        else:
-            monkeypatch.setenv(sw.env, value)
-        runs[value] = torch.cat(
-            [x.flatten().float() for x in fwd(s, t, tgt, 20, 1.4, "reverse", 1.0, "teacher", -100)]
-        )
-    assert not torch.equal(runs["v1"], runs["v2"])  # the two kernels round differently
-    assert torch.equal(runs[None], runs[sw.default])
-    monkeypatch.setenv(sw.env, "v3")
-    with pytest.raises(RuntimeError, match=r"not a variant of topk_tail_kl.cuda_fwd.*'v1', 'v2'"):
-        fwd(s, t, tgt, 20, 1.0, "reverse", 1.0, "teacher", -100)
+    for value in slot.choices:
+        with selecting(FWD_SLOT, value):
+            outs = fwd(s, t, tgt, 20, 1.4, "reverse", 1.0, "teacher", -100)
+            runs[value] = torch.cat([x.flatten().float() for x in outs])
+    assert not torch.equal(runs["natural_exp"], runs["base2"])  # the two round differently
+    assert selected(FWD_SLOT) == fwd_variant  # restored after each block
+    assert slot.default == "base2"
+    setter = (torch.ops.lopd if target == "cuda" else torch.ops.lopd_simt_emu).set_kernel_choice
+    with pytest.raises(ValueError, match=r"topk_tail_kl\.cuda_forward must be 'natural_exp' or"):
+        setter(FWD_SLOT, "v3")
+    with pytest.raises(ValueError, match="no compiled kernel choice named 'cuda_fwd'"):
+        setter("cuda_fwd", "base2")
 
 
 def test_infinite_divergence_is_inf_not_nan(target):

@@ -14,10 +14,8 @@ import torch
 
 import lopd_kernels as lk
 from lopd_kernels import _backend
-from lopd_kernels.bucket_math import op_divergence
 from lopd_kernels.topk_tail_kl import (
     TopKTailKLOutput,
-    kernel_option_refusal,
     topk_tail_kl_reference,
 )
 from tests import simt_emu
@@ -91,20 +89,12 @@ def _backend_call(name):
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """One implementation under test: how to call it, what it needs, and its entry in the
-    options tables of lopd_kernels/_constants.py (None: the reference, which has every option).
-    Adding a backend to the matrix is one entry of BACKENDS."""
+    """One implementation under test: how to call it and what it needs. Adding a backend to the
+    matrix is one entry of BACKENDS."""
 
     name: str
     call: Callable
     unavailable: str | None
-    kernel: str | None
-
-    def lacks(self, support: str, divergence: str, beta: float | None) -> str | None:
-        if self.kernel is None:
-            return None
-        div, _ = op_divergence(divergence, beta)
-        return kernel_option_refusal(self.kernel, div, support)
 
 
 def _triton_unavailable() -> str | None:
@@ -114,20 +104,16 @@ def _triton_unavailable() -> str | None:
 
 
 BACKENDS = [
-    Backend("torch", _backend_call("torch"), None, None),
-    Backend("cpu", _backend_call("cpu"), None if HAS_CPP else "no lopd_kernels._C", "cpu"),
-    Backend("triton", _triton_call, _triton_unavailable(), "triton"),
-    Backend("cuda-emulated", _emulated_call, simt_emu.unavailable_reason(), "cuda"),
+    Backend("torch", _backend_call("torch"), None),
+    Backend("cpu", _backend_call("cpu"), None if HAS_CPP else "no lopd_kernels._C"),
+    Backend("triton", _triton_call, _triton_unavailable()),
+    Backend("cuda-emulated", _emulated_call, simt_emu.unavailable_reason()),
 ]
 
 
 def _skip_unless_runs(backend: Backend, support: str, divergence: str, beta) -> None:
     if backend.unavailable:
         pytest.skip(backend.unavailable)
-    lacks = backend.lacks(support, divergence, beta)
-    if lacks:
-        # Filled in by the kernel's implementation: flip its flag in lopd_kernels/_constants.py.
-        pytest.skip(f"{backend.name} {lacks} (TOPK_KERNEL_* of lopd_kernels/_constants.py)")
 
 
 def _skip_interpreted_repeats(backend: Backend, divergence: str, beta, dtype=None) -> None:

@@ -417,22 +417,3 @@ def test_bad_options_name_the_argument(kwargs, fragment):
         lk.TopKTailKL(support="both")
     with pytest.raises(ValueError, match="divergence must be one of"):
         lk.SparseTeacherTopKTailKL(divergence="jsd")
-
-
-def test_explicit_backend_without_the_option_refuses_in_one_line(monkeypatch):
-    """An implementation lacking an option raises BackendUnavailableError (the resolver knows
-    each implementation's options); "auto" routes the call to one that has it."""
-    from lopd_kernels import _constants
-
-    monkeypatch.setitem(_constants.TOPK_KERNEL_SUPPORTS, "cpu", ("teacher",))
-    monkeypatch.setitem(_constants.TOPK_KERNEL_JSD, "cpu", False)
-    s, t, target = make_inputs(3, 40)
-    for kw in ({"support": "union"}, {"divergence": "jsd", "beta": 0.5}):
-        with pytest.raises(lk.BackendUnavailableError, match="has no kernel for"):
-            lk.topk_tail_kl(s, t, target, top_m=4, backend="cpu", **kw)
-        out = lk.topk_tail_kl(s, t, target, top_m=4, backend="auto", **kw)
-        ref = topk_tail_kl_reference(s, t, target, top_m=4, **kw)
-        torch.testing.assert_close(out.kl, ref.kl)
-    # At the ends the JSD is a KL, which every kernel has.
-    lk.topk_tail_kl(s, t, target, top_m=4, backend="cpu" if lk.extension_loaded() else "torch",
-                    divergence="jsd", beta=1.0)  # fmt: skip

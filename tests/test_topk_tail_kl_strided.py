@@ -199,7 +199,7 @@ def test_triton_kernels_get_the_views_memory(monkeypatch):
 
             return launch
 
-    for name in ("_fwd_topm_kernel", "_fwd_topm_fused_kernel", "_bwd_kernel"):
+    for name in ("_fwd_topm_kernel", "_fwd_topm_joined_kernel", "_bwd_kernel"):
         monkeypatch.setattr(launchers, name, Spy(getattr(launchers, name)))
     s_base, t_base, target = _causal(6, TRITON_DEVICE)
     s_view = s_base[:, :-1]

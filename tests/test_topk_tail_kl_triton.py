@@ -24,10 +24,10 @@ from tests.utils import assert_close, requires_cuda, triton_interpret
 
 triton = pytest.importorskip("triton", reason="the triton backend needs the triton package")
 
-from lopd_kernels.kernel_variants import SWITCHES  # noqa: E402
+from lopd_kernels._constants import TRITON_TOPK_MAX_TOP_M as MAX_TOP_M  # noqa: E402
+from lopd_kernels.kernel_variants import SLOTS, selected, selecting  # noqa: E402
 from lopd_kernels.triton.topk_tail_kl import (  # noqa: E402
-    FWD_SWITCH,
-    MAX_TOP_M,
+    FWD_SLOT,
     topk_tail_kl_bwd_triton,
     topk_tail_kl_fwd_triton,
 )
@@ -56,12 +56,12 @@ pytestmark = [
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(params=SWITCHES[FWD_SWITCH].choices)
-def fwd_variant(request, monkeypatch):
+@pytest.fixture(params=SLOTS[FWD_SLOT].choices)
+def fwd_variant(request):
     """Runs a test once per top-M forward kernel (lopd_kernels/kernel_variants.py), selected
-    through the switch's environment variable as a user would."""
-    monkeypatch.setenv(SWITCHES[FWD_SWITCH].env, request.param)
-    return request.param
+    by the process setting as a user would."""
+    with selecting(FWD_SLOT, request.param):
+        yield request.param
 
 
 # ------------------------------------------------------------------------------------------
@@ -219,9 +219,10 @@ CASES = [
 
 @pytest.mark.parametrize("n, v, m, temperature, reverse, s_dtype, t_dtype, block_v", CASES)
 def test_matches_oracle(n, v, m, temperature, reverse, s_dtype, t_dtype, block_v, fwd_variant):
-    if fwd_variant != "v1" and not 1 <= m <= 64:
-        # top_m = 0 (the full-vocabulary kernel) and top_m > 64 (the bitonic merge) run v1.
-        pytest.skip(f"{fwd_variant}: the launcher runs v1 for top_m={m}")
+    if fwd_variant != "separate_reductions" and not 1 <= m <= 64:
+        # top_m = 0 (the full-vocabulary kernel) and top_m > 64 (the bitonic merge) run
+        # separate_reductions.
+        pytest.skip(f"{fwd_variant}: the launcher runs separate_reductions for top_m={m}")
     gen = torch.Generator().manual_seed(n * 1000 + v + m)
     s = _distinct_logits(n, v, s_dtype, 3.0, gen).to(DEVICE)
     t = _distinct_logits(n, v, t_dtype, 3.0, gen).to(DEVICE)
@@ -239,8 +240,8 @@ def test_top_m_update_paths(bulk_min, order, fwd_variant):
     An ascending teacher makes every entry of every block a candidate that evicts earlier ones
     (the worst case of the tail bookkeeping); a descending one settles in the first block.
     """
-    if fwd_variant != "v1" and bulk_min >= 0:
-        pytest.skip(f"{fwd_variant} has no bitonic merge: the launcher runs v1")
+    if fwd_variant != "separate_reductions" and bulk_min >= 0:
+        pytest.skip(f"{fwd_variant} has no bitonic merge: the launcher runs separate_reductions")
     gen = torch.Generator().manual_seed(21)
     n, v = 2, 200
     s = torch.randn(n, v, generator=gen) * 2
@@ -449,28 +450,25 @@ def test_bad_input(kwargs, exc, match):
         topk_tail_kl_fwd_triton(**args)
 
 
-def test_kernel_variant_switch_is_validated(monkeypatch):
-    """A switch set to no variant fails loudly, naming the variable; so does a bad argument."""
+def test_kernel_choice_is_validated():
+    """A setting or an argument that names no kernel fails loudly, naming the choices."""
     x = torch.zeros(2, 10, device=DEVICE)
     tgt = torch.zeros(2, dtype=torch.int64, device=DEVICE)
-    env = SWITCHES[FWD_SWITCH].env
-    monkeypatch.setenv(env, "v9")
-    with pytest.raises(ValueError, match=env):
-        topk_tail_kl_fwd_triton(x, x, tgt, 4, 1.0, *kl_args(True), IGNORE, block_v=16, num_warps=4)
-    monkeypatch.delenv(env)
-    with pytest.raises(ValueError, match="variant must be one of"):
-        topk_tail_kl_fwd_triton(x, x, tgt, 4, 1.0, *kl_args(True), IGNORE, variant="v9")
+    with pytest.raises(ValueError, match=r"topk_tail_kl\.triton_forward must be one of"):
+        selecting(FWD_SLOT, "v9").__enter__()
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        topk_tail_kl_fwd_triton(x, x, tgt, 4, 1.0, *kl_args(True), IGNORE, kernel="v9")
+    with pytest.raises(ValueError, match="no kernel slot named"):
+        selected("topk_tail_kl.triton_fwd")
 
 
-def test_use_variant_restores_the_setting(monkeypatch):
-    from lopd_kernels.kernel_variants import use_variant, variant
-
-    env = SWITCHES[FWD_SWITCH].env
-    monkeypatch.delenv(env, raising=False)
-    assert variant(FWD_SWITCH) == SWITCHES[FWD_SWITCH].default == "v1"
-    with use_variant(FWD_SWITCH, "v2"):
-        assert variant(FWD_SWITCH) == "v2"
-    assert variant(FWD_SWITCH) == "v1" and env not in os.environ
+def test_selecting_restores_the_setting_and_writes_no_environment():
+    environ = dict(os.environ)
+    assert selected(FWD_SLOT) == SLOTS[FWD_SLOT].default == "separate_reductions"
+    with selecting(FWD_SLOT, "joined_reductions"):
+        assert selected(FWD_SLOT) == "joined_reductions"
+        assert dict(os.environ) == environ
+    assert selected(FWD_SLOT) == "separate_reductions"
 
 
 def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch):
@@ -490,7 +488,7 @@ def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch):
 _COMPILE_SCRIPT = """
 from tests.triton_compile import compile_kernel
 import lopd_kernels.triton.topk_tail_kl as k
-import lopd_kernels.triton.topk_tail_kl_kernels_v2 as f
+import lopd_kernels.triton.topk_tail_kl_kernels_joined as f
 
 FLOATS = ("scale2", "inv_t", "beta", "log_1mb", "log_b")
 
@@ -517,12 +515,13 @@ for arch in (80, 90):
     for full in (False, True):
         compile_for(k._bwd_kernel, arch, K=0 if full else 20, KP=32, BLOCK_V=2048,
                     DIV=0 if full else 1, FULL=full, GRAD_S=True, GRAD_T=True)
-    # Variant v2 of the top-M forward (lopd_kernels/kernel_variants.py).
-    compile_for(f._fwd_topm_fused_kernel, arch, M=20, MP=32, K=20, BLOCK_V=2048, **TEACHER_REV)
+    # The joined-reductions top-M forward (lopd_kernels/kernel_variants.py).
+    compile_for(f._fwd_topm_joined_kernel, arch, M=20, MP=32, K=20, BLOCK_V=2048, **TEACHER_REV)
 # The bitonic-merge path (small block: the network's size only changes compile time).
 compile_for(k._fwd_topm_kernel, 90, M=20, MP=32, K=20, BLOCK_V=256, DIV=1, SUPPORT=0, BULK=True,
             BULK_MIN=12)
-# The options: the union's two sets (v1, its merge, v2; the student's support is the teacher's
+# The options: the union's two sets (separate reductions, their merge, joined reductions; the
+# student's support is the teacher's
 # code with the rows swapped), the JSD (top-M: finalization and backward factors; full
 # vocabulary: the extra passes). The union's merge at a small size: compile time grows with
 # the network, the code is the same.
@@ -530,7 +529,7 @@ compile_for(k._fwd_topm_kernel, 90, M=20, MP=32, K=40, BLOCK_V=2048, DIV=2, SUPP
             BULK=False, BULK_MIN=0)
 compile_for(k._fwd_topm_kernel, 90, M=8, MP=8, K=16, BLOCK_V=64, DIV=0, SUPPORT=2,
             BULK=True, BULK_MIN=4)
-compile_for(f._fwd_topm_fused_kernel, 90, M=20, MP=32, K=40, BLOCK_V=2048, DIV=1, SUPPORT=2)
+compile_for(f._fwd_topm_joined_kernel, 90, M=20, MP=32, K=40, BLOCK_V=2048, DIV=1, SUPPORT=2)
 compile_for(k._fwd_full_kernel, 90, BLOCK_V=4096, DIV=2)
 for full in (False, True):
     compile_for(k._bwd_kernel, 90, K=0 if full else 40, KP=64, BLOCK_V=2048, DIV=2, FULL=full,
@@ -565,8 +564,8 @@ def test_gpu_qwen_vocab_bf16(m, reverse, fwd_variant):
 
     M = 256 compiles the bitonic-merge path (tens of seconds once), hence one direction only.
     """
-    if fwd_variant != "v1" and not 1 <= m <= 64:
-        pytest.skip(f"{fwd_variant}: the launcher runs v1 for top_m={m}")
+    if fwd_variant != "separate_reductions" and not 1 <= m <= 64:
+        pytest.skip(f"{fwd_variant}: the launcher runs separate_reductions for top_m={m}")
     gen = torch.Generator().manual_seed(m)
     n, v = 16, 151_936
     s = (torch.randn(n, v, generator=gen) * 4).to(torch.bfloat16).cuda()

@@ -4,10 +4,11 @@
 ``-1`` padding and ``-inf`` slots included).
 
 The public API over every support x divergence x dtype is tests/test_topk_tail_kl_options.py;
-here each way a kernel updates its running top-M is driven on purpose (sequential inserts in v1
-and v2, v1's bitonic merge), with vocabulary orders that make the union's two sets evict each
-other's members (an evicted entry joins the tails only once neither set holds it), and the
-union's edge cases: sets that coincide, a union covering the whole vocabulary (empty tail).
+here each way a kernel updates its running top-M is driven on purpose (sequential inserts with
+separate and with joined reductions, the separate-reductions kernel's bitonic merge), with
+vocabulary orders that make the union's two sets evict each other's members (an evicted entry
+joins the tails only once neither set holds it), and the union's edge cases: sets that
+coincide, a union covering the whole vocabulary (empty tail).
 Small blocks so that a few hundred entries span several of them (``TRITON_INTERPRET=1``).
 """
 
@@ -18,8 +19,6 @@ import math
 import pytest
 import torch
 
-import lopd_kernels as lk
-from lopd_kernels import _constants
 from lopd_kernels.bucket_math import op_divergence, rows_bwd_torch, rows_fwd_torch
 from tests.utils import assert_close, triton_interpret
 
@@ -106,8 +105,13 @@ def rows(order: str, n: int, v: int, seed: int):
     return s, t
 
 
-# (variant, bulk_min): v1 by sequential inserts, v1 by bitonic merges only, v2.
-PATHS = {"v1-insert": ("v1", -1), "v1-merge": ("v1", 0), "v2": ("v2", -1)}
+# (kernel, bulk_min): separate reductions by sequential inserts, by bitonic merges only, joined
+# reductions.
+PATHS = {
+    "separate-insert": ("separate_reductions", -1),
+    "separate-merge": ("separate_reductions", 0),
+    "joined": ("joined_reductions", -1),
+}
 
 
 # Every path with each support's own update code (the union's evictions, coinciding sets, the
@@ -118,24 +122,24 @@ UPDATE_CASES = [
     for path in PATHS
     for case in (("crossed", "union", "jsd", 0.5), ("shared", "union", "reverse", 1.0),
                  ("crossed", "student", "jsd", 0.25))
-] + [("v1-insert", "random", "union", "forward", 0.0)]  # fmt: skip
+] + [("separate-insert", "random", "union", "forward", 0.0)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("path", "order", "support", "divergence", "beta"), UPDATE_CASES)
 def test_update_paths(path, order, support, divergence, beta):
-    variant, bulk_min = PATHS[path]
+    kernel, bulk_min = PATHS[path]
     s, t = rows(order, 3, 131, seed=31)
     target = torch.tensor([7, 130, IGNORE])
     check_options(
         s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), 10, 0.8, divergence, beta, support, 32,
-        variant=variant, bulk_min=bulk_min,
+        kernel=kernel, bulk_min=bulk_min,
     )  # fmt: skip
 
 
 def test_union_large_m_and_whole_vocabulary():
-    """M > 64 takes v1's merge by default; with 2M >= V the union may cover every id (row 0:
-    its tail then has no mass, -inf on both sides) or be the teacher's top-M alone (row 1: M
-    slots of padding)."""
+    """M > 64 takes the separate-reductions kernel's merge by default; with 2M >= V the union
+    may cover every id (row 0: its tail then has no mass, -inf on both sides) or be the teacher's
+    top-M alone (row 1: M slots of padding)."""
     m = 66
     s, t = rows("crossed", 2, 129, seed=5)
     s[0] = t[0].flip(-1)  # the two top-66 sets overlap in 3 ids: together all 129
@@ -192,31 +196,3 @@ def test_dtypes_and_strided_rows():
         check_options(
             s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), 9, 0.9, "jsd", 0.6, support, 32
         )
-
-
-def test_routing_flags_gate_the_triton_kernels(monkeypatch):
-    """With an option off in ``TOPK_KERNEL_SUPPORTS`` / ``TOPK_KERNEL_JSD`` an explicit
-    ``backend="triton"`` (per-row and fused) and the Triton ops themselves refuse it in one
-    line; ``"auto"`` routes the call elsewhere."""
-    for impl in ("triton", "fused_triton"):
-        monkeypatch.setitem(_constants.TOPK_KERNEL_SUPPORTS, impl, ("teacher",))
-        monkeypatch.setitem(_constants.TOPK_KERNEL_JSD, impl, False)
-    gen = torch.Generator().manual_seed(6)
-    s, t = torch.randn(3, 40, generator=gen), torch.randn(3, 40, generator=gen)
-    target = torch.tensor([1, IGNORE, 39])
-    h_s, h_t = torch.randn(3, 8, generator=gen), torch.randn(3, 8, generator=gen)
-    w_s, w_t = torch.randn(40, 8, generator=gen), torch.randn(40, 8, generator=gen)
-    op = torch.ops.lopd.topk_tail_kl_triton_fwd
-    for kw in ({"support": "union"}, {"support": "student"}, {"divergence": "jsd", "beta": 0.5}):
-        match = "backend='triton' has no kernel for"
-        with pytest.raises(lk.BackendUnavailableError, match=match):
-            lk.topk_tail_kl(s, t, target, top_m=4, backend="triton", **kw)
-        with pytest.raises(lk.BackendUnavailableError, match=match):
-            lk.fused_linear_topk_tail_kl(h_s, w_s, h_t, w_t, target, top_m=4, backend="triton",
-                                         **kw)  # fmt: skip
-        div, beta = op_divergence(kw.get("divergence", "reverse"), kw.get("beta"))
-        with pytest.raises(lk.BackendUnavailableError, match=match):
-            op(s.to(DEVICE), t.to(DEVICE), target.to(DEVICE), 4, 1.0, div, beta,
-               kw.get("support", "teacher"), IGNORE)  # fmt: skip
-        out = lk.topk_tail_kl(s, t, target, top_m=4, backend="auto", **kw)
-        assert torch.isfinite(out.kl).all()

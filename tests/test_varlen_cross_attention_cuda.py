@@ -329,5 +329,5 @@ def test_emulated_rejects_bad_input_naming_the_argument():
 def test_public_backend_cuda_needs_cuda_tensors():
     cu = _cu([2, 3])
     q, k, v, _ = _inputs([2, 3], 2, 1, 16, 2, torch.float32, "cpu")
-    with pytest.raises(ValueError, match="backend='cuda' needs CUDA tensors"):
+    with pytest.raises(RuntimeError, match="backend='cuda' needs CUDA tensors"):
         lk.varlen_cross_attention(q, k, v, cu, backend="cuda")

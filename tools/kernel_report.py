@@ -24,11 +24,12 @@ row, where the main loop is the largest outermost loop. As a check of
 the declared ``entries``, ``entries_from_loads = threads * LDG bytes on the path /
 bytes_per_entry`` counts what one iteration actually loads (both logit rows: 4 bytes per entry
 in bf16). GEMM-tiled kernels (fused linear, attention) get no per-entry figure, nor does the
-first CUDA forward: its per-entry guards (``i < valid`` for a row's last partial tile,
+natural_exp CUDA forward: its per-entry guards (``i < valid`` for a row's last partial tile,
 ``base < V``) are branches, so the shortest path through its loop skips the per-entry work and
 is no common path (its loops are still listed, with static size and both path lengths, in the
-JSON). The second CUDA forward (``csrc/cuda/topk_tail_kl_kernels_v2.cuh``) handles the partial tile
-after its main loop, so its figure is declared (:data:`CUDA_ENTRIES`) like a Triton kernel's.
+JSON). The base2 CUDA forward (``csrc/cuda/topk_tail_kl_kernels_base2.cuh``) handles the partial
+tile after its main loop, so its figure is declared (:data:`CUDA_ENTRIES`) like a Triton
+kernel's.
 
     python tools/kernel_report.py [--only NAME,...] [--json OUT] [--md OUT] [--no-cuda]
 
@@ -177,30 +178,31 @@ def triton_specs() -> list[TritonSpec]:
 
 
 def _variant_specs() -> list[TritonSpec]:
-    """The new kernels of lopd_kernels/kernel_variants.py's switches, at the same defaults
-    (none in a tree from before the switches: the report then covers the other kernels)."""
+    """The second kernels of lopd_kernels/kernel_variants.py's slots, at the same defaults
+    (none in a tree without them: the report then covers the other kernels)."""
     from lopd_kernels.triton import topk_tail_kl as tk
 
-    if importlib.util.find_spec("lopd_kernels.triton.topk_tail_kl_kernels_v2") is None:
+    if importlib.util.find_spec("lopd_kernels.triton.topk_tail_kl_kernels_joined") is None:
         return []
 
     specs = [
         TritonSpec(
-            "topk_tail_kl fwd top-M v2", "lopd_kernels.triton.topk_tail_kl_kernels_v2",
-            "_fwd_topm_fused_kernel", _topk_types(),
+            "topk_tail_kl fwd top-M joined", "lopd_kernels.triton.topk_tail_kl_kernels_joined",
+            "_fwd_topm_joined_kernel", _topk_types(),
             {"M": 20, "MP": 32, "K": 20, "BLOCK_V": tk._FWD_BLOCK_V, "DIV": 0, "SUPPORT": 0},
             tk._FWD_WARPS,
-            tk._FWD_BLOCK_V, 4, aligned_ints=("V",), options={"maxnreg": tk._FWD_V2_MAXNREG},
+            tk._FWD_BLOCK_V, 4, aligned_ints=("V",),
+            options={"maxnreg": tk._FWD_JOINED_MAXNREG},
         ),
     ]  # fmt: skip
     if importlib.util.find_spec("lopd_kernels.triton.fused_linear_topk_tail_kl_chunked"):
         from lopd_kernels.triton import fused_linear_topk_tail_kl_chunked as tp
 
-        # The chunked fused-linear path's v2 tail pass: one fp32 logit row in, bf16 out.
+        # The chunked fused-linear path's tail pass: one fp32 logit row in, bf16 out.
         types = {"X": "*fp32", "LSE": "*fp32", "IDS": "*i64", "OUT": "*bf16", "inv_temp": "fp32"}
         specs.append(
             TritonSpec(
-                "fused_linear chunked tail probs v2",
+                "fused_linear chunked tail probs",
                 "lopd_kernels.triton.fused_linear_topk_tail_kl_chunked_kernels",
                 "_tail_probs_kernel", types, {"M": 20, "M_PAD": 32, "BLOCK_V": tp._BLOCK_V},
                 8, tp._BLOCK_V, 4, default_type="i32", aligned_ints=("V",),
@@ -213,9 +215,10 @@ def _variant_specs() -> list[TritonSpec]:
 CUDA_THREADS = {"fwd_wmma_kernel": 128, "dq_wmma_kernel": 128, "dkdv_wmma_kernel": 128}
 # CUDA kernels whose main loop streams a logit row with no per-entry bounds checks on its
 # common path (so that the shortest path is that common path): vocabulary entries per main-loop
-# iteration, from the source (csrc/cuda/topk_tail_kl_kernels_v2.cuh: two tiles of 256 threads x 8
+# iteration, from the source (csrc/cuda/topk_tail_kl_kernels_base2.cuh: two tiles of 256 threads x 8
 # entries per iteration, the next tile's loads issued unconditionally).
-CUDA_ENTRIES = {"topk_tail_kl_fwd_kernel_v2": 2 * 2048, "topk_tail_kl_fwd_full_kernel_v2": 2 * 2048}
+CUDA_ENTRIES = {"topk_tail_kl_fwd_base2_kernel": 2 * 2048,
+                "topk_tail_kl_fwd_full_base2_kernel": 2 * 2048}  # fmt: skip
 
 
 def _tool(name: str) -> str | None:

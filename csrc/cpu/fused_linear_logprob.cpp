@@ -93,15 +93,13 @@ at::Tensor block_view(const at::Tensor& buf, int64_t rows, int64_t cols) {
 // Whether a bfloat16 head runs its GEMMs in bfloat16 (oneDNN through at::mm, float32
 // accumulation, block results rounded to bfloat16, as torch.matmul gives them): on CPUs with
 // AVX512-BF16 these are several times faster than float32 GEMMs of upcast operands (measured on an
-// AMD EPYC: 126 vs 10 GFLOP/s, benchmarks/bench_fused_linear_logprob.py). LOPD_CPU_ISA below
-// avx512 or LOPD_FUSED_LOGPROB_CPU_HALF=upcast (the previous kernel; read at every call,
-// lopd_kernels/kernel_variants.py) upcast instead: float32 logits of the bf16 operands.
+// AMD EPYC: 126 vs 10 GFLOP/s, benchmarks/bench_fused_linear_logprob.py). Without AVX512-BF16,
+// or with LOPD_CPU_ISA below avx512, the operands are upcast instead: float32 logits of the bf16
+// operands.
 bool native_bf16(const at::Tensor& weight) {
   if (weight.scalar_type() != at::kBFloat16 || ::lopd::cpu_isa() != ::lopd::CpuIsa::kAvx512) {
     return false;
   }
-  const char* v = std::getenv("LOPD_FUSED_LOGPROB_CPU_HALF");
-  if (v != nullptr && std::strcmp(v, "upcast") == 0) return false;
 #if defined(__x86_64__)
   static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
   return has_bf16;

@@ -1,6 +1,7 @@
 // CUDA kernels of lopd::topk_tail_kl_cuda_fwd / _bwd (schemas: csrc/common/schemas.h): the
-// first forward (variant "v1" of the switch topk_tail_kl.cuda_fwd; "v2" is
-// topk_tail_kl_kernels_v2.cuh), the backward, and the device helpers both forwards share. Launched by
+// natural-exponential forward ("natural_exp" of the kernel choice topk_tail_kl.cuda_forward;
+// "base2" is topk_tail_kl_kernels_base2.cuh), the backward, and the device helpers both forwards
+// share. Launched by
 // topk_tail_kl_launch.cuh, which csrc/cuda/topk_tail_kl.cu (nvcc, the CUDA op) and
 // csrc/emu/topk_tail_kl_emu.cpp (g++, the same kernels under the SIMT emulator, for CPU tests)
 // include.
@@ -21,8 +22,8 @@
 //     non-adversarial rows the threshold settles after the first tiles, so the sort runs a handful
 //     of times per row and the kernel is bound by the logits' bytes;
 //   * at the end the per-thread tails are merged (warp shuffles, then shared memory) and thread 0
-//     finishes the row with math::row_finalize (the KLs: topk_row_finalize, as before the options
-//     existed; the JSD: its terms over the same K + 1 bucket log-masses, no extra pass).
+//     finishes the row with math::row_finalize (the KLs: topk_row_finalize; the JSD: its terms
+//     over the same K + 1 bucket log-masses, no extra pass).
 // The options (docs/kernels.md, "CUDA"):
 //   * support="student": the same kernel instance with the rows' roles swapped (the launcher
 //     passes the teacher's row first and the student's second, FwdParams::swapped): the keys are
@@ -255,7 +256,7 @@ __device__ void block_sum2(float& a, float& b, float2* scratch) {
 
 // KL(P || M) and KL(Q || M) of a full-vocabulary row (every entry its own bucket) from both rows
 // and their log-sum-exps, by the shared math (math::jsd_log_mixture, kl_to_mixture_term); valid
-// in all threads. The second pass of v1's full-vocabulary JSD forward, the first of the backward.
+// in all threads. The second pass of natural_exp's full-vocabulary JSD forward, the first of the backward.
 template <typename TS, typename TT>
 __device__ void full_jsd_kls(const TS* s, const TT* t, int64_t V, float inv, float lse_s,
                              float lse_t, float beta, bool aligned, float* k_p, float* k_q) {
@@ -354,7 +355,7 @@ __device__ __forceinline__ void finalize_topm_row(const FwdParams& p, int64_t ro
   write_target_logprobs(p, row, tgt, s, t, lse_s, lse_t);
 }
 
-// Full-vocabulary JSD row (v1): both log-sum-exps (a pass, math::lse_add per entry), then the
+// Full-vocabulary JSD row (natural_exp): both log-sum-exps (a pass, math::lse_add per entry), then the
 // terms beta KL(Q || M) + (1 - beta) KL(P || M) (full_jsd_kls, a second pass). Whole block.
 template <typename TS, typename TT>
 __device__ void fwd_full_jsd_row(const FwdParams& p, int64_t row, int64_t tgt, const TS* s,

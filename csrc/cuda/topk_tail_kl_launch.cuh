@@ -1,37 +1,25 @@
 // Host side of lopd::topk_tail_kl_cuda_fwd / _bwd (schemas: csrc/common/schemas.h): argument
 // checks, output allocation, the dtype dispatch and the launches of the kernels of
-// topk_tail_kl_kernels.cuh (v1 forward, backward) and topk_tail_kl_kernels_v2.cuh (v2 forward).
+// topk_tail_kl_kernels.cuh (the natural_exp forward, the backward) and
+// topk_tail_kl_kernels_base2.cuh (the base2 forward), the forward chosen by the process setting
+// topk_tail_kl.cuda_forward (csrc/common/kernel_choices.h).
 // Which forward kernel runs for which option (top-M; the full vocabulary ignores the support):
 //   support="teacher": the top-M kernel <TS, TT> on (student, teacher);
 //   support="student": the same kernel with the rows swapped, <TT, TS> on (teacher, student)
 //                      (FwdParams::swapped: it selects on its second row, the student's);
 //   support="union":   the top-M kernel's instance <TS, TT, kUnion = true> (two selections);
-//   full vocabulary:   v1's kernel (the JSD: two passes inside it); v2's full kernel, or
-//                      topk_tail_kl_fwd_full_jsd_kernel_v2 for the JSD.
+//   full vocabulary:   natural_exp's kernel (the JSD: two passes inside it); base2's full
+//                      kernel, or topk_tail_kl_fwd_full_jsd_base2_kernel for the JSD.
 // Included by csrc/cuda/topk_tail_kl.cu (nvcc) and csrc/emu/topk_tail_kl_emu.cpp (g++, the SIMT
 // emulator).
 #pragma once
 
-#include <cstdlib>
-#include <cstring>
-
-#include "cuda/topk_tail_kl_kernels_v2.cuh"
+#include "common/kernel_choices.h"
 #include "cuda/topk_tail_kl_kernels.cuh"
+#include "cuda/topk_tail_kl_kernels_base2.cuh"
 
 namespace lopd::cuda {
 namespace {
-
-// The forward kernel, switch topk_tail_kl.cuda_fwd of lopd_kernels/kernel_variants.py: the
-// environment variable LOPD_TOPK_TAIL_KL_CUDA_FWD, read at every call ("v1": the previous kernel,
-// "v2" when unset), so that a benchmark can time both in one process.
-inline bool fwd_variant_is_v2() {
-  const char* v = std::getenv("LOPD_TOPK_TAIL_KL_CUDA_FWD");
-  if (v == nullptr || std::strcmp(v, "v2") == 0) return true;
-  TORCH_CHECK(std::strcmp(v, "v1") == 0, "LOPD_TOPK_TAIL_KL_CUDA_FWD=", v,
-              " is not a variant of topk_tail_kl.cuda_fwd; choose one of ('v1', 'v2')");
-  return false;
-}
-
 
 // Calls F.template operator()<TS, TT>() for the (student, teacher) dtype pair.
 template <typename F>
@@ -77,7 +65,7 @@ topk_tail_kl_fwd_cuda(const at::Tensor& student_logits, const at::Tensor& teache
   const bool swapped = sup == checks::kSupportStudent;
   const int64_t n = checks::rows_of(student_logits);
   const int64_t v = student_logits.size(-1);
-  // The v2 forward indexes within a row in 32 bits (with room for a tile past the end).
+  // The base2 forward indexes within a row in 32 bits (with room for a tile past the end).
   TORCH_CHECK(v < (int64_t(1) << 31), "topk_tail_kl (" LOPD_SIMT_BACKEND "): V must be < 2^31, got ",
               v);
   TORCH_CHECK(top_m <= kMaxTopM, "topk_tail_kl (" LOPD_SIMT_BACKEND "): top_m must be <= ", kMaxTopM, ", got ",
@@ -88,7 +76,7 @@ topk_tail_kl_fwd_cuda(const at::Tensor& student_logits, const at::Tensor& teache
   const at::Tensor s = checks::dense_vocab(student_logits);
   const at::Tensor t = checks::dense_vocab(teacher_logits);
   const at::Tensor tgt = target_ids.contiguous();
-  const bool v2 = fwd_variant_is_v2();
+  const bool base2 = ::lopd::choices::cuda_topk_forward_is_base2();
   auto [kl, slp, tlp, ids, lse, bucket] = checks::empty_fwd_outputs(n, width, s.options());
   if (n > 0) {
     // support="student": the kernel's rows are (teacher, student), see FwdParams.
@@ -105,16 +93,16 @@ topk_tail_kl_fwd_cuda(const at::Tensor& student_logits, const at::Tensor& teache
       const TS* s_ptr = reinterpret_cast<const TS*>(s.data_ptr());
       const TT* t_ptr = reinterpret_cast<const TT*>(t.data_ptr());
       if (swapped) {
-        auto kernel = v2 ? topk_tail_kl_fwd_kernel_v2<TT, TS> : topk_tail_kl_fwd_kernel<TT, TS>;
+        auto kernel = base2 ? topk_tail_kl_fwd_base2_kernel<TT, TS> : topk_tail_kl_fwd_kernel<TT, TS>;
         LOPD_LAUNCH(kernel, unsigned(n), kThreads, smem, t_ptr, s_ptr, prm);
         return;
       }
-      auto kernel = on_union ? (v2 ? topk_tail_kl_fwd_kernel_v2<TS, TT, true>
-                                   : topk_tail_kl_fwd_kernel<TS, TT, true>)
-                    : !v2     ? topk_tail_kl_fwd_kernel<TS, TT>
-                    : top_m > 0 ? topk_tail_kl_fwd_kernel_v2<TS, TT>
-                    : div.kind == checks::kJsd ? topk_tail_kl_fwd_full_jsd_kernel_v2<TS, TT>
-                                               : topk_tail_kl_fwd_full_kernel_v2<TS, TT>;
+      auto kernel = on_union ? (base2 ? topk_tail_kl_fwd_base2_kernel<TS, TT, true>
+                                      : topk_tail_kl_fwd_kernel<TS, TT, true>)
+                    : !base2    ? topk_tail_kl_fwd_kernel<TS, TT>
+                    : top_m > 0 ? topk_tail_kl_fwd_base2_kernel<TS, TT>
+                    : div.kind == checks::kJsd ? topk_tail_kl_fwd_full_jsd_base2_kernel<TS, TT>
+                                               : topk_tail_kl_fwd_full_base2_kernel<TS, TT>;
       LOPD_LAUNCH(kernel, unsigned(n), kThreads, smem, s_ptr, t_ptr, prm);
     });
   }

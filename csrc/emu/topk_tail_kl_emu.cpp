@@ -1,7 +1,8 @@
 // Test build: the CUDA kernels of csrc/cuda/topk_tail_kl_kernels.cuh and
-// csrc/cuda/topk_tail_kl_kernels_v2.cuh, compiled by g++ and run on CPU tensors by the SIMT emulator
-// (csrc/emu/simt_emulator.h), as torch.ops.lopd_simt_emu.* with the same schemas as
-// torch.ops.lopd.*. Built and loaded by tests/simt_emu.py; never part of the installed library.
+// csrc/cuda/topk_tail_kl_kernels_base2.cuh, compiled by g++ and run on CPU tensors by the SIMT
+// emulator (csrc/emu/simt_emulator.h), as torch.ops.lopd_simt_emu.* with the same schemas as
+// torch.ops.lopd.* (and its own set_kernel_choice). Built and loaded by tests/simt_emu.py; never
+// part of the installed library.
 #ifndef LOPD_SIMT_EMULATION
 #error "compile with -DLOPD_SIMT_EMULATION (tests/simt_emu.py does)"
 #endif
@@ -20,6 +21,7 @@ TORCH_LIBRARY(lopd_simt_emu, m) {
   m.def(lopd::schemas::kTopkTailKlCudaBwd);
   // 0: threads resume round-robin; any other value: a random order seeded by it.
   m.def("set_schedule_seed(int seed) -> ()");
+  m.def("set_kernel_choice(str name, str value) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lopd_simt_emu, CPU, m) {
@@ -27,4 +29,7 @@ TORCH_LIBRARY_IMPL(lopd_simt_emu, CPU, m) {
   m.impl("topk_tail_kl_cuda_bwd", &lopd::cuda::topk_tail_kl_bwd_cuda);
 }
 
-TORCH_LIBRARY_IMPL(lopd_simt_emu, CatchAll, m) { m.impl("set_schedule_seed", &set_schedule_seed); }
+TORCH_LIBRARY_IMPL(lopd_simt_emu, CatchAll, m) {
+  m.impl("set_schedule_seed", &set_schedule_seed);
+  m.impl("set_kernel_choice", &lopd::choices::set_kernel_choice);
+}

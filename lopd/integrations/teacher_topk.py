@@ -16,6 +16,12 @@ or out-of-range id, or a tail too heavy for the given ids to be the teacher's to
 inconsistent. ``on_invalid="raise"`` raises a ValueError naming the argument; ``"ignore"``
 (what the verl plugin uses, since padded positions carry placeholder ids and zero log-probs) gives
 such rows zero loss and zero gradient and reports them in ``invalid``.
+
+With ``tensor_parallel_group`` the student logits are this rank's shard of a vocabulary split
+over that group the way Megatron-core splits it (equal contiguous shards, rank r holding
+``[r V_local, (r + 1) V_local)``: verl's Megatron actor), the teacher's ids are global, and
+:func:`lopd_kernels.vocab_parallel.sparse_teacher_topk_tail_kl` runs instead: the same outputs
+on every rank, the gradient to this rank's shard.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 import lopd_kernels as lk
+from lopd_kernels import vocab_parallel
 
 __all__ = ["TeacherTopKKL", "topk_tail_kl_from_teacher_topk"]
 
@@ -77,6 +85,7 @@ def topk_tail_kl_from_teacher_topk(
     mass_tolerance: float = 1e-3,
     on_invalid: str = "raise",
     backend: str = "auto",
+    tensor_parallel_group: dist.ProcessGroup | None = None,
 ) -> TeacherTopKKL:
     """Top-M + tail KL between full student logits and a teacher given by its top-M only.
 
@@ -94,6 +103,9 @@ def topk_tail_kl_from_teacher_topk(
         on_invalid: ``"raise"`` or ``"ignore"`` (see the module docstring).
         backend: passed to :func:`lopd_kernels.sparse_teacher_topk_tail_kl` (``"auto"``,
             ``"torch"``, ``"cpu"``, ``"triton"``).
+        tensor_parallel_group: ``student_logits`` is this rank's ``[..., V / world]`` shard of
+            Megatron's vocabulary split over this group (module docstring); None: the whole
+            vocabulary.
 
     Returns:
         :class:`TeacherTopKKL`.
@@ -114,6 +126,8 @@ def topk_tail_kl_from_teacher_topk(
     if teacher_topk_ids.dtype.is_floating_point or teacher_topk_ids.dtype == torch.bool:
         raise TypeError(f"teacher_topk_ids must be integer, got {teacher_topk_ids.dtype}")
     vocab, m = student_logits.shape[-1], teacher_topk_ids.shape[-1]
+    if tensor_parallel_group is not None:
+        vocab *= dist.get_world_size(tensor_parallel_group)  # Megatron's equal shards
     if teacher_topk_ids.shape[:-1] != student_logits.shape[:-1]:
         raise ValueError(
             f"teacher_topk_ids {tuple(teacher_topk_ids.shape)} must match student_logits "
@@ -124,7 +138,7 @@ def topk_tail_kl_from_teacher_topk(
     lead = student_logits.shape[:-1]
     lp = teacher_topk_logprobs.reshape(-1, m).float()
     ids = teacher_topk_ids.reshape(-1, m).long()
-    s = student_logits.reshape(-1, vocab)
+    s = student_logits.reshape(-1, student_logits.shape[-1])
 
     top_log_mass = torch.logsumexp(lp, -1)  # [N]
     # Tail mass 1 - exp(top_log_mass), stable near 1 (-inf when the top-M holds all the mass),
@@ -141,17 +155,14 @@ def topk_tail_kl_from_teacher_topk(
     # The target feeds only the sampled-token log-prob, unused here. Invalid rows are ignored
     # rows of the op: zeros, no gradient, their teacher entries never read.
     target = torch.where(invalid, _IGNORE, 0)
-    out = lk.sparse_teacher_topk_tail_kl(
-        s,
-        lp,
-        ids,
-        target,
-        divergence=divergence,
-        ignore_index=_IGNORE,
-        tail_floor=tail_floor,
-        mass_tolerance=mass_tolerance,
-        backend=backend,
-    )
+    kw = {"divergence": divergence, "ignore_index": _IGNORE, "tail_floor": tail_floor}
+    kw.update(mass_tolerance=mass_tolerance, backend=backend)
+    if tensor_parallel_group is None:
+        out = lk.sparse_teacher_topk_tail_kl(s, lp, ids, target, **kw)
+    else:
+        out = vocab_parallel.sparse_teacher_topk_tail_kl(
+            s, lp, ids, target, group=tensor_parallel_group, **kw
+        )
     return TeacherTopKKL(
         kl=out.kl.reshape(lead),
         student_mass=out.student_topk_mass.reshape(lead),

@@ -56,6 +56,8 @@ from trl import DistillationConfig, DistillationTrainer  # noqa: E402
 from trl.experimental.gkd import GKDConfig, GKDTrainer  # noqa: E402
 
 import lopd_kernels as lk  # noqa: E402
+from lopd_kernels.fused_linear_topk_tail_kl import BACKENDS as FUSED_LINEAR  # noqa: E402
+from lopd_kernels.topk_tail_kl import BACKENDS as TOPK_TAIL_KL  # noqa: E402
 
 __all__ = [
     "LopdDistillationConfig",
@@ -68,7 +70,10 @@ __all__ = [
 ]
 
 _IGNORE = -100
-_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
+# The backend words of the op each trainer runs: the fused op (LopdDistillationTrainer) and the
+# per-row op on logits (LopdGKDTrainer).
+_FUSED_BACKENDS = ("auto", "torch", *FUSED_LINEAR.impls)
+_LOGITS_BACKENDS = ("auto", "torch", *TOPK_TAIL_KL.impls)
 
 
 def divergence_from_beta(beta: float) -> str:
@@ -103,14 +108,18 @@ def divergence_kwargs(beta: float) -> dict:
 
 
 def _check_lopd_fields(
-    top_m: int | None, backend: str, chunk_size: int | None, support: str = "teacher"
+    top_m: int | None,
+    backend: str,
+    chunk_size: int | None,
+    support: str = "teacher",
+    backends: tuple[str, ...] = _FUSED_BACKENDS,
 ) -> None:
     if top_m is not None and (isinstance(top_m, bool) or not isinstance(top_m, int) or top_m < 1):
         raise ValueError(f"top_m must be an int >= 1 or None (full vocabulary), got {top_m!r}")
     if support not in lk.SUPPORTS:
         raise ValueError(f"lopd_support must be one of {lk.SUPPORTS}, got {support!r}")
-    if backend not in _BACKENDS:
-        raise ValueError(f"lopd_backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend not in backends:
+        raise ValueError(f"lopd_backend must be one of {backends}, got {backend!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"lopd_chunk_size must be an int >= 1 or None, got {chunk_size!r}")
 
@@ -173,7 +182,8 @@ class LopdDistillationConfig(DistillationConfig):
         metadata={"help": "Whose top-M ids are buckets: teacher, student or union."},
     )
     lopd_backend: str = field(
-        default="auto", metadata={"help": "lopd_kernels backend: auto, torch, cpu, triton, cuda."}
+        default="auto",
+        metadata={"help": f"lopd_kernels backend: {', '.join(_FUSED_BACKENDS)}."},
     )
     lopd_chunk_size: int | None = field(
         default=None, metadata={"help": "Token rows per chunk of the fused op; None: from memory."}
@@ -321,13 +331,15 @@ class LopdGKDConfig(GKDConfig):
         metadata={"help": "Whose top-M ids are buckets: teacher, student or union."},
     )
     lopd_backend: str = field(
-        default="auto", metadata={"help": "lopd_kernels backend: auto, torch, cpu, triton, cuda."}
+        default="auto",
+        metadata={"help": f"lopd_kernels backend: {', '.join(_LOGITS_BACKENDS)}."},
     )
 
     def __post_init__(self):
         super().__post_init__()
         divergence_from_beta(self.beta)
-        _check_lopd_fields(self.top_m, self.lopd_backend, None, self.lopd_support)
+        _check_lopd_fields(self.top_m, self.lopd_backend, None, self.lopd_support,
+                           _LOGITS_BACKENDS)  # fmt: skip
 
 
 class LopdGKDTrainer(GKDTrainer):

@@ -21,8 +21,13 @@ computes :func:`lopd.integrations.teacher_topk.topk_tail_kl_from_teacher_topk` i
 other mode it calls verl's. The registered loss function then turns the per-token values into
 verl's padded ``[bsz, response_len]`` losses and metrics (verl aggregates them with its
 ``loss_agg_mode``). Supported strategies: ``fsdp``, ``fsdp2``, ``veomni`` (whole-vocabulary
-student logits; Megatron's vocabulary-parallel logits are not). verl's ``log_prob_min_clamp`` is
-not applied (the tail bucket needs none); ``loss_max_clamp`` is, by verl, as for every loss.
+student logits) and ``megatron``: there verl hands the logits processor this tensor-parallel
+rank's shard of the vocabulary-parallel logits, and the loss runs
+:func:`lopd_kernels.vocab_parallel.sparse_teacher_topk_tail_kl` over Megatron-core's
+tensor-parallel group (the teacher's top-M split over context-parallel ranks by verl's own
+``preprocess_thd_engine`` / ``preprocess_bshd_engine``, as its ``forward_kl_topk`` does).
+verl's ``log_prob_min_clamp`` is not applied (the tail bucket needs none); ``loss_max_clamp`` is,
+by verl, as for every loss.
 """
 
 from __future__ import annotations
@@ -59,11 +64,27 @@ except ModuleNotFoundError as err:
         name="verl",
     ) from err
 
-__all__ = ["LOSS_MODES", "VERL_INSTALL_HINT", "compute_lopd_topk_tail", "lopd_topk_tail_loss"]
+__all__ = [
+    "LOSS_MODES",
+    "VERL_INSTALL_HINT",
+    "compute_lopd_topk_tail",
+    "compute_lopd_topk_tail_megatron",
+    "lopd_topk_tail_loss",
+]
 
 # loss_mode -> divergence of the top-M + tail buckets.
 LOSS_MODES = {"lopd_topk_tail": "reverse", "lopd_topk_tail_forward": "forward"}
-_STRATEGIES = ("fsdp", "fsdp2", "veomni")
+_STRATEGIES = ("fsdp", "fsdp2", "veomni", "megatron")
+
+
+def _outputs(out) -> dict[str, torch.Tensor]:
+    """verl's keys of the logits-processor outputs (and ``lopd_invalid``)."""
+    return {
+        "distillation_losses": out.kl,
+        "student_mass": out.student_mass,
+        "teacher_mass": out.teacher_mass,
+        "lopd_invalid": out.invalid.float(),
+    }
 
 
 def compute_lopd_topk_tail(
@@ -95,12 +116,48 @@ def compute_lopd_topk_tail(
     out = topk_tail_kl_from_teacher_topk(
         student_logits, log_probs, ids, divergence=divergence, on_invalid="ignore"
     )
-    return {
-        "distillation_losses": out.kl,
-        "student_mass": out.student_mass,
-        "teacher_mass": out.teacher_mass,
-        "lopd_invalid": out.invalid.float(),
-    }
+    return _outputs(out)
+
+
+def compute_lopd_topk_tail_megatron(
+    student_logits: torch.Tensor,
+    teacher_topk_log_probs: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    divergence: str,
+    data_format: str,
+) -> dict[str, torch.Tensor]:
+    """The logits-processor stage of verl's Megatron actor: vocabulary-parallel logits.
+
+    Args:
+        student_logits: ``(bsz, seqlen / cp_size, V / tp_size)`` this rank's shard of the
+            temperature-scaled vocabulary-parallel student logits (``bsz`` 1 for ``"thd"``).
+        teacher_topk_log_probs, teacher_topk_ids: nested ``(bsz, seqlen_i, M)``, global ids.
+        divergence: ``"reverse"`` or ``"forward"``.
+        data_format: ``"thd"`` (packed) or ``"bshd"``, as verl's Megatron engine passes it.
+
+    Returns:
+        ``(bsz, seqlen / cp_size)`` tensors under the keys of :func:`compute_lopd_topk_tail`,
+        the same on every tensor-parallel rank.
+    """
+    if not (teacher_topk_log_probs.is_nested and teacher_topk_ids.is_nested):
+        raise ValueError("teacher_logprobs and teacher_ids must be nested (jagged) tensors")
+    # Optional dependencies (verl's Megatron extras: megatron-core): only this strategy needs them.
+    from megatron.core import parallel_state
+    from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine
+
+    # This context-parallel rank's rows, padded as the student's (verl's own split).
+    split = preprocess_thd_engine if data_format == "thd" else preprocess_bshd_engine
+    log_probs, *_ = split(teacher_topk_log_probs, pre_process=True)
+    ids, *_ = split(teacher_topk_ids, pre_process=True)
+    # The engine then takes the policy's log-probs from the same tensor with Megatron-core's
+    # vocab_parallel_cross_entropy, which overwrites float32 logits in place (lower precisions
+    # it upcasts into a new tensor): the loss's backward reads a copy of float32 logits.
+    logits = student_logits.clone() if student_logits.dtype == torch.float32 else student_logits
+    out = topk_tail_kl_from_teacher_topk(
+        logits, log_probs, ids, divergence=divergence, on_invalid="ignore",
+        tensor_parallel_group=parallel_state.get_tensor_model_parallel_group(),
+    )  # fmt: skip
+    return _outputs(out)
 
 
 _verl_compute_topk_loss = verl_losses.compute_topk_loss
@@ -116,7 +173,11 @@ def _compute_topk_loss(config, distillation_config, data, student_logits, data_f
     if config.strategy not in _STRATEGIES:
         raise NotImplementedError(
             f"loss_mode={distillation_config.distillation_loss.loss_mode!r} supports actor "
-            f"strategies {_STRATEGIES} (whole-vocabulary logits), got {config.strategy!r}"
+            f"strategies {_STRATEGIES}, got {config.strategy!r}"
+        )
+    if config.strategy == "megatron":
+        return compute_lopd_topk_tail_megatron(
+            student_logits, data["teacher_logprobs"], data["teacher_ids"], divergence, data_format
         )
     return compute_lopd_topk_tail(
         student_logits, data["teacher_logprobs"], data["teacher_ids"], divergence

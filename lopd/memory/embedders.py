@@ -118,8 +118,8 @@ class HiddenStateEmbedder:
             (:func:`format_query`), made for instruction-tuned embedders. Mean-pooled hidden
             states of a policy LM are not one: the prompt's tokens, identical in every query,
             dominate the mean. On the built-in tool-use tasks with the tiny model (held-out
-            queries, oracle bank, ``python -m benchmarks.bench_memory --quality``) the share of
-            top-3 neighbours from the query's own task template measured 0.53 with
+            queries, oracle bank, ``python -m benchmarks.bench_experience_bank --quality``)
+            the share of top-3 neighbours from the query's own task template measured 0.53 with
             ``"document"`` and 0.08, chance level (0.07), with ``"instruct"``.
         query_instruction: the instruction of the ``"instruct"`` style.
         document_style: what of a bank document is embedded. ``"task"`` (default): only its

@@ -11,7 +11,7 @@ special token, so no turn ends early), drawn from one seeded generator. With
     python -m lopd.train --preset paper --profile-memory gen.engine=filler \\
         gen.max_total_tokens=40960 gen.max_new_tokens=40959 gen.max_prompt_tokens=4096 ...
 
-(``benchmarks/memory_standins.py --trajectory-tokens`` sets these.) The verifiers score the
+(``benchmarks/bench_standin_memory.py --trajectory-tokens`` sets these.) The verifiers score the
 random text like any other (a reward of 0 in every built-in world), so rewards, the bank's
 successes and every learning metric of such a run mean nothing.
 """

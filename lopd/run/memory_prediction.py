@@ -386,7 +386,7 @@ STANDIN_RUNS = {
     "standin-218m": {"checkpointing": False, "micro_batch": 2},
     "qwen3-0.6b": {"checkpointing": True, "micro_batch": 1},
 }
-"""The measured stand-in runs of ``docs/trainer.md`` (``benchmarks/memory_standins.py``: smoke
+"""The measured stand-in runs of ``docs/trainer.md`` (``benchmarks/bench_standin_memory.py``: smoke
 preset, float32 on CPU, ``data.n_train=4 data.n_test=2 lopd.steps=2``)."""
 
 

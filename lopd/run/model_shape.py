@@ -125,7 +125,7 @@ MODELS: dict[str, ModelShape] = {
     "qwen3-0.6b": ModelShape(28, 1024, 3072, 16, 8, 128),
     "qwen3-4b": ModelShape(36, 2560, 9728, 32, 8, 128),
     "qwen3-8b": ModelShape(36, 4096, 12288, 32, 8, 128, tied=False),
-    # The 4-layer fp32 stand-in of benchmarks/memory_standins.py (calibration only).
+    # The 4-layer fp32 stand-in of benchmarks/bench_standin_memory.py (calibration only).
     "standin-218m": ModelShape(4, 1024, 3072, 16, 8, 128),
 }
 """The Qwen3 configs (``config.json`` of the Hugging Face checkpoints; the 0.6B and 218M shapes

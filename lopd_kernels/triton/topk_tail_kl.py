@@ -25,8 +25,7 @@ import torch
 import triton
 
 from lopd_kernels._constants import KERNEL_DTYPES, TRITON_TOPK_MAX_TOP_M
-from lopd_kernels.kernel_variants import SWITCHES
-from lopd_kernels.kernel_variants import variant as selected_variant
+from lopd_kernels.kernel_variants import SLOTS, selected
 from lopd_kernels.triton._common import LOG2E
 from lopd_kernels.triton.topk_tail_kl_device import (
     DIV_FORWARD,
@@ -38,15 +37,9 @@ from lopd_kernels.triton.topk_tail_kl_device import (
 )
 from lopd_kernels.triton.topk_tail_kl_kernels import _fwd_full_kernel, _fwd_topm_kernel
 from lopd_kernels.triton.topk_tail_kl_kernels_bwd import _bwd_kernel
-from lopd_kernels.triton.topk_tail_kl_kernels_v2 import _fwd_topm_fused_kernel
+from lopd_kernels.triton.topk_tail_kl_kernels_joined import _fwd_topm_joined_kernel
 
-__all__ = ["MAX_TOP_M", "topk_tail_kl_bwd_triton", "topk_tail_kl_fwd_triton"]
-
-#: Largest supported ``top_m`` (besides 0, the full vocabulary).
-MAX_TOP_M = TRITON_TOPK_MAX_TOP_M
-
-_LOG2E_HOST = LOG2E
-_SUPPORTED_DTYPES = KERNEL_DTYPES
+__all__ = ["topk_tail_kl_bwd_triton", "topk_tail_kl_fwd_triton"]
 
 # Launch defaults for a GPU (H100/H200 class), chosen from ptxas register counts for sm_90 with
 # the 16-divisible pointers/strides/V Triton specializes on (128-bit loads); not yet timed on a
@@ -64,12 +57,13 @@ _FWD_BULK_TOP_M = 64
 _FWD_BULK_MIN = 12
 _BWD_BLOCK_V = 2048
 _BWD_WARPS = 8
-#: The switch choosing the top-M forward kernel (lopd_kernels/kernel_variants.py).
-FWD_SWITCH = "topk_tail_kl.triton_fwd"
-# The v2 top-M forward left alone takes 95 registers (two programs per SM); capped at 80 (v1's
-# 74 allocate as 80 too: registers go per warp in units of 256) it keeps v1's three programs
-# per SM with no spill and one more instruction per block (tools/kernel_report.py).
-_FWD_V2_MAXNREG = 80
+#: The kernel slot of the top-M forward (lopd_kernels/kernel_variants.py).
+FWD_SLOT = "topk_tail_kl.triton_forward"
+# The joined-reductions top-M forward left alone takes 95 registers (two programs per SM);
+# capped at 80 (the separate-reductions kernel's 74 allocate as 80 too: registers go per warp in
+# units of 256) it keeps three programs per SM with no spill and one more instruction per block
+# (tools/kernel_report.py).
+_FWD_JOINED_MAXNREG = 80
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,11 +83,9 @@ def _check_runnable(device: torch.device) -> None:
 
 
 def _check_logits(name: str, x: torch.Tensor) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() not in (2, 3):
         raise ValueError(f"{name} must be [N, V] or [B, L, V], got shape {tuple(x.shape)}")
-    if x.dtype not in _SUPPORTED_DTYPES:
+    if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
     # Rows may be strided (a slice of a padded buffer, logits[:, :-1]): the kernels take the
     # strides. Only the vocabulary axis must be dense.
@@ -115,9 +107,8 @@ def _row_layout(x: torch.Tensor) -> tuple[int, int, int]:
 
 def _check_rows(name: str, x: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
     """A per-row [N] float32 vector (upstream gradient or saved kl), made contiguous."""
-    if not isinstance(x, torch.Tensor) or x.shape != (n,):
-        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{name} must be a tensor of shape ({n},), got {got}")
+    if x.shape != (n,):
+        raise ValueError(f"{name} must be a tensor of shape ({n},), got {tuple(x.shape)}")
     if x.device != device:
         raise ValueError(f"{name} is on {x.device}, student_logits on {device}")
     return x.to(torch.float32).contiguous()
@@ -138,9 +129,8 @@ def _check_common(
         )
     if s.device != t.device:
         raise ValueError(f"student_logits is on {s.device}, teacher_logits on {t.device}")
-    if not isinstance(target_ids, torch.Tensor) or target_ids.shape != (_rows(s),):
-        got = tuple(target_ids.shape) if isinstance(target_ids, torch.Tensor) else target_ids
-        raise ValueError(f"target_ids must have shape ({_rows(s)},), got {got}")
+    if target_ids.shape != (_rows(s),):
+        raise ValueError(f"target_ids must have shape ({_rows(s)},), got {tuple(target_ids.shape)}")
     if target_ids.dtype != torch.int64:
         raise TypeError(f"target_ids must be int64, got {target_ids.dtype}")
     if target_ids.device != s.device:
@@ -215,7 +205,7 @@ def topk_tail_kl_fwd_triton(
     block_v: int | None = None,
     num_warps: int | None = None,
     bulk_min: int | None = None,
-    variant: str | None = None,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward of ``topk_tail_kl`` in Triton (the ``lopd::topk_tail_kl_cpu_fwd`` contract).
 
@@ -238,9 +228,10 @@ def topk_tail_kl_fwd_triton(
         bulk_min: a block with more top-M candidates than this is merged into the running
             top-M with one bitonic merge, one with fewer by sequential inserts; negative: always
             inserts (the merge is not compiled). Default: 12 when ``top_m > 64``, else -1.
-        variant: the top-M kernel, ``"v1"`` or ``"v2"`` (:data:`FWD_SWITCH` in
-            :mod:`lopd_kernels.kernel_variants`; default: what the switch selects now). ``v2``
-            has no bitonic merge: with ``bulk_min >= 0`` the ``v1`` kernel runs.
+        kernel: the top-M kernel, ``"separate_reductions"`` or ``"joined_reductions"`` (slot
+            :data:`FWD_SLOT` of :mod:`lopd_kernels.kernel_variants`; default: the process
+            setting). ``joined_reductions`` has no bitonic merge: with ``bulk_min >= 0``
+            ``separate_reductions`` runs.
 
     Returns:
         ``(kl [N], student_logprob [N], teacher_logprob [N], topk_ids [N, K] int64,
@@ -257,19 +248,19 @@ def topk_tail_kl_fwd_triton(
     n, v = _rows(s), s.shape[-1]
     if not isinstance(top_m, int) or isinstance(top_m, bool) or top_m < 0:
         raise ValueError(f"top_m must be an int >= 0 (0: full vocabulary), got {top_m!r}")
-    if top_m > min(v, MAX_TOP_M):
+    if top_m > min(v, TRITON_TOPK_MAX_TOP_M):
         raise ValueError(
             f"top_m={top_m} is not supported by the triton backend: it needs top_m <= V "
-            f"(V={v}) and top_m <= {MAX_TOP_M}; use top_m=0 for the full vocabulary"
+            f"(V={v}) and top_m <= {TRITON_TOPK_MAX_TOP_M}; use top_m=0 for the full vocabulary"
         )
     default_block = _FWD_BLOCK_V if top_m else _FULL_BLOCK_V
     block_v = _block_size(block_v or default_block, v, _register_width(top_m))
     if bulk_min is None:
         bulk_min = _FWD_BULK_MIN if top_m > _FWD_BULK_TOP_M else -1
-    if variant is None:
-        variant = selected_variant(FWD_SWITCH)
-    elif variant not in SWITCHES[FWD_SWITCH].choices:
-        raise ValueError(f"variant must be one of {SWITCHES[FWD_SWITCH].choices}, got {variant!r}")
+    if kernel is None:
+        kernel = selected(FWD_SLOT)
+    elif kernel not in SLOTS[FWD_SLOT].choices:
+        raise ValueError(f"kernel must be one of {SLOTS[FWD_SLOT].choices}, got {kernel!r}")
     warps = num_warps or _FWD_WARPS
     div, jsd = divergence_args(divergence, beta)
     sup = support_code(support)
@@ -285,7 +276,7 @@ def topk_tail_kl_fwd_triton(
     if n == 0:
         return kl, slp, tlp, ids, lse, blp
 
-    scale2 = _LOG2E_HOST / float(temperature)
+    scale2 = LOG2E / float(temperature)
     rows_per_item, s_item, s_row = _row_layout(s)
     _, t_item, t_row = _row_layout(t)
     common = (v, rows_per_item, s_item, s_row, t_item, t_row, scale2, int(ignore_index), *jsd)
@@ -294,11 +285,11 @@ def topk_tail_kl_fwd_triton(
             s, t, tgt, kl, slp, tlp, lse, blp, *common,
             BLOCK_V=block_v, DIV=div, num_warps=warps,
         )  # fmt: skip
-    elif variant == "v2" and bulk_min < 0:
-        _fwd_topm_fused_kernel[(n,)](
+    elif kernel == "joined_reductions" and bulk_min < 0:
+        _fwd_topm_joined_kernel[(n,)](
             s, t, tgt, kl, slp, tlp, ids, lse, blp, *common,
             M=top_m, MP=_register_width(top_m), K=k, BLOCK_V=block_v, DIV=div, SUPPORT=sup,
-            num_warps=warps, maxnreg=_FWD_V2_MAXNREG,
+            num_warps=warps, maxnreg=_FWD_JOINED_MAXNREG,
         )  # fmt: skip
     else:
         _fwd_topm_kernel[(n,)](
@@ -354,9 +345,10 @@ def topk_tail_kl_bwd_triton(
             f"topk_ids must be int64 [{n}, M], got {topk_ids.dtype} {tuple(topk_ids.shape)}"
         )
     k = topk_ids.shape[1]
-    if k > 2 * min(v, MAX_TOP_M):
+    if k > 2 * min(v, TRITON_TOPK_MAX_TOP_M):
         raise ValueError(
-            f"topk_ids has K={k} columns; the triton backend needs K <= 2 * min(V, {MAX_TOP_M}) "
+            f"topk_ids has K={k} columns; the triton backend needs K <= "
+            f"2 * min(V, {TRITON_TOPK_MAX_TOP_M}) "
             "(M, or 2M for a union)"
         )
     if bucket_logp.shape != (n, 2, k + 1):
@@ -394,7 +386,7 @@ def topk_tail_kl_bwd_triton(
     _bwd_kernel[(n,)](
         gkl, gsl, gtl, s, t, tgt, ids, kl, lse, blp, gs_arg, gt_arg,
         v, rows_per_item, s_item, s_row, t_item, t_row, v, v,
-        _LOG2E_HOST / float(temperature), 1.0 / float(temperature), int(ignore_index), *jsd,
+        LOG2E / float(temperature), 1.0 / float(temperature), int(ignore_index), *jsd,
         K=k, KP=_register_width(k), BLOCK_V=block_v, DIV=div,
         FULL=k == 0, GRAD_S=bool(student_requires_grad),
         GRAD_T=bool(teacher_requires_grad), num_warps=num_warps or _BWD_WARPS,

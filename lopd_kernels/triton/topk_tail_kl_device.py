@@ -1,5 +1,5 @@
-"""Device functions shared by the Triton ``topk_tail_kl`` kernels (the per-row forwards v1 and
-v2, the backward) and the fused-linear kernels' divergence terms: packed sort keys, online
+"""Device functions shared by the Triton ``topk_tail_kl`` kernels (the per-row forwards, the
+backward) and the fused-linear kernels' divergence terms: packed sort keys, online
 log-sum-exps, the per-bucket divergence terms (reverse / forward KL, TRL's generalized JSD) and
 the per-bucket gradient factors. The maths is ``docs/math.md`` (sections 1, 1b, 2).
 
@@ -22,16 +22,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lopd_kernels.triton._common import LN2_C, LOG2E_C
+from lopd_kernels.triton._common import LN2_C
 
 #: The ``DIV`` codes of the kernels.
 DIV_REVERSE, DIV_FORWARD, DIV_JSD = 0, 1, 2
 #: The ``SUPPORT`` codes of the per-row forwards: whose top-M ids are buckets.
 SUPPORT_TEACHER, SUPPORT_STUDENT, SUPPORT_UNION = 0, 1, 2
 
-# Triton reads globals only as constexpr.
-_LOG2E = LOG2E_C
-_LN2 = LN2_C
 # Empty slot of a running top-M: below every real key (a real key's high word is at least
 # mono(-inf) = -0x7F800001 > INT32_MIN), so any real entry replaces it.
 _KEY_EMPTY = tl.constexpr(-(2**63))
@@ -135,9 +132,8 @@ def _kl_to_mixture(lx, lm):
 @triton.jit
 def _div_terms(lp, lq, beta, log_1mb, log_b, DIV: tl.constexpr):
     """Per-bucket divergence terms (any shape) of the divergence ``DIV``; their sum over the
-    buckets is the row's divergence. The KLs' are :func:`_kl_terms` (bit for bit as before the
-    JSD existed); the JSD's ``beta Q_b log(Q_b / M_b) + (1 - beta) P_b log(P_b / M_b)``, finite
-    for any buckets."""
+    buckets is the row's divergence. The KLs' are :func:`_kl_terms`; the JSD's
+    ``beta Q_b log(Q_b / M_b) + (1 - beta) P_b log(P_b / M_b)``, finite for any buckets."""
     if DIV == 0:
         return _kl_terms(lp, lq)
     elif DIV == 1:
@@ -251,8 +247,8 @@ def _full_row_jsd_kls(
     t_next = tl.load(t_row + lanes, mask=lanes < V, other=float("-inf"))
     for start in range(0, V, BLOCK_V):
         nxt = start + BLOCK_V + lanes
-        lp = ((s_next.to(tl.float32) * scale2 - ref_s) - log_ls) * _LN2
-        lq = ((t_next.to(tl.float32) * scale2 - ref_t) - log_lt) * _LN2
+        lp = ((s_next.to(tl.float32) * scale2 - ref_s) - log_ls) * LN2_C
+        lq = ((t_next.to(tl.float32) * scale2 - ref_t) - log_lt) * LN2_C
         s_next = tl.load(s_row + nxt, mask=nxt < V, other=float("-inf"))
         t_next = tl.load(t_row + nxt, mask=nxt < V, other=float("-inf"))
         lm = _jsd_log_mixture(lp, lq, log_1mb, log_b)

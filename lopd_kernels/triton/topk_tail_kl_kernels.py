@@ -52,10 +52,11 @@ Design (one program per row, int64 row offsets, float32 math whatever the input 
   M-th key. Per block the teacher's set is updated first, then the student's (against the
   teacher's updated threshold); entries never re-enter, so each is folded exactly once. Cost
   over ``"teacher"``: the block's student maximum (one more block reduction on the common path
-  of v1; v2 has it already), a block enters the update path when either side may enter its set,
-  and one key compare per eviction. Finalization orders the union as the op does: the teacher's
-  top-M sorted, then the student's sorted minus the teacher's (found by the same threshold
-  test), compacted by a prefix sum, then -1 / -inf padding up to 2M.
+  here; ``topk_tail_kl_kernels_joined.py`` has it already), a block enters the update path when
+  either side may enter its set, and one key compare per eviction. Finalization orders the union
+  as the op does: the teacher's top-M sorted, then the student's sorted minus the teacher's
+  (found by the same threshold test), compacted by a prefix sum, then -1 / -inf padding up to
+  2M.
 
   The divergence (reverse / forward KL or the JSD) is finalized from the K + 1 bucket
   log-masses (``_div_terms``): no extra pass for any divergence.
@@ -82,10 +83,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lopd_kernels.triton._common import LN2_C
 from lopd_kernels.triton.topk_tail_kl_device import (
     _KEY_EMPTY,
     _KEY_PAD,
-    _LN2,
     _div_terms,
     _full_row_jsd_kls,
     _full_row_lse,
@@ -98,7 +99,8 @@ from lopd_kernels.triton.topk_tail_kl_device import (
 )
 
 # --------------------------------------------------------------------------------------------
-# Device helpers of the top-M forwards (v1 here, v2 in topk_tail_kl_kernels_v2.py)
+# Device helpers of the top-M forwards (separate_reductions here, joined_reductions in
+# topk_tail_kl_kernels_joined.py)
 # --------------------------------------------------------------------------------------------
 
 
@@ -282,10 +284,10 @@ def _finish_topm(
     log_ls = tl.log2(ls)
     log_lt = tl.log2(lt)
 
-    lp = ((ys_top - ref_s) - log_ls) * _LN2
-    lq = ((yt_top - ref_t) - log_lt) * _LN2
-    lp_tail = ((tail_ref_s - ref_s) + (tail_log_s - log_ls)) * _LN2
-    lq_tail = ((tail_ref_t - ref_t) + (tail_log_t - log_lt)) * _LN2
+    lp = ((ys_top - ref_s) - log_ls) * LN2_C
+    lq = ((yt_top - ref_t) - log_lt) * LN2_C
+    lp_tail = ((tail_ref_s - ref_s) + (tail_log_s - log_ls)) * LN2_C
+    lq_tail = ((tail_ref_t - ref_t) + (tail_log_t - log_lt)) * LN2_C
     kl = tl.sum(_div_terms(lp, lq, beta, log_1mb, log_b, DIV), 0) + _div_terms(
         lp_tail, lq_tail, beta, log_1mb, log_b, DIV
     )
@@ -293,18 +295,18 @@ def _finish_topm(
     tgt_ok = (tgt >= 0) & (tgt < V)
     s_a = tl.load(s_row + tgt, mask=tgt_ok, other=float("nan")).to(tl.float32)
     t_a = tl.load(t_row + tgt, mask=tgt_ok, other=float("nan")).to(tl.float32)
-    tl.store(slp_ptr + row, ((s_a * scale2 - ref_s) - log_ls) * _LN2)
-    tl.store(tlp_ptr + row, ((t_a * scale2 - ref_t) - log_lt) * _LN2)
-    tl.store(lse_ptr + row * 2, (ref_s + log_ls) * _LN2)
-    tl.store(lse_ptr + row * 2 + 1, (ref_t + log_lt) * _LN2)
+    tl.store(slp_ptr + row, ((s_a * scale2 - ref_s) - log_ls) * LN2_C)
+    tl.store(tlp_ptr + row, ((t_a * scale2 - ref_t) - log_lt) * LN2_C)
+    tl.store(lse_ptr + row * 2, (ref_s + log_ls) * LN2_C)
+    tl.store(lse_ptr + row * 2 + 1, (ref_t + log_lt) * LN2_C)
     tl.store(ids_row + slot, ids.to(tl.int64), mask=valid)
     tl.store(blp_row + slot, lp, mask=valid)
     tl.store(blp_row + K, lp_tail)
     tl.store(blp_row + (K + 1) + slot, lq, mask=valid)
     tl.store(blp_row + (2 * K + 1), lq_tail)
     if SUPPORT == 2:
-        lp2 = ((ys2 - ref_s) - log_ls) * _LN2
-        lq2 = ((yt2 - ref_t) - log_lt) * _LN2
+        lp2 = ((ys2 - ref_s) - log_ls) * LN2_C
+        lq2 = ((yt2 - ref_t) - log_lt) * LN2_C
         kl += tl.sum(_div_terms(lp2, lq2, beta, log_1mb, log_b, DIV), 0)
         # Compaction: the student-only ids to slots M, M + 1, ... (a prefix sum), then -1.
         pos = M + tl.cumsum(new.to(tl.int32), 0) - 1
@@ -535,9 +537,9 @@ def _fwd_full_kernel(
             log_ls = tl.log2(ls)
             log_lt = tl.log2(lt)
             if DIV == 0:
-                kl = (acc / ls - log_ls + log_lt) * _LN2
+                kl = (acc / ls - log_ls + log_lt) * LN2_C
             else:
-                kl = (acc / lt - log_lt + log_ls) * _LN2
+                kl = (acc / lt - log_lt + log_ls) * LN2_C
         ref_s = _safe_ref(ms)
         ref_t = _safe_ref(mt)
         tgt_ok = (tgt >= 0) & (tgt < V)
@@ -545,7 +547,7 @@ def _fwd_full_kernel(
         t_a = tl.load(t_row + tgt, mask=tgt_ok, other=float("nan")).to(tl.float32)
         tl.store(kl_ptr + row, kl)
         # Relative to the maxima first, as in the top-M kernel (rounding at the result's size).
-        tl.store(slp_ptr + row, ((s_a * scale2 - ref_s) - log_ls) * _LN2)
-        tl.store(tlp_ptr + row, ((t_a * scale2 - ref_t) - log_lt) * _LN2)
-        tl.store(lse_ptr + row * 2, (ref_s + log_ls) * _LN2)
-        tl.store(lse_ptr + row * 2 + 1, (ref_t + log_lt) * _LN2)
+        tl.store(slp_ptr + row, ((s_a * scale2 - ref_s) - log_ls) * LN2_C)
+        tl.store(tlp_ptr + row, ((t_a * scale2 - ref_t) - log_lt) * LN2_C)
+        tl.store(lse_ptr + row * 2, (ref_s + log_ls) * LN2_C)
+        tl.store(lse_ptr + row * 2 + 1, (ref_t + log_lt) * LN2_C)

@@ -19,9 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lopd_kernels.triton._common import LN2_C, LOG2E_C
 from lopd_kernels.triton.topk_tail_kl_device import (
-    _LN2,
-    _LOG2E,
     _bucket_grads_div,
     _full_row_jsd_kls,
     _jsd_kls,
@@ -87,8 +86,8 @@ def _bwd_kernel(
         u_ls = tl.load(gsl_ptr + row)
         u_lt = tl.load(gtl_ptr + row)
         kl = tl.load(kl_ptr + row)
-        lse_s2 = tl.load(lse_ptr + row * 2) * _LOG2E
-        lse_t2 = tl.load(lse_ptr + row * 2 + 1) * _LOG2E
+        lse_s2 = tl.load(lse_ptr + row * 2) * LOG2E_C
+        lse_t2 = tl.load(lse_ptr + row * 2 + 1) * LOG2E_C
         blp_row = blp_ptr + row * (2 * (K + 1))
         # The target's own term [j = a] * u / T, added where offs == target.
         tgt_s = u_ls * inv_t
@@ -114,8 +113,8 @@ def _bwd_kernel(
             )
             # S_j / P_tail = 2^(y_j - tail lse2). A tail without mass (empty, or all -inf) has
             # only S_j = 0 entries: any finite reference works, the row's lse keeps 2^(.) <= 1.
-            ref_s_tail = tl.where(lp_tail == float("-inf"), lse_s2, lse_s2 + lp_tail * _LOG2E)
-            ref_t_tail = tl.where(lq_tail == float("-inf"), lse_t2, lse_t2 + lq_tail * _LOG2E)
+            ref_s_tail = tl.where(lp_tail == float("-inf"), lse_s2, lse_s2 + lp_tail * LOG2E_C)
+            ref_t_tail = tl.where(lq_tail == float("-inf"), lse_t2, lse_t2 + lq_tail * LOG2E_C)
         # Next block's loads in flight while this one is processed (manual pipelining); each
         # side is read only if needed (top-M rows: only for its own gradient).
         lanes = tl.arange(0, BLOCK_V)
@@ -139,15 +138,15 @@ def _bwd_kernel(
                 p = tl.exp2(ys - lse_s2)
                 q = tl.exp2(yt - lse_t2)
                 if DIV == 2:
-                    lp = (ys - lse_s2) * _LN2
-                    lq = (yt - lse_t2) * _LN2
+                    lp = (ys - lse_s2) * LN2_C
+                    lq = (yt - lse_t2) * LN2_C
                     lm = _jsd_log_mixture(lp, lq, log_1mb, log_b)
                     ds = u_kl * tl.where(p > 0.0, p * ((1.0 - beta) * ((lp - lm) - k_p)), 0.0)
                     dt = u_kl * tl.where(q > 0.0, q * (beta * ((lq - lm) - k_q)), 0.0)
                     ds = ds - u_ls * p
                     dt = dt - u_lt * q
                 else:
-                    g = ((ys - lse_s2) - (yt - lse_t2)) * _LN2  # log S_j - log T_j
+                    g = ((ys - lse_s2) - (yt - lse_t2)) * LN2_C  # log S_j - log T_j
                     if DIV == 0:
                         ds = u_kl * tl.where(p > 0.0, p * (g - kl), 0.0) - u_ls * p
                         dt = u_kl * (q - p) - u_lt * q

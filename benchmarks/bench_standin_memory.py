@@ -1,12 +1,12 @@
 """Memory of a real-checkpoint-shaped run, per phase: the README's stand-in table.
 
-    python -m benchmarks.memory_standins --shape 218m --out /tmp/mem          # fp32, 4 layers
-    python -m benchmarks.memory_standins --shape qwen3-0.6b --out /tmp/mem \
+    python -m benchmarks.bench_standin_memory --shape 218m --out /tmp/mem          # fp32, 4 layers
+    python -m benchmarks.bench_standin_memory --shape qwen3-0.6b --out /tmp/mem \
         data.n_train=4 data.n_test=2 lopd.steps=2 \
         model.gradient_checkpointing=true lopd.micro_batch=1   # 28 layers; fits 24 GiB on CPU
-    python -m benchmarks.memory_standins --shape qwen3-0.6b --out /tmp/mem \
+    python -m benchmarks.bench_standin_memory --shape qwen3-0.6b --out /tmp/mem \
         --trajectory-tokens 8192 model.gradient_checkpointing=true   # every trajectory 8,192
-    python -m benchmarks.memory_standins --report /tmp/mem/run-218m           # table only
+    python -m benchmarks.bench_standin_memory --report /tmp/mem/run-218m           # table only
 
 Builds the random-init stand-in (:mod:`lopd.standin`) into ``OUT/standin-<shape>`` unless it is
 there, runs the smoke preset on it with ``--profile-memory`` and a short budget in a fresh
@@ -80,7 +80,7 @@ def report(run_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.memory_standins")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_standin_memory")
     p.add_argument("--shape", default="218m", help="a name in lopd.standin.build.SHAPES")
     p.add_argument("--out", default="/tmp/lopd-memory", help="stand-ins and run directories")
     p.add_argument("--report", default=None, help="print the table of an existing run dir")

@@ -1,11 +1,12 @@
-// The second CUDA forward of lopd::topk_tail_kl_cuda_fwd (variant "v2" of the switch
-// topk_tail_kl.cuda_fwd, lopd_kernels/kernel_variants.py; "v1" is topk_tail_kl_fwd_kernel in
-// topk_tail_kl_kernels.cuh, whose helpers and selection scheme this kernel shares). Same
-// outputs, same block-per-row layout and candidate buffer; what changes is the per-entry work:
+// The base-2 CUDA forward of lopd::topk_tail_kl_cuda_fwd ("base2" of the kernel choice
+// topk_tail_kl.cuda_forward, lopd_kernels/kernel_variants.py; "natural_exp" is
+// topk_tail_kl_fwd_kernel in topk_tail_kl_kernels.cuh, whose helpers and selection scheme this
+// kernel shares). Same outputs, same block-per-row layout and candidate buffer; the per-entry
+// work differs:
 //
 //   * base 2 throughout: 2^(x log2(e) / T - m) by one FFMA and one MUFU.EX2 (simt::fast_exp2,
-//     2 ulp), where v1 runs a branchy lse_add per entry and side (compare, branch, accurate
-//     expf, FMA);
+//     2 ulp), where natural_exp runs a branchy lse_add per entry and side (compare, branch,
+//     accurate expf, FMA);
 //   * branch-free tails: each thread keeps (max, sum) per side, raised once per chunk of 8
 //     entries (the chunk's max, one rescale exp2, skipped when the max did not move) rather than
 //     per entry; the 8 terms are summed pairwise; admitted candidates are masked to -inf, which
@@ -22,11 +23,12 @@
 //     is a call, not inlined: rare, and inlined it raised the main loop's registers into spills;
 //   * the full-vocabulary mode (top_m == 0) is a kernel of its own with the same base-2 chunked
 //     state for KL = A / Z_w - log Z_w + log Z_o (math::FullKLState's terms): two exp2 per entry
-//     plus up to two per chunk of 8, where v1 merged a one-entry state per entry (eight expf).
+//     plus up to two per chunk of 8, where natural_exp merges a one-entry state per entry (eight
+//     expf).
 // Everything the row's finalization needs is converted back to natural logarithms once, at the
-// end, in double (topk_row_finalize of csrc/common/topk_tail_kl_math.h, shared with v1 and the
-// CPU kernel). Compiled code: tools/kernel_report.py (registers, barriers, instructions per
-// vocabulary entry).
+// end, in double (topk_row_finalize of csrc/common/topk_tail_kl_math.h, shared with natural_exp
+// and the CPU kernel). Compiled code: tools/kernel_report.py (registers, barriers, instructions
+// per vocabulary entry).
 #pragma once
 
 #include <cfloat>
@@ -179,7 +181,7 @@ __device__ Lse2 block_merge2(Lse2 st, float2* scratch) {
 // ---- row outputs -----------------------------------------------------------------------------------
 
 // Writes an ignored row's outputs (all 0; its logits are never read) and returns true, or
-// returns false for a row to compute. Called by the whole block. (v1 keeps its own copies of this
+// returns false for a row to compute. Called by the whole block. (natural_exp keeps its own copies of this
 // and the next two steps: it is the previous kernel, unchanged for the GPU comparison.)
 __device__ __forceinline__ bool write_ignored_row(const FwdParams& p, int64_t row, int64_t tgt) {
   if (tgt != p.ignore_index) return false;
@@ -305,7 +307,7 @@ __device__ Full2 block_merge_full2(Full2 st, Full2* scratch) {
 
 // One full-vocabulary row, one streaming pass (double-buffered); thread 0 writes the outputs.
 template <typename TS, typename TT>
-__device__ void fwd_full_row_v2(const TS* s, const TT* t, bool aligned, const FwdParams& p,
+__device__ void fwd_full_row_base2(const TS* s, const TT* t, bool aligned, const FwdParams& p,
                                 int64_t row, int64_t tgt, float* bucket) {
   __shared__ Full2 scratch[kThreads / 32];
   const int64_t V = p.vocab;
@@ -360,7 +362,7 @@ struct Tails2 {
   Lse2 s, t;
 };
 
-// As v1's compaction: sorts the candidate buffer, keeps the best M, folds the rest into this
+// As natural_exp's compaction: sorts the candidate buffer, keeps the best M, folds the rest into this
 // thread's tails (the dropped student logits re-read from global memory: a handful per row once
 // the threshold has settled), and raises the threshold once M keys are kept. Called by the whole
 // block. Each thread folds its (at most kBufCap / kThreads) dropped keys in chunks of 8 per side,
@@ -368,7 +370,7 @@ struct Tails2 {
 // compound the approximate exp2's error over thousands of steps. Not inlined: it is rare, and
 // inlined (twice, in the unrolled tile loop) its sort raised the main loop's register pressure.
 template <typename TS>
-__device__ __noinline__ Tails2 compact_v2(uint64_t* keys, int* count, uint64_t* threshold,
+__device__ __noinline__ Tails2 compact_base2(uint64_t* keys, int* count, uint64_t* threshold,
                                           int64_t M, const TS* s, float c2, Tails2 tails) {
   const int n = *count;
   block_sort_desc(keys, n);
@@ -399,14 +401,14 @@ __device__ __noinline__ Tails2 compact_v2(uint64_t* keys, int* count, uint64_t* 
   return tails;
 }
 
-// The union's compaction (support="union"; the rule: v1's compact_union in
+// The union's compaction (support="union"; the rule: natural_exp's compact_union in
 // topk_tail_kl_kernels.cuh): both buffers sorted, each keeps its best M, and a dropped key joins
-// the tails, in chunks of 8 per side as in compact_v2, only when the other selection does not
+// the tails, in chunks of 8 per side as in compact_base2, only when the other selection does not
 // hold its entry (the entry's key in the other row, its logit re-read, below that selection's
 // threshold: the student's after this compaction for the teacher's dropped keys, the teacher's
 // before it for the student's). Not inlined: rare.
 template <typename TS, typename TT>
-__device__ __noinline__ Tails2 compact_union_v2(uint64_t* keys, uint64_t* keys_s, int* count,
+__device__ __noinline__ Tails2 compact_union_base2(uint64_t* keys, uint64_t* keys_s, int* count,
                                                 int* count_s, uint64_t* threshold,
                                                 uint64_t* threshold_s, int64_t M, const TS* s,
                                                 const TT* t, float inv, Tails2 tails) {
@@ -470,14 +472,14 @@ __device__ __noinline__ Tails2 compact_union_v2(uint64_t* keys, uint64_t* keys_s
 // against the top-M kernel's occupancy. No dynamic shared memory.
 template <typename TS, typename TT>
 __global__ void __launch_bounds__(kThreads)
-    topk_tail_kl_fwd_full_kernel_v2(const TS* __restrict__ student,
+    topk_tail_kl_fwd_full_base2_kernel(const TS* __restrict__ student,
                                     const TT* __restrict__ teacher, FwdParams p) {
   const int64_t row = blockIdx.x;
   const int64_t tgt = p.target[row];
   if (write_ignored_row(p, row, tgt)) return;
   const TS* s = student + p.s_layout.offset(row);
   const TT* t = teacher + p.t_layout.offset(row);
-  fwd_full_row_v2(s, t, is_aligned16(s) && is_aligned16(t), p, row, tgt, p.bucket + row * 2);
+  fwd_full_row_base2(s, t, is_aligned16(s) && is_aligned16(t), p, row, tgt, p.bucket + row * 2);
 }
 
 // One entry's KL(P || M) and KL(Q || M) terms (natural logarithms) from its log-probabilities
@@ -501,7 +503,7 @@ __device__ __forceinline__ void jsd_terms_fast(float ls, float lt, float l1mb, f
 // memory.
 template <typename TS, typename TT>
 __global__ void __launch_bounds__(kThreads)
-    topk_tail_kl_fwd_full_jsd_kernel_v2(const TS* __restrict__ student,
+    topk_tail_kl_fwd_full_jsd_base2_kernel(const TS* __restrict__ student,
                                         const TT* __restrict__ teacher, FwdParams p) {
   __shared__ float2 scratch[kThreads / 32];
   const int64_t row = blockIdx.x;
@@ -565,14 +567,14 @@ __global__ void __launch_bounds__(kThreads)
 // support="union" (kUnion): kUnionSmemBytes of dynamic shared memory (the student's buffer, its
 // count and threshold after the teacher's buffer); each entry is tested against both thresholds
 // (raw logits first, as for the teacher alone), a candidate of either selection is masked out of
-// both tails, and the compaction is compact_union_v2. Its launch bounds ask for 2 blocks per SM
+// both tails, and the compaction is compact_union_base2. Its launch bounds ask for 2 blocks per SM
 // (up to 128 registers; it takes 116-120): left to itself ptxas capped the float instance at 64
 // registers with spills, and at 3 blocks (80 registers) all but the bf16 one spill. 2 blocks is
 // also what sm_80's shared memory holds of its 64 KB. A minimum of 0 leaves the teacher's instances
 // exactly as they were (same registers and SASS as without the bound).
 template <typename TS, typename TT, bool kUnion = false>
 __global__ void __launch_bounds__(kThreads, kUnion ? 2 : 0)
-    topk_tail_kl_fwd_kernel_v2(const TS* __restrict__ student, const TT* __restrict__ teacher,
+    topk_tail_kl_fwd_base2_kernel(const TS* __restrict__ student, const TT* __restrict__ teacher,
                                FwdParams p) {
   LOPD_EXTERN_SHARED(uint64_t, keys);
   __shared__ float2 lse_scratch[kThreads / 32];
@@ -612,10 +614,10 @@ __global__ void __launch_bounds__(kThreads, kUnion ? 2 : 0)
   auto compact = [&]() {
     Tails2 tails;
     if constexpr (kUnion) {
-      tails = compact_union_v2(keys, keys_s, &count, count_s, &threshold, threshold_s, M, s, t,
+      tails = compact_union_base2(keys, keys_s, &count, count_s, &threshold, threshold_s, M, s, t,
                                inv, Tails2{tail_s, tail_t});
     } else {
-      tails = compact_v2(keys, &count, &threshold, M, s, c2, Tails2{tail_s, tail_t});
+      tails = compact_base2(keys, &count, &threshold, M, s, c2, Tails2{tail_s, tail_t});
     }
     tail_s = tails.s;
     tail_t = tails.t;
@@ -721,7 +723,7 @@ __global__ void __launch_bounds__(kThreads, kUnion ? 2 : 0)
     load_raw8(t + base, valid, aligned, tv);
   };
 
-  // One tile: the block decides together whether to compact (see v1: every thread reads count
+  // One tile: the block decides together whether to compact (see natural_exp: every thread reads count
   // and threshold, then a barrier, and only then may a thread append), the next tile's loads
   // are issued (full tiles), the current tile is processed, and a barrier closes the tile.
   // Full tiles (every thread's 8 entries inside the row) are the main loop, without bounds

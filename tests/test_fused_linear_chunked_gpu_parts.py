@@ -1,7 +1,7 @@
-"""The chunked fused-linear path's two variants (switch ``fused_linear_topk_tail_kl.chunked``,
-lopd_kernels/kernel_variants.py) against the float64 reference, including the GPU-only parts
-run on CPU tensors:
+"""The chunked path of ``fused_linear_topk_tail_kl`` as it runs on a GPU, against the float64
+reference, on CPU tensors:
 
+* its per-row epilogue: what ``topk_tail_kl``'s ``backend="auto"`` picks on a GPU;
 * the Triton epilogue and the Triton tail-probability pass, under ``TRITON_INTERPRET=1``
   (conftest.py);
 * the half-precision GEMM plan of a GPU (one cast of the logit gradient, fp32-output ``addmm``
@@ -18,15 +18,12 @@ import math
 import pytest
 import torch
 
-from lopd_kernels.kernel_variants import SWITCHES, use_variant
 from tests.test_fused_linear_topk_tail_kl import CASES, check, check_case, make_inputs
 from tests.triton_compile import assert_script_compiles
 from tests.utils import assert_close, triton_interpret
 
 chunked = importlib.import_module("lopd_kernels.fused_linear_topk_tail_kl_chunked")
 gemm = importlib.import_module("lopd_kernels.gemm_f32")
-SWITCH = chunked.CHUNKED_SWITCH
-VARIANTS = SWITCHES[SWITCH].choices
 FROZEN = {"student_hidden", "teacher_hidden"}
 ALL = {"student_hidden", "student_weight", "teacher_hidden", "teacher_weight"}
 
@@ -35,33 +32,26 @@ requires_triton = pytest.mark.skipif(
 )
 
 
-def test_switch_lists_previous_first():
-    sw = SWITCHES[SWITCH]
-    assert sw.choices == ("v1", "v2") and sw.default in sw.choices
-    assert sw.env == "LOPD_FUSED_LINEAR_CHUNKED"
+def test_epilogue_follows_topk_tail_kl_auto(monkeypatch):
+    """On a GPU the epilogue is what topk_tail_kl's "auto" picks: Triton first, then the CUDA
+    kernels, each within its top_m limit, else the PyTorch twins; the C++ kernels on CPU."""
+    from lopd_kernels import _backend
+    from lopd_kernels.topk_tail_kl import BACKENDS
 
-
-def test_epilogue_order(monkeypatch):
-    """v2 takes Triton first on a GPU (topk_tail_kl's own policy), v1 the CUDA kernels; an
-    implementation whose top_m limit is exceeded is skipped."""
-    has = {"cuda": True}
-    monkeypatch.setattr(chunked, "triton_available", lambda: True)
-    monkeypatch.setattr(
-        chunked, "has_kernel", lambda name, key: has.get(name.split("_")[-2], False)
-    )
+    monkeypatch.setattr(_backend, "triton_available", lambda: True)
+    built = _backend.OpBackends(BACKENDS.op, BACKENDS.impls, unavailable={}, auto=BACKENDS.auto)
+    monkeypatch.setattr(chunked, "TOPK_TAIL_KL_BACKENDS", built)
     gpu = torch.device("cuda")
-    assert chunked.epilogue_impl(gpu, 20, "v2") == "triton"
-    assert chunked.epilogue_impl(gpu, 20, "v1") == "cuda"
-    assert chunked.epilogue_impl(gpu, 300, "v2") == "cuda"  # Triton's top-M limit is 256
-    assert chunked.epilogue_impl(gpu, 2000, "v2") == "torch"  # CUDA's is 1024
-    monkeypatch.setattr(chunked, "triton_available", lambda: False)
-    assert chunked.epilogue_impl(gpu, 20, "v2") == "cuda"
-    has["cuda"] = False
-    assert chunked.epilogue_impl(gpu, 20, "v1") == "torch"
-    has["cpu"] = True
-    assert chunked.epilogue_impl(torch.device("cpu"), 20, "v2") == "cpu"
-    with use_variant(SWITCH, "v1"):
-        assert chunked.epilogue_impl(gpu, 20) == "torch"
+    assert chunked.epilogue_impl(gpu, 20) == "triton"
+    assert chunked.epilogue_impl(gpu, 300) == "cuda"  # Triton's top-M limit is 256
+    assert chunked.epilogue_impl(gpu, 2000) == "torch"  # CUDA's is 1024
+    assert chunked.epilogue_impl(torch.device("cpu"), 20) == "cpu"
+    monkeypatch.setattr(_backend, "triton_available", lambda: False)
+    assert chunked.epilogue_impl(gpu, 20) == "cuda"
+    no_cuda = _backend.OpBackends(BACKENDS.op, BACKENDS.impls, unavailable={"cuda": "not built"},
+                                  auto=BACKENDS.auto)  # fmt: skip
+    monkeypatch.setattr(chunked, "TOPK_TAIL_KL_BACKENDS", no_cuda)
+    assert chunked.epilogue_impl(gpu, 20) == "torch"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,13 +105,13 @@ def test_tail_probs_kernel_compiles_for_sm90():
 
 
 # ---------------------------------------------------------------------------------------------
-# The chunked path, both variants, with the GPU parts on CPU tensors
+# The chunked path with the GPU parts on CPU tensors
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.fixture
 def triton_gpu_parts(monkeypatch):
-    """The chunked path as v2 runs it on a GPU with Triton: Triton epilogue, Triton tail pass."""
+    """The chunked path as it runs on a GPU with Triton: Triton epilogue, Triton tail pass."""
     if not triton_interpret():
         pytest.skip("needs TRITON_INTERPRET=1 (Triton on CPU tensors)")
     import lopd_kernels.topk_tail_kl  # noqa: F401  (registers the Triton ops)
@@ -130,17 +120,16 @@ def triton_gpu_parts(monkeypatch):
     monkeypatch.setattr(
         chunked,
         "epilogue_kernels",
-        lambda device, top_m=0, divergence="reverse", support="teacher": (
-            ops.topk_tail_kl_triton_fwd,
-            ops.topk_tail_kl_triton_bwd,
+        lambda device, top_m=0: chunked.EpilogueKernels(
+            ops.topk_tail_kl_triton_fwd, ops.topk_tail_kl_triton_bwd
         ),
     )
-    monkeypatch.setattr(chunked, "tail_probs_triton_ok", lambda logits: True)
+    monkeypatch.setattr(chunked, "tail_probs_on_triton", lambda logits: True)
 
 
 # The interpreter is slow: few, small cases (the per-row Triton kernels themselves are tested at
 # length in tests/test_topk_tail_kl_triton.py). With every input requiring grad no tail
-# projection runs, so the variants differ only in the epilogue choice, fixed here.
+# projection runs: the epilogue is what differs from the CPU path.
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "-".join(map(str, c)))
 def test_triton_epilogue_matches_reference(case, triton_gpu_parts):
     check_case(case)
@@ -148,11 +137,9 @@ def test_triton_epilogue_matches_reference(case, triton_gpu_parts):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_tail_pass_frozen_heads(dtype, triton_gpu_parts):
-    """v2's Triton tail pass in the forward (v1 has none), frozen heads, masked rows."""
+    """The Triton tail pass in the forward, frozen heads, masked rows."""
     inputs, target = make_inputs(11, 16, 67, dtype, bias=True, seed=16)
-    with use_variant(SWITCH, "v2"):
-        check(inputs, target, "cpu", dtype, requires=FROZEN, top_m=8, temperature=0.9,
-              chunk_size=4)  # fmt: skip
+    check(inputs, target, "chunked", dtype, requires=FROZEN, top_m=8, temperature=0.9, chunk_size=4)
 
 
 @pytest.fixture
@@ -178,59 +165,25 @@ def gemm_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("requires", [ALL, FROZEN, {"student_hidden", "student_weight"}],
                          ids=["all", "frozen-heads", "student-only"])  # fmt: skip
-def test_half_gemm_plan_matches_reference(variant, dtype, requires, gemm_calls):
+def test_half_gemm_plan_matches_reference(dtype, requires, gemm_calls):
     inputs, target = make_inputs(13, 32, 301, dtype, bias=True, seed=5)
-    with use_variant(SWITCH, variant):
-        check(inputs, target, "cpu", dtype, requires=requires, top_m=6, temperature=1.3,
-              divergence="forward", chunk_size=4)  # fmt: skip
+    check(inputs, target, "chunked", dtype, requires=requires, top_m=6, temperature=1.3,
+          divergence="forward", chunk_size=4)  # fmt: skip
     kinds = {k for k, *_ in gemm_calls}
     trains_head = bool(requires & {"student_weight", "teacher_weight"})
-    # v2 accumulates the weight gradient with the fp32-output addmm, v1 never does.
-    assert ("addmm" in kinds) == (variant == "v2" and trains_head)
+    # The weight gradient accumulates by the fp32-output addmm.
+    assert ("addmm" in kinds) == trains_head
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_half_gemm_plan_tied_head_full_vocab(variant, gemm_calls):
+def test_half_gemm_plan_tied_head_full_vocab(gemm_calls):
     inputs, target = make_inputs(9, 16, 97, torch.bfloat16, tied=True, seed=8)
-    with use_variant(SWITCH, variant):
-        check(inputs, target, "cpu", torch.bfloat16, top_m=None, chunk_size=3)
+    check(inputs, target, "chunked", torch.bfloat16, top_m=None, chunk_size=3)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_cpu_variants_match_reference(variant, case):
-    with use_variant(SWITCH, variant):
-        check_case(case)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cpu_variants_frozen_heads(variant, dtype):
+def test_cpu_frozen_heads(dtype):
     inputs, target = make_inputs(11, 32, 203, dtype, bias=True, seed=16)
-    with use_variant(SWITCH, variant):
-        check(inputs, target, "cpu", dtype, requires=FROZEN, top_m=8, temperature=0.9,
-              chunk_size=4)  # fmt: skip
-
-
-def test_variants_agree_closely():
-    """v1 and v2 compute the same thing: outputs and gradients agree to float32 rounding."""
-    inputs, target = make_inputs(10, 24, 151, torch.float32, bias=True, seed=2)
-    results = {}
-    for v in VARIANTS:
-        leaves = {k: x.clone().requires_grad_(k in FROZEN) for k, x in inputs.items()}
-        with use_variant(SWITCH, v):
-            from lopd_kernels import fused_linear_topk_tail_kl
-
-            out = fused_linear_topk_tail_kl(
-                leaves["student_hidden"], leaves["student_weight"], leaves["teacher_hidden"],
-                leaves["teacher_weight"], target, student_bias=leaves["student_bias"],
-                teacher_bias=leaves["teacher_bias"], top_m=5, temperature=0.6, chunk_size=3,
-            )  # fmt: skip
-            (out.kl.sum() + out.student_logprob.sum()).backward()
-        results[v] = (out.kl.detach(), leaves["student_hidden"].grad, leaves["teacher_hidden"].grad)
-    for a, b in zip(*results.values()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    check(inputs, target, "chunked", dtype, requires=FROZEN, top_m=8, temperature=0.9, chunk_size=4)

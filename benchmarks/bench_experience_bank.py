@@ -6,9 +6,9 @@ the real FAISS ``IndexFlatIP`` through ``Retriever.add``, and queries go through
 ``Retriever.search`` / ``retrieve_batch`` with self-task exclusion and cached query embeddings.
 Embedding cost is excluded on purpose (it depends only on the embedder model).
 
-    python -m benchmarks.bench_memory                # 100k entries, d=256, 1 thread
-    python -m benchmarks.bench_memory --n 10000 --threads 2
-    python -m benchmarks.bench_memory --quality      # retrieval quality of the default embedder
+    python -m benchmarks.bench_experience_bank            # 100k entries, d=256, 1 thread
+    python -m benchmarks.bench_experience_bank --n 10000 --threads 2
+    python -m benchmarks.bench_experience_bank --quality  # the default embedder's retrieval quality
 
 Results are appended to ``benchmarks/results/memory_*.json`` via ``benchmarks.common.record``.
 """

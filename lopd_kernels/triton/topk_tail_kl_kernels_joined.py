@@ -1,28 +1,29 @@
-"""Triton top-M forward of ``topk_tail_kl``, variant ``v2``: fused reductions, top-M student
-logits in registers (switch ``topk_tail_kl.triton_fwd``, :mod:`lopd_kernels.kernel_variants`).
+"""Triton top-M forward of ``topk_tail_kl`` with joined reductions: ``"joined_reductions"`` of
+the kernel slot ``topk_tail_kl.triton_forward`` (:mod:`lopd_kernels.kernel_variants`).
 
-Same contract, keys, tail accounting and finalization as ``_fwd_topm_kernel`` (variant ``v1``,
-``lopd_kernels/triton/topk_tail_kl_kernels.py``, whose docstring explains the algorithm); what
-changes is the work per block:
+Same contract, keys, tail accounting and finalization as ``_fwd_topm_kernel``
+(``"separate_reductions"``, ``lopd_kernels/triton/topk_tail_kl_kernels.py``, whose docstring
+explains the algorithm); the work per block differs:
 
-* **Common path** (no entry of the block can beat the running M-th key): v1 runs five block
-  reductions (the teacher maximum for the test, then maximum and sum of each side's tail fold),
-  each a shuffle tree plus a shared-memory exchange between two barriers. v2 runs two
-  reductions of both sides joined (``tl.join``: ``[BLOCK_V, 2]``): ``(max s, max t)`` of the
-  block, which is both the test and the tails' new maxima (``max(c * x) = c * max(x)`` for
-  ``c > 0``: exact), then ``(sum 2^(ys - ref_s), sum 2^(yt - ref_t))``. Same two ``exp2`` per
-  entry; four barriers per block instead of ten (``tools/kernel_report.py``).
-* **Insertions** (a few candidates): v1 re-reads the evicted entry's student logit from global
-  memory by index (a dependent load per insertion, serial). v2 keeps the student logits of the
-  running top-M in a register vector next to the keys: the next candidate comes with its
-  student logit from one tuple arg-max reduction ``(key, s)``, the evicted one's is read from
-  the register vector.
+* **Common path** (no entry of the block can beat the running M-th key): separate_reductions
+  runs five block reductions (the selecting side's maximum for the test, then maximum and sum of
+  each side's tail fold), each a shuffle tree plus a shared-memory exchange between two
+  barriers. This kernel runs two reductions of both sides joined (``tl.join``:
+  ``[BLOCK_V, 2]``): ``(max s, max t)`` of the block, which is both the test and the tails' new
+  maxima (``max(c * x) = c * max(x)`` for ``c > 0``: exact), then
+  ``(sum 2^(ys - ref_s), sum 2^(yt - ref_t))``. Same two ``exp2`` per entry; four barriers per
+  block instead of ten (``tools/kernel_report.py``).
+* **Insertions** (a few candidates): separate_reductions re-reads the evicted entry's other-side
+  logit from global memory by index (a dependent load per insertion, serial). This kernel keeps
+  the other-side logits of the running top-M in a register vector next to the keys: the next
+  candidate comes with its other-side logit from one tuple arg-max reduction ``(key, s)``, the
+  evicted one's is read from the register vector.
 
-The supports are v1's (student: the roles of the rows swapped; union: two running sets, each
-with its other side's logits in registers, an entry folded into the tails once it is in
-neither), and so is the finalization (``_finish_topm``). Only the sequential-insert path exists
-here (no bitonic merge); the launcher runs ``v1`` where the merge is enabled (``top_m > 64`` by
-default).
+The supports are separate_reductions' (student: the roles of the rows swapped; union: two
+running sets, each with its other side's logits in registers, an entry folded into the tails
+once it is in neither), and so is the finalization (``_finish_topm``). Only the
+sequential-insert path exists here (no bitonic merge); the launcher runs separate_reductions
+where the merge is enabled (``top_m > 64`` by default).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _argmax_key(ka, sa, kb, sb):
 
 @triton.jit
 def _insert_set(top, top_o, thr, key, o, slot, scale2, ma, la, mo, lo, thr_o, UNION: tl.constexpr):
-    """Sequential inserts of a block's candidates into a running top-M (v1's ``_update_set``
+    """Sequential inserts of a block's candidates into a running top-M (``_update_set``
     without the merge): ``top_o`` holds the other side's logits (float32, unscaled) of the set's
     entries slot by slot, ``o`` the block's. Returns ``(top, top_o, thr, lowest, ma, la, mo,
     lo)``."""
@@ -64,7 +65,7 @@ def _insert_set(top, top_o, thr, key, o, slot, scale2, ma, la, mo, lo, thr_o, UN
         evicted = thr != _KEY_EMPTY
         e_o = tl.max(tl.where(hit, top_o, float("-inf")), 0)
         if UNION:
-            # Held by the other set: not in the tails yet (v1's _update_set).
+            # Held by the other set: not in the tails yet (as in _update_set).
             evicted = evicted & (_sortable_key(e_o, _key_index(thr)) < thr_o)
         e_o = tl.where(evicted, e_o, float("-inf"))
         e_a = tl.where(evicted, _key_value(thr), float("-inf"))
@@ -79,7 +80,7 @@ def _insert_set(top, top_o, thr, key, o, slot, scale2, ma, la, mo, lo, thr_o, UN
 
 
 @triton.jit
-def _fwd_topm_fused_kernel(
+def _fwd_topm_joined_kernel(
     s_ptr,  # [N, V] student logits (row stride stride_s, unit column stride)
     t_ptr,  # [N, V] teacher logits
     tgt_ptr,  # [N] int64 targets
@@ -90,7 +91,7 @@ def _fwd_topm_fused_kernel(
     lse_ptr,  # [N, 2] fp32 out
     blp_ptr,  # [N, 2, K + 1] fp32 out: log P_b, log Q_b; b = K is the tail
     V,
-    L,  # rows per batch item ([B, L, V] inputs; else N), as in v1
+    L,  # rows per batch item ([B, L, V] inputs; else N), as in _fwd_topm_kernel
     stride_sb,
     stride_s,
     stride_tb,
@@ -162,7 +163,7 @@ def _fwd_topm_fused_kernel(
                     )
                     in_tail = key < lowest
                 elif SUPPORT == 2:
-                    # The teacher's set first, then the student's (as in v1).
+                    # The teacher's set first, then the student's (as in _fwd_topm_kernel).
                     key = tl.where(inb, _sortable_key(t, offs), _KEY_EMPTY)
                     key2 = tl.where(inb, _sortable_key(s, offs), _KEY_EMPTY)
                     top, top_o, thr, lowest, mt, lt, ms, ls = _insert_set(
@@ -200,7 +201,8 @@ def _fwd_topm_fused_kernel(
             ms = ms_new
             mt = mt_new
 
-        # Finalization as in v1: sort the set(s), gather the other side's M logits once per row.
+        # Finalization as in _fwd_topm_kernel: sort the set(s), gather the other side's M logits
+        # once per row.
         _finish_topm(
             s_row, t_row, tgt, V, scale2, ms, ls, mt, lt, top, top2, thr, row, kl_ptr, slp_ptr,
             tlp_ptr, ids_row, lse_ptr, blp_row, slot, valid, beta, log_1mb, log_b, M, K, DIV,

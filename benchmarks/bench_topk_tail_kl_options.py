@@ -18,8 +18,9 @@ that the load of a shared machine hits every variant alike:
 Records go to ``benchmarks/results/topk_tail_kl_options.json`` (``benchmarks.common.record``:
 device, CPU kind, commit, load, shapes, median).
 
-    python benchmarks/topk_options_ab.py --rounds 12                      # options
-    python benchmarks/topk_options_ab.py --baseline ../lopd-prev --rounds 10 --skip-options
+    python benchmarks/bench_topk_tail_kl_options.py --rounds 12  # options
+    python benchmarks/bench_topk_tail_kl_options.py --baseline ../lopd-prev --rounds 10 \
+        --skip-options
 """
 
 from __future__ import annotations
