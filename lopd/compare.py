@@ -24,6 +24,8 @@ Usage::
         eval.with_composer=true --out runs/margin   # the margin sweep (paper Fig. 3)
     python -m lopd.compare --methods opsd-a5 sdpo-a5 sdft-a5 skill-sd-a5 --out runs/a5
                                                     # every text teacher in LOPD's framing
+    python -m lopd.compare --methods lopd lopd-grow lopd-ppo lopd-ppo-ema-grow lopd-ppo-null
+                                                    # LOPD-PPO, a moved teacher, a growing bank
     python -m lopd.compare --from-results runs/compare/results.json   # rewrite the report only
     python -m lopd.compare --from-runs runs/compare  # the report of the runs a stopped
                                                     # comparison finished (same settings)
@@ -51,7 +53,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -65,6 +66,7 @@ from typing import Any
 
 from lopd.config import COMPARE_BUDGETS, BankTooSmallError, ConfigError, load_config
 from lopd.eval.compare_report import ALL_METHODS, write_report
+from lopd.eval.run_names import parse_run_name
 from lopd.methods import METHODS, MethodSpec
 from lopd.run.claim import clear_run_dir, refuse_used_runs
 from lopd.run.host_memory import configure_host_memory
@@ -78,7 +80,6 @@ __all__ = ["ALL_METHODS", "CompareSettings", "main", "run_method", "settings_for
 _RUN_ORDER = tuple(
     sorted(ALL_METHODS, key=lambda m: (not METHODS[m].uses_composer, not METHODS[m].builds_bank))
 )
-_MARGIN_RUN = re.compile(r"lopd-m(\d+(?:\.\d+)?)")
 # Methods whose teacher reads text (a reference or a skill), so ``lopd.context_format`` applies.
 A5_METHODS = tuple(
     m for m in ALL_METHODS if METHODS[m].has_teacher and not METHODS[m].uses_composer
@@ -89,25 +90,17 @@ DEFAULT_RUNS = ALL_METHODS + tuple(f"{m}-a5" for m in A5_METHODS)
 
 
 def resolve_run(name: str) -> tuple[str, list[str]]:
-    """The method and the extra overrides of a run name: a method of :data:`lopd.methods.METHODS`,
-    ``lopd-m<m>``, LOPD with margin ``m`` (``lopd-m0.02``; the margin sweep; ``lopd-m0`` is
-    the registered ablation), or ``<method>-a5``, a text-teacher method (:data:`A5_METHODS`)
-    whose teacher reads its reference in LOPD's A.5 framing (``lopd.context_format=a5``).
+    """The method and the extra overrides of a run name (:mod:`lopd.eval.run_names`): a method
+    of :data:`lopd.methods.METHODS` or ``lopd-m<m>`` (LOPD with margin ``m``; ``lopd-m0`` is the
+    registered ablation), with suffixes ``-a5`` (a text teacher in LOPD's A.5 framing), ``-sync``
+    / ``-ema`` (a latent teacher's backbone), ``-grow`` (a growing bank), ``-null`` (the
+    teacher's context emptied).
 
     Raises:
         ValueError: none of these.
     """
-    if name in METHODS:
-        return name, []
-    if name.endswith("-a5") and name[: -len("-a5")] in A5_METHODS:
-        return name[: -len("-a5")], ["lopd.context_format=a5"]
-    match = _MARGIN_RUN.fullmatch(name)
-    if match is None:
-        raise ValueError(
-            f"unknown method {name!r}: one of {', '.join(ALL_METHODS)}, lopd-m<margin> "
-            f"(e.g. lopd-m0.02), or <method>-a5 for {', '.join(A5_METHODS)}"
-        )
-    return "lopd", [f"lopd.margin={match.group(1)}"]
+    parsed = parse_run_name(name)
+    return parsed.method, list(parsed.overrides)
 
 
 def _spec(name: str) -> MethodSpec:
@@ -382,8 +375,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=_run_name,
         help=f"default: {' '.join(DEFAULT_RUNS)}; any of {' '.join(ALL_METHODS)}, "
         "lopd-m<margin> (LOPD with that margin, e.g. "
-        f"lopd-m0.02: the margin sweep), or <method>-a5 for {', '.join(A5_METHODS)} (its "
-        "teacher reads its reference in LOPD's A.5 framing: the same reader as LOPD)",
+        "lopd-m0.02: the margin sweep), with suffixes: -a5 for "
+        f"{', '.join(A5_METHODS)} (its teacher reads its reference in LOPD's A.5 framing: the "
+        "same reader as LOPD), -sync / -ema (the latent teacher's backbone follows the "
+        "student), -grow (the bank grows with the student's successes), -null (the teacher's "
+        "context emptied); e.g. lopd-ppo-ema-grow",
     )
     p.add_argument("--out", default=None, help="output directory (default runs/compare[-quick])")
     p.add_argument("--budget", type=int, default=None, help="rollouts per run (bank included)")

@@ -47,6 +47,7 @@ from lopd.eval.held_out import HeldOutEvaluator
 from lopd.latent.cold_start import build_composer, cold_start
 from lopd.latent.conditioned import LatentFraming
 from lopd.latent.experience import Experience, build_experience
+from lopd.latent.growth import build_bank_growth
 from lopd.latent.teacher import TaskLatents
 from lopd.methods import METHODS, MethodContext
 from lopd.models.loading import load_run_models, resolve_model_dir
@@ -69,6 +70,8 @@ __all__ = ["Trainer"]
 
 _NOT_METRICS = ("seconds", "task_rewards")
 """Evaluation results that are not per-step scalar metrics."""
+_CURVE = ("reward_mean", "reward_stderr", "success_rate")
+"""What the latent teacher's evaluations along the run log (``eval.teacher_curve``)."""
 
 
 class Trainer:
@@ -191,12 +194,16 @@ class Trainer:
             latents = TaskLatents(models.composer, self.experience.retrieved)
             latents0 = cold_start(ctx, self.experience, latents)
             self.memory.phase("cold_start", models)
+        growth = None
+        if cfg.bank.grow:  # spec.check refused it for methods without a bank
+            growth = build_bank_growth(ctx, self.experience, latents, latents0)
         # The bank and the cold start read the backbone whole; training shards it.
         models.sharding.shard(models.backbone, trainable=False)
         self.context = MethodContext(
             models, self.engine, self.sampler, self.train_tasks, self.experience,
             latents0=latents0, latents=latents, seed=cfg.seed, rank=dist.rank,
             null_context=cfg.lopd.null_context, context_format=cfg.lopd.context_format,
+            bank_growth=growth,
         )  # fmt: skip
         self.method = spec.build(self.context, cfg)
         self.optimizers = build_optimizers(
@@ -205,7 +212,7 @@ class Trainer:
             cfg.lopd,
             precision.grad_scaler(),
         )
-        self.evaluate = HeldOutEvaluator(ctx, latents)
+        self.evaluate = HeldOutEvaluator(ctx, latents, getattr(self.method, "teacher_model", None))
         self.memory.phase("setup", models, self._optimizer_list())
 
     def _build_vllm(self) -> VLLMRollout | None:
@@ -346,6 +353,9 @@ class Trainer:
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.lopd.steps:
                 ev = self.evaluate("lopd")
                 m.update({f"eval_{k}": v for k, v in ev.items() if k not in _NOT_METRICS})
+                if cfg.eval.teacher_curve and self.models.composer is not None:
+                    ev = self.evaluate("teacher_composer")
+                    m.update({f"eval_teacher_{k}": v for k, v in ev.items() if k in _CURVE})
             metrics_log.write(m)
             if self.is_main:
                 bar.set_postfix(
@@ -364,6 +374,9 @@ class Trainer:
             summary["base_composer_phi0"] = base_composer0
         if self.models.composer is not None and cfg.eval.with_composer:
             summary["base_composer"] = self.evaluate("base_composer")
+            summary["student_composer"] = self.evaluate("student_composer")
+            if self.evaluate.teacher_moved():
+                summary["teacher_composer"] = self.evaluate("teacher_composer")
         self.memory.phase("eval_final", self.models, self._optimizer_list())
         summary["rollouts"] = self.global_rollouts()
         summary["wall_seconds"] = self.wall_seconds()

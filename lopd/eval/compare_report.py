@@ -24,6 +24,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from lopd.atomic import atomic_write_text
+from lopd.eval.run_names import RUN_SUFFIXES, parse_run_name
 from lopd.eval.stats import fmt, mean_se, side, verdict
 from lopd.methods import METHODS
 
@@ -46,17 +47,18 @@ TARGET_GAINS = (0.05, 0.10, 0.15, 0.20)
 
 
 # ------------------------------------------------------------------------------ statistics
-def _report_order(name: str) -> tuple[int, float, str]:
-    """Registered methods in :data:`ALL_METHODS` order, each method's ``-a5`` run (its teacher in
-    LOPD's framing) right after it, then margin runs (``lopd-m0.02``) by m."""
-    if name in ALL_METHODS:
-        return ALL_METHODS.index(name), 0.0, name
-    if name.endswith("-a5") and name.removesuffix("-a5") in ALL_METHODS:
-        return ALL_METHODS.index(name.removesuffix("-a5")), 0.5, name
+def _report_order(name: str) -> tuple[int, float, tuple[int, ...], str]:
+    """Registered methods in :data:`ALL_METHODS` order, each method's suffixed runs (``-a5``,
+    ``-sync``, ``-ema``, ``-grow``, ``-null``: :mod:`lopd.eval.run_names`) right after it, then
+    margin runs (``lopd-m0.02``) by m."""
     try:
-        return len(ALL_METHODS), float(name.removeprefix("lopd-m")), name
+        parsed = parse_run_name(name)
     except ValueError:
-        return len(ALL_METHODS) + 1, 0.0, name
+        return len(ALL_METHODS) + 1, 0.0, (), name
+    order = tuple(list(RUN_SUFFIXES).index(s) + 1 for s in parsed.suffixes)
+    if parsed.base in ALL_METHODS:
+        return ALL_METHODS.index(parsed.base), 0.0, order, name
+    return len(ALL_METHODS), float(parsed.base.removeprefix("lopd-m")), order, name
 
 
 def _by_method(results: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
