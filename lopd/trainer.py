@@ -68,12 +68,6 @@ from lopd.run.tasks import TaskSampler, load_tasks
 __all__ = ["Trainer"]
 
 
-_NOT_METRICS = ("seconds", "task_rewards")
-"""Evaluation results that are not per-step scalar metrics."""
-_CURVE = ("reward_mean", "reward_stderr", "success_rate")
-"""What the latent teacher's evaluations along the run log (``eval.teacher_curve``)."""
-
-
 class Trainer:
     """Runs one configured experiment in ``cfg.run_dir``.
 
@@ -194,9 +188,8 @@ class Trainer:
             latents = TaskLatents(models.composer, self.experience.retrieved)
             latents0 = cold_start(ctx, self.experience, latents)
             self.memory.phase("cold_start", models)
-        growth = None
-        if cfg.bank.grow:  # spec.check refused it for methods without a bank
-            growth = build_bank_growth(ctx, self.experience, latents, latents0)
+        grow = cfg.bank.grow  # spec.check refused it for methods without a bank
+        growth = build_bank_growth(ctx, self.experience, latents, latents0) if grow else None
         # The bank and the cold start read the backbone whole; training shards it.
         models.sharding.shard(models.backbone, trainable=False)
         self.context = MethodContext(
@@ -351,11 +344,7 @@ class Trainer:
         for step in bar:
             m = self.train_step(step)
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.lopd.steps:
-                ev = self.evaluate("lopd")
-                m.update({f"eval_{k}": v for k, v in ev.items() if k not in _NOT_METRICS})
-                if cfg.eval.teacher_curve and self.models.composer is not None:
-                    ev = self.evaluate("teacher_composer")
-                    m.update({f"eval_teacher_{k}": v for k, v in ev.items() if k in _CURVE})
+                m.update(self.evaluate.curve_point())
             metrics_log.write(m)
             if self.is_main:
                 bar.set_postfix(
@@ -373,10 +362,7 @@ class Trainer:
         if base_composer0 is not None:
             summary["base_composer_phi0"] = base_composer0
         if self.models.composer is not None and cfg.eval.with_composer:
-            summary["base_composer"] = self.evaluate("base_composer")
-            summary["student_composer"] = self.evaluate("student_composer")
-            if self.evaluate.teacher_moved():
-                summary["teacher_composer"] = self.evaluate("teacher_composer")
+            summary.update(self.evaluate.with_latents())
         self.memory.phase("eval_final", self.models, self._optimizer_list())
         summary["rollouts"] = self.global_rollouts()
         summary["wall_seconds"] = self.wall_seconds()

@@ -259,3 +259,63 @@ def test_run_names_carry_their_settings_in_one_order():
                 "sdpo-ema", "lopd-a5", "lopd-grow-grow", "-grow"):  # fmt: skip
         with pytest.raises(ValueError, match="unknown method"):
             resolve_run(bad)
+
+
+def _result(method, seed, final, curve, bank=0, **extra):
+    def ev(x):
+        return {"reward_mean": x, "reward_stderr": 0.0, "success_rate": 0.0, "n": 4}
+
+    out = {
+        "method": method, "seed": seed, "curve": curve, "final": ev(final), "vanilla": ev(0.3),
+        "bank_rollouts": bank, "rollouts": 200 + bank, "wall_seconds": 1.0, "error": None,
+    }  # fmt: skip
+    out.update({k: ev(v) if k.endswith("composer") else v for k, v in extra.items()})
+    return out
+
+
+def test_report_holds_the_recipe_tables_and_merges_results(tmp_path, capsys):
+    import json
+
+    from lopd.compare import main
+
+    refs, ppo = [], []
+    for seed, (g, k, p) in enumerate(((0.5, 0.55, 0.7), (0.6, 0.62, 0.75))):
+        refs += [
+            _result("grpo", seed, g, [[0, 0.3], [100, 0.4], [200, g]]),
+            _result("skill-sd", seed, k, [[0, 0.3], [200, k]]),
+        ]
+        ppo.append(
+            _result(
+                "lopd-ppo-ema-grow", seed, p, [[0, 0.3], [96, 0.3], [196, 0.5], [296, p]], bank=96,
+                trace={"grad_ppo": [1.0, 1.0], "grad_distill": [1.0, 3.0],
+                       "bank_size": [10, 12], "bank_added": [0, 2]},
+                dual={"margin": 0.05, "delta": [0.01, 0.03], "beta": [0.0, 0.0]},
+                base_composer=0.4, student_composer=p + 0.05, teacher_composer=0.6,
+            )
+        )  # fmt: skip
+    meta = {"seeds": [0, 1], "budget": 296, "preset": "compare", "overrides": []}
+    meta.update(wall_seconds=60.0, command="python -m lopd.compare", eval_every=8)
+    for name, runs in (("a", refs), ("b", ppo)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}))
+    a, b = (str(tmp_path / n / "results.json") for n in "ab")
+    assert main(["--from-results", a, "--from-results", b, "--out", str(tmp_path / "ab")]) == 0
+    report = (tmp_path / "ab" / "report.md").read_text()
+    # lopd-ppo − grpo = 0.20, 0.15; − skill-sd = 0.15, 0.13: above both beyond 2 stderr.
+    assert "| lopd-ppo-ema-grow | 0.725 ± 0.025 | 0.175 ± 0.025 (above, > 2 stderr) | " in report
+    assert "0.140 ± 0.010 (above, > 2 stderr) | yes |" in report
+    # Without the bank its curve starts at 0: vanilla + 0.05 / 0.10 after 25 / 50 rollouts.
+    bankless = report.split("the bank's rollouts left out")[1].split("##")[0]
+    assert "| lopd-ppo-ema-grow | 25 ± 0 | 50 ± 0 |" in bankless
+    assert "| lopd-ppo-ema-grow / GRPO | 50% ± 0% | 50% ± 0% |" in bankless
+    # Latents: base 0.3 -> 0.4 (+0.10); student p -> p + 0.05; the EMA teacher's weights 0.6.
+    assert "| 0.600 ± 0.000 | 0.100 ± 0.000 | 0.050 ± 0.000 |" in report
+    # Share of the gradient (0.5, 0.75 -> 0.625), Delta 0.02, bank 12 (2 added).
+    assert (
+        "| lopd-ppo-ema-grow | 0.62 ± 0.00 | – | 0.0200 ± 0.0000 | – / – | 12 ± 0 (2 ± 0) |"
+        in report
+    )
+    capsys.readouterr()
+    assert main(["--from-results", a, "--from-results", a, "--out", str(tmp_path / "aa")]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "grpo seed 0 is also in" in err

@@ -33,6 +33,11 @@ from lopd.types import Task, Trajectory
 
 __all__ = ["HeldOutEvaluator"]
 
+_NOT_METRICS = ("seconds", "task_rewards")
+"""Evaluation results that are not per-step scalar metrics."""
+_TEACHER_CURVE = ("reward_mean", "reward_stderr", "success_rate")
+"""What the latent teacher's evaluations along the run log (``eval.teacher_curve``)."""
+
 
 class HeldOutEvaluator:
     """Evaluation on the held-out split (rank 0 generates; the other ranks wait).
@@ -98,6 +103,24 @@ class HeldOutEvaluator:
                 )
             self.ctx.dist.barrier()
         return result
+
+    def curve_point(self) -> dict[str, float]:
+        """An evaluation along the run as metrics: the student's (``eval_*``) and, with
+        ``eval.teacher_curve``, the latent teacher's (``eval_teacher_*``)."""
+        ev = {f"eval_{k}": v for k, v in self("lopd").items() if k not in _NOT_METRICS}
+        if self.ctx.cfg.eval.teacher_curve and self.latents is not None:
+            teacher = self("teacher_composer")
+            ev.update({f"eval_teacher_{k}": v for k, v in teacher.items() if k in _TEACHER_CURVE})
+        return ev
+
+    def with_latents(self) -> dict[str, dict[str, Any]]:
+        """After training: the frozen base (``base_composer``), the trained student
+        (``student_composer``) and a moved teacher's weights (``teacher_composer``), each
+        generating with the trained latents."""
+        out = {which: self(which) for which in ("base_composer", "student_composer")}
+        if self.teacher_moved():
+            out["teacher_composer"] = self("teacher_composer")
+        return out
 
     def teacher_moved(self) -> bool:
         """Whether the latent teacher's weights are a copy that follows the student."""
