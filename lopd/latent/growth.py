@@ -83,6 +83,9 @@ class BankGrowth:
         compose0: ``tasks -> {task_id: c_phi0}`` with phi_0 (composer methods).
         log_file: where the grown entries are listed (``run_dir/bank_grown.jsonl``); ``None``:
             nowhere.
+        base_mode: ``() ->`` the context in which the embedder's model is the frozen base (the
+            composer's LoRA off); embeddings and retrievals run in it, so a query missing from
+            the cache is embedded as the bank was.
 
     Attributes:
         steps: optimizer steps seen.
@@ -101,6 +104,7 @@ class BankGrowth:
         latents0: dict[str, torch.Tensor] | None = None,
         compose0: Callable[[Sequence[Task]], dict[str, torch.Tensor]] | None = None,
         log_file: Path | None = None,
+        base_mode: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
@@ -115,6 +119,7 @@ class BankGrowth:
         self.latents0 = latents0
         self.compose0 = compose0
         self.log_file = log_file
+        self.base_mode = base_mode
         self.steps = 0
         self.pending: dict[str, BankEntry] = {}
         self.grown: list[tuple[BankEntry, np.ndarray]] = []
@@ -169,7 +174,8 @@ class BankGrowth:
         self.pending = {}
         if not fresh:
             return 0, 0
-        z = self.embed_documents([document_text(e) for e in fresh])
+        with self.base_mode():
+            z = self.embed_documents([document_text(e) for e in fresh])
         self.add(fresh, np.asarray(z, dtype=np.float32))
         changed = self.retrieve_again()
         if self.log_file is not None:
@@ -186,7 +192,8 @@ class BankGrowth:
     def retrieve_again(self) -> int:
         """Every task's J retrievals from the grown index, written into :attr:`retrieved`; the
         changed training tasks' c_phi0 recomputed. Returns how many tasks changed."""
-        hits = self.retriever.retrieve_batch(self.tasks, k=self.num_retrieved)
+        with self.base_mode():
+            hits = self.retriever.retrieve_batch(self.tasks, k=self.num_retrieved)
         changed = []
         for task, entries in zip(self.tasks, hits):
             texts = [format_experience(e) for e in entries]
@@ -228,7 +235,8 @@ class BankGrowth:
         entries = [BankEntry.from_dict(d) for d in state["entries"]]
         if entries:
             self.add(entries, state["embeddings"].numpy().astype(np.float32))
-            hits = self.retriever.retrieve_batch(self.tasks, k=self.num_retrieved)
+            with self.base_mode():
+                hits = self.retriever.retrieve_batch(self.tasks, k=self.num_retrieved)
             for task, found in zip(self.tasks, hits):
                 self.retrieved[task.task_id] = [format_experience(e) for e in found]
         self.refreshed0 = dict(state["latents0"])
@@ -256,10 +264,8 @@ def build_bank_growth(
         raise ValueError("bank.grow needs the bank's retriever with its embedder")
     composer = latents.composer if latents is not None else None
 
-    def embed_documents(texts: list[str]) -> np.ndarray:
-        off = composer.teacher_mode() if composer is not None else contextlib.nullcontext()
-        with off:
-            return retriever.embedder.embed_documents(texts)
+    def base_mode() -> contextlib.AbstractContextManager[Any]:
+        return composer.teacher_mode() if composer is not None else contextlib.nullcontext()
 
     compose0 = None
     if latents is not None:
@@ -272,7 +278,7 @@ def build_bank_growth(
 
     return BankGrowth(
         retriever,
-        embed_documents,
+        retriever.embedder.embed_documents,
         list(ctx.train_tasks) + list(ctx.test_tasks),
         experience.retrieved,
         cfg.composer.num_retrieved,
@@ -281,4 +287,5 @@ def build_bank_growth(
         latents0=latents0,
         compose0=compose0,
         log_file=ctx.run_dir.bank_grown if ctx.dist.is_main else None,
+        base_mode=base_mode,
     )
