@@ -28,9 +28,10 @@ from lopd.eval.stats import fmt, mean_se
 
 
 def _share(run: dict[str, Any]) -> float | None:
+    """Σ|g_distill| / Σ(|g_ppo| + |g_distill|) over the run's steps (LOPD-PPO's trace)."""
     t = run.get("trace", {})
-    pairs = [(p, d) for p, d in zip(t.get("grad_ppo", []), t.get("grad_distill", [])) if p + d]
-    return sum(d / (p + d) for p, d in pairs) / len(pairs) if pairs else None
+    g_p, g_d = sum(t.get("grad_ppo", [])), sum(t.get("grad_distill", []))
+    return g_d / (g_p + g_d) if g_p + g_d > 0 else None
 
 
 def _mean(values: list[float | None], digits: int = 3) -> str:

@@ -310,9 +310,9 @@ def test_report_holds_the_recipe_tables_and_merges_results(tmp_path, capsys):
     assert "| lopd-ppo-ema-grow / GRPO | 50% ± 0% | 50% ± 0% |" in bankless
     # Latents: base 0.3 -> 0.4 (+0.10); student p -> p + 0.05; the EMA teacher's weights 0.6.
     assert "| 0.600 ± 0.000 | 0.100 ± 0.000 | 0.050 ± 0.000 |" in report
-    # Share of the gradient (0.5, 0.75 -> 0.625), Delta 0.02, bank 12 (2 added).
+    # Share of the gradient (4 of 6 -> 0.67), Delta 0.02, bank 12 (2 added).
     assert (
-        "| lopd-ppo-ema-grow | 0.62 ± 0.00 | – | 0.0200 ± 0.0000 | – / – | 12 ± 0 (2 ± 0) |"
+        "| lopd-ppo-ema-grow | 0.67 ± 0.00 | – | 0.0200 ± 0.0000 | – / – | 12 ± 0 (2 ± 0) |"
         in report
     )
     capsys.readouterr()

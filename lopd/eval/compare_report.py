@@ -431,9 +431,9 @@ def write_report(
         ),
         *_section(
             "How the latent-teacher runs learnt",
-            "Means over a run's steps, then mean ± stderr over seeds. Share: |g_distill| / "
-            "(|g_ppo| + |g_distill|) of the gradients the two terms send into the student's "
-            "action-row hidden states (LOPD-PPO).",
+            "Per run, then mean ± stderr over seeds. Share: Σ|g_distill| / Σ(|g_ppo| + "
+            "|g_distill|) over the run's steps, of the gradients the two terms send into the "
+            "student's action-row hidden states (LOPD-PPO); cosine and Delta: means over steps.",
             signal_table(by),
         ),
         *_section(

@@ -117,11 +117,12 @@ def _over_seeds(values: Sequence[float | None], digits: int = 3) -> str:
 
 
 def signal_table(by: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """How each latent-teacher run learnt, means over its steps then over seeds (markdown
+    """How each latent-teacher run learnt, per run then mean +- stderr over seeds (markdown
     lines): the distillation term's share of the gradient into the student's action-row hidden
-    states, ``|g_distill| / (|g_ppo| + |g_distill|)``, and the cosine between the two (LOPD-PPO;
-    LOPD has no PPO term), Delta, the latent teacher's held-out reward at its first and last
-    evaluation along the run, and the bank's size at the end (entries added in training)."""
+    states, ``sum |g_distill| / sum (|g_ppo| + |g_distill|)`` over the run's steps, and the
+    mean cosine between the two (LOPD-PPO; LOPD has no PPO term), Delta's mean over steps, the
+    latent teacher's held-out reward at its first and last evaluation along the run, and the
+    bank's size at the end (entries added in training)."""
     names = latent_runs(by)
     if not names:
         return []
@@ -136,8 +137,8 @@ def signal_table(by: dict[str, list[dict[str, Any]]]) -> list[str]:
         share, cosine, delta, first, last, bank, added = [], [], [], [], [], [], []
         for r in runs:
             t = r.get("trace", {})
-            g_p, g_d = t.get("grad_ppo", []), t.get("grad_distill", [])
-            share.append(_run_mean([d / (p + d) if p + d > 0 else None for p, d in zip(g_p, g_d)]))
+            g_p, g_d = sum(t.get("grad_ppo", [])), sum(t.get("grad_distill", []))
+            share.append(g_d / (g_p + g_d) if g_p + g_d > 0 else None)
             cosine.append(_run_mean(t.get("grad_cosine", [])))
             delta.append(_run_mean(r.get("dual", {}).get("delta", [])))
             curve = r.get("teacher_curve", [])
