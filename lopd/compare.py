@@ -24,6 +24,8 @@ Usage::
         eval.with_composer=true --out runs/margin   # the margin sweep (paper Fig. 3)
     python -m lopd.compare --methods opsd-a5 sdpo-a5 sdft-a5 skill-sd-a5 --out runs/a5
                                                     # every text teacher in LOPD's framing
+    python -m lopd.compare --methods lopd lopd-grow lopd-ppo lopd-ppo-ema-grow lopd-ppo-null
+                                                    # LOPD-PPO, a moved teacher, a growing bank
     python -m lopd.compare --from-results runs/compare/results.json   # rewrite the report only
     python -m lopd.compare --from-runs runs/compare  # the report of the runs a stopped
                                                     # comparison finished (same settings)
@@ -51,7 +53,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -65,6 +66,7 @@ from typing import Any
 
 from lopd.config import COMPARE_BUDGETS, BankTooSmallError, ConfigError, load_config
 from lopd.eval.compare_report import ALL_METHODS, write_report
+from lopd.eval.run_names import parse_run_name
 from lopd.methods import METHODS, MethodSpec
 from lopd.run.claim import clear_run_dir, refuse_used_runs
 from lopd.run.host_memory import configure_host_memory
@@ -78,7 +80,6 @@ __all__ = ["ALL_METHODS", "CompareSettings", "main", "run_method", "settings_for
 _RUN_ORDER = tuple(
     sorted(ALL_METHODS, key=lambda m: (not METHODS[m].uses_composer, not METHODS[m].builds_bank))
 )
-_MARGIN_RUN = re.compile(r"lopd-m(\d+(?:\.\d+)?)")
 # Methods whose teacher reads text (a reference or a skill), so ``lopd.context_format`` applies.
 A5_METHODS = tuple(
     m for m in ALL_METHODS if METHODS[m].has_teacher and not METHODS[m].uses_composer
@@ -89,25 +90,17 @@ DEFAULT_RUNS = ALL_METHODS + tuple(f"{m}-a5" for m in A5_METHODS)
 
 
 def resolve_run(name: str) -> tuple[str, list[str]]:
-    """The method and the extra overrides of a run name: a method of :data:`lopd.methods.METHODS`,
-    ``lopd-m<m>``, LOPD with margin ``m`` (``lopd-m0.02``; the margin sweep; ``lopd-m0`` is
-    the registered ablation), or ``<method>-a5``, a text-teacher method (:data:`A5_METHODS`)
-    whose teacher reads its reference in LOPD's A.5 framing (``lopd.context_format=a5``).
+    """The method and the extra overrides of a run name (:mod:`lopd.eval.run_names`): a method
+    of :data:`lopd.methods.METHODS` or ``lopd-m<m>`` (LOPD with margin ``m``; ``lopd-m0`` is the
+    registered ablation), with suffixes ``-a5`` (a text teacher in LOPD's A.5 framing), ``-sync``
+    / ``-ema`` (a latent teacher's backbone), ``-grow`` (a growing bank), ``-null`` (the
+    teacher's context emptied).
 
     Raises:
         ValueError: none of these.
     """
-    if name in METHODS:
-        return name, []
-    if name.endswith("-a5") and name[: -len("-a5")] in A5_METHODS:
-        return name[: -len("-a5")], ["lopd.context_format=a5"]
-    match = _MARGIN_RUN.fullmatch(name)
-    if match is None:
-        raise ValueError(
-            f"unknown method {name!r}: one of {', '.join(ALL_METHODS)}, lopd-m<margin> "
-            f"(e.g. lopd-m0.02), or <method>-a5 for {', '.join(A5_METHODS)}"
-        )
-    return "lopd", [f"lopd.margin={match.group(1)}"]
+    parsed = parse_run_name(name)
+    return parsed.method, list(parsed.overrides)
 
 
 def _spec(name: str) -> MethodSpec:
@@ -211,7 +204,12 @@ def run_method(
         ``dual`` (``margin``, and per step the privilege ``delta`` and ``beta`` after the dual
         update) and, under ``eval.with_composer``, ``base_composer_phi0`` and ``base_composer``
         (the frozen base model generating with c_phi0 and with the trained c_phi). Methods with
-        a teacher add ``teacher`` (:func:`teacher_trace`).
+        a teacher add ``teacher`` (:func:`teacher_trace`); ``student_composer`` and
+        ``teacher_composer`` (the trained student and a moved teacher generating with the
+        latents, ``eval.with_composer``), ``trace`` (per step: LOPD-PPO's ``grad_ppo``,
+        ``grad_distill``, ``grad_cosine``; a growing bank's ``bank_size``, ``bank_added``) and
+        ``teacher_curve`` (``[[rollouts, the latent teacher's held-out reward], ...]``,
+        ``eval.teacher_curve``) where the run logged them.
     """
 
     run_dir = out / "runs" / f"{method}-seed{seed}"
@@ -280,9 +278,19 @@ def collect_run(method: str, run_dir: Path) -> dict[str, Any]:
             "delta": [r["delta"] for r in rows],
             "beta": [r["beta_next"] for r in rows],
         }
-    for key in ("base_composer_phi0", "base_composer"):
+    for key in ("base_composer_phi0", "base_composer", "student_composer", "teacher_composer"):
         if key in summary:
             result[key] = summary[key]
+    # LOPD-PPO's gradient split, a growing bank, the latent teacher's curve (where logged).
+    trace = {k: [r[k] for r in rows if k in r] for k in _TRACED}
+    result.update({"trace": {k: v for k, v in trace.items() if v}} if any(trace.values()) else {})
+    teacher_curve = [
+        [int(r["rollouts"]), r["eval_teacher_reward_mean"]]
+        for r in rows
+        if "eval_teacher_reward_mean" in r
+    ]
+    if teacher_curve:
+        result["teacher_curve"] = teacher_curve
     if _spec(method).has_teacher:
         result["teacher"] = teacher_trace(rows)
     result.update(
@@ -296,6 +304,10 @@ def collect_run(method: str, run_dir: Path) -> dict[str, Any]:
         error=None,
     )
     return result
+
+
+_TRACED = ("grad_ppo", "grad_distill", "grad_cosine", "bank_size", "bank_added")
+"""Per-step metrics a result keeps under ``trace`` (those a run logged)."""
 
 
 def teacher_trace(rows: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
@@ -382,8 +394,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=_run_name,
         help=f"default: {' '.join(DEFAULT_RUNS)}; any of {' '.join(ALL_METHODS)}, "
         "lopd-m<margin> (LOPD with that margin, e.g. "
-        f"lopd-m0.02: the margin sweep), or <method>-a5 for {', '.join(A5_METHODS)} (its "
-        "teacher reads its reference in LOPD's A.5 framing: the same reader as LOPD)",
+        "lopd-m0.02: the margin sweep), with suffixes: -a5 for "
+        f"{', '.join(A5_METHODS)} (its teacher reads its reference in LOPD's A.5 framing: the "
+        "same reader as LOPD), -sync / -ema (the latent teacher's backbone follows the "
+        "student), -grow (the bank grows with the student's successes), -null (the teacher's "
+        "context emptied); e.g. lopd-ppo-ema-grow",
     )
     p.add_argument("--out", default=None, help="output directory (default runs/compare[-quick])")
     p.add_argument("--budget", type=int, default=None, help="rollouts per run (bank included)")
@@ -402,10 +417,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--from-results",
+        action="append",
         default=None,
         metavar="RESULTS_JSON",
         help="run nothing: write the report of an earlier comparison's results.json into --out "
-        "(default: its directory)",
+        "(default: its directory); repeat it to merge several comparisons' results (a run found "
+        "in two is refused)",
     )
     p.add_argument(
         "--from-runs",
@@ -420,20 +437,40 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _report_from(results_json: Path, out: str | None) -> int:
-    """``--from-results``: the report of a finished comparison, rewritten (a newer report
-    format, or results merged by hand)."""
+def _report_from(sources: Sequence[Path], out: str | None) -> int:
+    """``--from-results``: the report of finished comparisons, rewritten (a newer report
+    format) or merged (the first one's settings, the seeds and methods of all; a run, method and
+    seed, found in two is refused)."""
+    runs: list[dict[str, Any]] = []
+    seen: dict[tuple[str, int], Path] = {}
+    meta: dict[str, Any] = {}
+    for results_json in sources:
+        try:
+            data = json.loads(results_json.read_text())
+            fill_teacher_traces(data["runs"])
+            for r in data["runs"]:
+                key = (r["method"], r["seed"])
+                if key in seen:
+                    raise ValueError(f"{key[0]} seed {key[1]} is also in {str(seen[key])!r}")
+                seen[key] = results_json
+            meta = meta or dict(data["meta"])
+            runs += data["runs"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            why = f"{type(err).__name__}: {err}"
+            print(
+                f"lopd.compare: --from-results {str(results_json)!r}: not a readable results.json "
+                f"of python -m lopd.compare ({why})",
+                file=sys.stderr,
+            )
+            return 2
+    if len(sources) > 1:
+        meta["seeds"] = sorted({r["seed"] for r in runs})
+        meta["methods"] = sorted({r["method"] for r in runs}, key=_run_order)
+        meta["merged_from"] = [str(p) for p in sources]
     try:
-        data = json.loads(results_json.read_text())
-        fill_teacher_traces(data["runs"])
-        paths = write_report(data["runs"], Path(out) if out else results_json.parent, data["meta"])
+        paths = write_report(runs, Path(out) if out else sources[0].parent, meta)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        why = f"{type(err).__name__}: {err}"
-        print(
-            f"lopd.compare: --from-results {str(results_json)!r}: not a readable results.json of "
-            f"python -m lopd.compare ({why})",
-            file=sys.stderr,
-        )
+        print(f"lopd.compare: --from-results: cannot write the report ({err})", file=sys.stderr)
         return 2
     print(f"[compare] wrote {paths['report']}, {paths['plot']}, {paths['results']}")
     return 0
@@ -509,7 +546,7 @@ def _report_from_runs(
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_results is not None:
-        return _report_from(Path(args.from_results), args.out)
+        return _report_from([Path(p) for p in args.from_results], args.out)
     configure_host_memory()  # before any model is loaded
     settings = settings_for(args.quick)
     settings.overrides += list(args.overrides)

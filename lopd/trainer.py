@@ -47,6 +47,7 @@ from lopd.eval.held_out import HeldOutEvaluator
 from lopd.latent.cold_start import build_composer, cold_start
 from lopd.latent.conditioned import LatentFraming
 from lopd.latent.experience import Experience, build_experience
+from lopd.latent.growth import build_bank_growth
 from lopd.latent.teacher import TaskLatents
 from lopd.methods import METHODS, MethodContext
 from lopd.models.loading import load_run_models, resolve_model_dir
@@ -66,10 +67,6 @@ from lopd.run.run_dir import RunDir
 from lopd.run.tasks import TaskSampler, load_tasks
 
 __all__ = ["Trainer"]
-
-
-_NOT_METRICS = ("seconds", "task_rewards")
-"""Evaluation results that are not per-step scalar metrics."""
 
 
 class Trainer:
@@ -192,12 +189,15 @@ class Trainer:
             latents = TaskLatents(models.composer, self.experience.retrieved)
             latents0 = cold_start(ctx, self.experience, latents)
             self.memory.phase("cold_start", models)
+        grow = cfg.bank.grow  # spec.check refused it for methods without a bank
+        growth = build_bank_growth(ctx, self.experience, latents, latents0) if grow else None
         # The bank and the cold start read the backbone whole; training shards it.
         models.sharding.shard(models.backbone, trainable=False)
         self.context = MethodContext(
             models, self.engine, self.sampler, self.train_tasks, self.experience,
             latents0=latents0, latents=latents, seed=cfg.seed, rank=dist.rank, dist=dist,
             null_context=cfg.lopd.null_context, context_format=cfg.lopd.context_format,
+            bank_growth=growth,
         )  # fmt: skip
         self.method = spec.build(self.context, cfg)
         self.optimizers = build_optimizers(
@@ -206,7 +206,7 @@ class Trainer:
             cfg.lopd,
             precision.grad_scaler(),
         )
-        self.evaluate = HeldOutEvaluator(ctx, latents)
+        self.evaluate = HeldOutEvaluator(ctx, latents, getattr(self.method, "teacher_model", None))
         self.memory.phase("setup", models, self._optimizer_list())
 
     def _build_vllm(self) -> VLLMRollout | None:
@@ -344,8 +344,7 @@ class Trainer:
         for step in bar:
             m = self.train_step(step)
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.lopd.steps:
-                ev = self.evaluate("lopd")
-                m.update({f"eval_{k}": v for k, v in ev.items() if k not in _NOT_METRICS})
+                m.update(self.evaluate.curve_point())
             metrics_log.write(m)
             if self.is_main:
                 bar.set_postfix(
@@ -363,7 +362,7 @@ class Trainer:
         if base_composer0 is not None:
             summary["base_composer_phi0"] = base_composer0
         if self.models.composer is not None and cfg.eval.with_composer:
-            summary["base_composer"] = self.evaluate("base_composer")
+            summary.update(self.evaluate.with_latents())
         self.memory.phase("eval_final", self.models, self._optimizer_list())
         summary["rollouts"] = self.global_rollouts()
         summary["wall_seconds"] = self.wall_seconds()

@@ -89,15 +89,14 @@ def test_all_methods_are_registered_with_their_phases():
     from lopd.compare import _RUN_ORDER, ALL_METHODS
 
     assert ALL_METHODS == (
-        "lopd", "grpo", "opsd", "sdpo", "sdft", "skill-sd", "lopd-frozen", "lopd-m0",
+        "lopd", "lopd-ppo", "grpo", "opsd", "sdpo", "sdft", "skill-sd", "lopd-frozen", "lopd-m0",
     )  # fmt: skip
     assert _RUN_ORDER == (
-        "lopd", "lopd-frozen", "lopd-m0", "opsd", "sdft", "grpo", "sdpo", "skill-sd",
+        "lopd", "lopd-ppo", "lopd-frozen", "lopd-m0", "opsd", "sdft", "grpo", "sdpo", "skill-sd",
     )  # fmt: skip
-    assert {m for m, s in METHODS.items() if s.uses_composer} == {"lopd", "lopd-frozen", "lopd-m0"}
-    assert {m for m, s in METHODS.items() if s.builds_bank} == {
-        "lopd", "lopd-frozen", "lopd-m0", "opsd", "sdft",
-    }  # fmt: skip
+    composer = {"lopd", "lopd-ppo", "lopd-frozen", "lopd-m0"}
+    assert {m for m, s in METHODS.items() if s.uses_composer} == composer
+    assert {m for m, s in METHODS.items() if s.builds_bank} == composer | {"opsd", "sdft"}
     cfg = load_config("smoke", overrides=["grpo.group_size=3", "skill_sd.group_size=2"])
     assert METHODS["grpo"].group_size(cfg) == 3 and METHODS["lopd"].group_size(cfg) == 1
     assert METHODS["skill-sd"].group_size(cfg) == 2

@@ -12,6 +12,7 @@ from lopd.config.loading import load_config
 from lopd.config.method_sections import (
     GRPOConfig,
     LOPDConfig,
+    LOPDPPOConfig,
     OPSDConfig,
     SDFTConfig,
     SDPOConfig,
@@ -44,6 +45,7 @@ __all__ = [
     "GRPOConfig",
     "GenConfig",
     "LOPDConfig",
+    "LOPDPPOConfig",
     "MissingDependencyError",
     "ModelConfig",
     "OPSDConfig",

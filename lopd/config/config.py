@@ -34,6 +34,7 @@ from lopd.config.fields import apply_mapping, has_field, set_field
 from lopd.config.method_sections import (
     GRPOConfig,
     LOPDConfig,
+    LOPDPPOConfig,
     OPSDConfig,
     SDFTConfig,
     SDPOConfig,
@@ -97,6 +98,7 @@ class Config:
     composer: ComposerConfig = field(default_factory=ComposerConfig)
     cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
     lopd: LOPDConfig = field(default_factory=LOPDConfig)
+    lopd_ppo: LOPDPPOConfig = field(default_factory=LOPDPPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     opsd: OPSDConfig = field(default_factory=OPSDConfig)
     sdpo: SDPOConfig = field(default_factory=SDPOConfig)
@@ -187,6 +189,20 @@ class Config:
                 "gen.engine=vllm with model.parallel=fsdp2 is not supported (the engine needs "
                 "the full student on every rank); use model.parallel=ddp or gen.engine=hf"
             )
+        if self.model.parallel == "fsdp2":
+            # A moved teacher is a second, unsharded copy of the student; a growing bank embeds
+            # its new entries with the (then sharded) backbone on one rank.
+            if self.lopd.teacher_backbone != "base":
+                raise ConfigError(
+                    f"lopd.teacher_backbone={self.lopd.teacher_backbone} with "
+                    "model.parallel=fsdp2 is not supported (the teacher copy is not sharded); "
+                    "use lopd.teacher_backbone=base or model.parallel=ddp"
+                )
+            if self.bank.grow:
+                raise ConfigError(
+                    "bank.grow=true with model.parallel=fsdp2 is not supported; use "
+                    "model.parallel=ddp in one process"
+                )
         if self.gen.engine == "vllm" and importlib.util.find_spec("vllm") is None:
             raise MissingDependencyError(
                 f"gen.engine=vllm needs vLLM, which is not installed: {VLLM_INSTALL_HINT}",

@@ -1,7 +1,8 @@
 """The training methods' sections of a run's configuration (one YAML section each).
 
-``lopd`` (joint training; also selects the method), ``grpo``, ``opsd``, ``sdpo``, ``sdft`` and
-``skill_sd``: each dataclass's attributes document its fields and its ``validate`` checks them.
+``lopd`` (joint training; also selects the method), ``lopd_ppo``, ``grpo``, ``opsd``, ``sdpo``,
+``sdft`` and ``skill_sd``: each dataclass's attributes document its fields and its ``validate``
+checks them.
 """
 
 from __future__ import annotations
@@ -14,11 +15,18 @@ from lopd_kernels import KL_DIVERGENCES
 
 # ``lopd.context_format``: each text teacher's own wording, or LOPD's A.5 framing for all.
 CONTEXT_FORMATS = ("own", "a5")
+# ``lopd.teacher_backbone``: whose weights the latent teacher runs on.
+TEACHER_BACKBONES = ("base", "sync", "ema")
+# ``lopd_ppo.distill``: the form of LOPD-PPO's distillation term.
+PPO_DISTILL_FORMS = ("topk", "sampled")
 
 __all__ = [
     "CONTEXT_FORMATS",
+    "PPO_DISTILL_FORMS",
+    "TEACHER_BACKBONES",
     "GRPOConfig",
     "LOPDConfig",
+    "LOPDPPOConfig",
     "OPSDConfig",
     "SDFTConfig",
     "SDPOConfig",
@@ -64,6 +72,15 @@ class LOPDConfig:
             of the first user message, a trajectory as the bank's A.3 experience text: the
             wording LOPD's latents and the embedded tiny model's references use, so every
             teacher has the same reader). LOPD's teacher reads A.5 either way; GRPO has none.
+        teacher_backbone: whose weights LOPD's latent teacher runs on (``lopd`` and
+            ``lopd-ppo``): ``base`` (the frozen base model, the paper's), ``sync`` (a copy of
+            the student refreshed every ``teacher_sync_every`` optimizer steps, Skill-SD's
+            teacher) or ``ema`` (an exponential moving average of the student, rate
+            ``teacher_ema_rate`` per step, SDPO's). The composer's encoder stays the frozen base
+            with its LoRA either way; a moved teacher carries no LoRA.
+        teacher_sync_every: ``sync``: optimizer steps between copies (1: the student as it was
+            before the step).
+        teacher_ema_rate: ``ema``: the update rate per optimizer step.
     """
 
     method: str = "lopd"
@@ -84,9 +101,15 @@ class LOPDConfig:
     fused_linear: bool = True
     null_context: bool = False
     context_format: str = "own"
+    teacher_backbone: str = "base"
+    teacher_sync_every: int = 1
+    teacher_ema_rate: float = 0.05
 
     def validate(self) -> None:
         one_of(CONTEXT_FORMATS, lopd__context_format=self.context_format)
+        one_of(TEACHER_BACKBONES, lopd__teacher_backbone=self.teacher_backbone)
+        at_least(1, lopd__teacher_sync_every=self.teacher_sync_every)
+        in_unit_interval(lopd__teacher_ema_rate=self.teacher_ema_rate)
         at_least(1, lopd__tasks_per_step=self.tasks_per_step, lopd__micro_batch=self.micro_batch)
         at_least(
             0,
@@ -102,6 +125,46 @@ class LOPDConfig:
         greater_than(0, lopd__grad_clip=self.grad_clip, lopd__temperature=self.temperature)
         optional_at_least(1, lopd__top_m=self.top_m)
         one_of(KL_DIVERGENCES, lopd__divergence=self.divergence)
+
+
+@dataclass
+class LOPDPPOConfig:
+    """LOPD-PPO (``lopd.method=lopd-ppo``): Skill-SD's loss with LOPD's latent teacher.
+
+    PPO-clip on GRPO's group-normalized advantages plus ``distill_weight`` times a distillation
+    term toward the latent-conditioned teacher (:mod:`lopd.methods.lopd_ppo`). The teacher, its
+    backbone, the margin m, lambda, eta_beta, M and the kernel settings are the ``lopd``
+    section's.
+
+    Attributes:
+        group_size: G, rollouts per task; a step draws ``max(1, lopd.tasks_per_step // G)``
+            tasks.
+        clip_eps_low, clip_eps_high: the PPO-clip range ``[1 - low, 1 + high]`` (Skill-SD's).
+        distill: the distillation term: ``topk`` (LOPD's reverse KL over the teacher's top-M
+            plus a tail bucket, gradient to the student and through the teacher to phi) or
+            ``sampled`` (Skill-SD's importance-weighted sampled-token reverse KL at the sampling
+            temperature, gradient to the student only).
+        distill_weight: its weight beside the PPO term.
+        dual: keep LOPD's privileged margin, ``beta (m - Delta)`` with dual ascent on beta
+            (``false``: beta stays 0).
+        anchor: keep LOPD's latent anchor ``lambda ||c_phi - sg c_phi0||^2``.
+    """
+
+    group_size: int = 4
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    distill: str = "topk"
+    distill_weight: float = 0.1
+    dual: bool = True
+    anchor: bool = True
+
+    def validate(self) -> None:
+        at_least(1, lopd_ppo__group_size=self.group_size)
+        greater_than(
+            0, lopd_ppo__clip_eps_low=self.clip_eps_low, lopd_ppo__clip_eps_high=self.clip_eps_high
+        )
+        at_least(0, lopd_ppo__distill_weight=self.distill_weight)
+        one_of(PPO_DISTILL_FORMS, lopd_ppo__distill=self.distill)
 
 
 @dataclass

@@ -246,6 +246,12 @@ class BankConfig:
         document_style: what of a stored trajectory the retriever embeds: ``"task"`` (its task
             text, like the query) or ``"task_trace"`` (task and trace, paper eq. 15); see
             :class:`lopd.memory.HiddenStateEmbedder` for the measured difference.
+        grow: the bank grows during training (:mod:`lopd.latent.growth`): the student's
+            verified successes (reward >= ``min_reward``) on training tasks enter it, at most
+            one per task per refresh (its newest), for every method that reads the bank.
+        grow_every: optimizer steps between refreshes: the new entries are indexed, every
+            task's retrievals looked up again and the cached c_phi0 of the tasks whose
+            retrievals changed recomputed with phi_0.
     """
 
     rollouts_per_task: int = 2
@@ -254,11 +260,14 @@ class BankConfig:
     embed_max_length: int = 512
     index_batch_size: int = 256
     document_style: str = "task"
+    grow: bool = False
+    grow_every: int = 4
 
     def validate(self) -> None:
         at_least(
             1,
             bank__rollouts_per_task=self.rollouts_per_task,
+            bank__grow_every=self.grow_every,
             bank__embed_batch_size=self.embed_batch_size,
             bank__embed_max_length=self.embed_max_length,
             bank__index_batch_size=self.index_batch_size,
@@ -333,12 +342,18 @@ class EvalConfig:
         temperature: decoding temperature at evaluation (0 = greedy).
         every: evaluate the student every this many training steps (0 = only at the end).
         with_composer: also evaluate "base + composer": the frozen base model generating with
-            retrieved latent context.
+            retrieved latent context (with phi_0 before training and the trained phi after),
+            and after training the trained student generating with the same latents
+            (``student_composer``) and, when ``lopd.teacher_backbone`` moved, the teacher's
+            own weights with them (``teacher_composer``).
+        teacher_curve: at every evaluation of ``every``, also evaluate the latent teacher (its
+            backbone generating with the current latents): its reward along the run.
     """
 
     temperature: float = 0.0
     every: int = 0
     with_composer: bool = True
+    teacher_curve: bool = False
 
     def validate(self) -> None:
         at_least(0, eval__temperature=self.temperature, eval__every=self.every)

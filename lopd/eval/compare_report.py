@@ -24,6 +24,8 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from lopd.atomic import atomic_write_text
+from lopd.eval.latent_report import latent_reader_table, latent_runs, signal_table, versus_table
+from lopd.eval.run_names import RUN_SUFFIXES, parse_run_name
 from lopd.eval.stats import fmt, mean_se, side, verdict
 from lopd.methods import METHODS
 
@@ -46,17 +48,18 @@ TARGET_GAINS = (0.05, 0.10, 0.15, 0.20)
 
 
 # ------------------------------------------------------------------------------ statistics
-def _report_order(name: str) -> tuple[int, float, str]:
-    """Registered methods in :data:`ALL_METHODS` order, each method's ``-a5`` run (its teacher in
-    LOPD's framing) right after it, then margin runs (``lopd-m0.02``) by m."""
-    if name in ALL_METHODS:
-        return ALL_METHODS.index(name), 0.0, name
-    if name.endswith("-a5") and name.removesuffix("-a5") in ALL_METHODS:
-        return ALL_METHODS.index(name.removesuffix("-a5")), 0.5, name
+def _report_order(name: str) -> tuple[int, float, tuple[int, ...], str]:
+    """Registered methods in :data:`ALL_METHODS` order, each method's suffixed runs (``-a5``,
+    ``-sync``, ``-ema``, ``-grow``, ``-null``: :mod:`lopd.eval.run_names`) right after it, then
+    margin runs (``lopd-m0.02``) by m."""
     try:
-        return len(ALL_METHODS), float(name.removeprefix("lopd-m")), name
+        parsed = parse_run_name(name)
     except ValueError:
-        return len(ALL_METHODS) + 1, 0.0, name
+        return len(ALL_METHODS) + 1, 0.0, (), name
+    order = tuple(list(RUN_SUFFIXES).index(s) + 1 for s in parsed.suffixes)
+    if parsed.base in ALL_METHODS:
+        return ALL_METHODS.index(parsed.base), 0.0, order, name
+    return len(ALL_METHODS), float(parsed.base.removeprefix("lopd-m")), order, name
 
 
 def _by_method(results: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -203,14 +206,24 @@ def _fraction_cell(lopd: dict[int, float | None], ref: dict[int, float | None]) 
     return cell if len(ratios) == seeds else f"{cell} ({len(ratios)}/{seeds} seeds)"
 
 
-def rollouts_to_target_table(results: Sequence[dict[str, Any]]) -> list[str]:
+def _without_bank(result: dict[str, Any]) -> list[list[float]]:
+    """A run's curve counted from its first training rollout (the bank's rollouts left out, as
+    the paper counts)."""
+    bank = result.get("bank_rollouts", 0)
+    return [[x - bank, y] for x, y in result["curve"] if x >= bank]
+
+
+def rollouts_to_target_table(
+    results: Sequence[dict[str, Any]], count_bank: bool = True
+) -> list[str]:
     """The rollouts-to-target table (markdown lines).
 
     Targets: each seed's vanilla held-out reward plus every gain of :data:`TARGET_GAINS`, and
     the best method's mean final reward (one target for all seeds). Per method and target, the
-    rollouts (bank included) at which its held-out curve reaches the target
-    (:func:`rollouts_to_reach`), mean +- stderr over the seeds that reach it; then LOPD's
-    fraction of GRPO's and of Skill-SD's, per seed where both reach it.
+    rollouts (bank included; ``count_bank=False``: counted from the first training rollout) at
+    which its held-out curve reaches the target (:func:`rollouts_to_reach`), mean +- stderr over
+    the seeds that reach it; then every latent-teacher run's fraction of GRPO's and of
+    Skill-SD's (``LOPD / GRPO`` for ``lopd``), per seed where both reach it.
     """
     by = _by_method(results)
     if not by:
@@ -221,8 +234,9 @@ def rollouts_to_target_table(results: Sequence[dict[str, Any]]) -> list[str]:
         (f"vanilla + {g:.2f}", lambda r, g=g: r["vanilla"]["reward_mean"] + g) for g in TARGET_GAINS
     ]
     targets.append((f"best final ({finals[best]:.3f}, {best})", lambda r: finals[best]))
+    curve = (lambda r: r["curve"]) if count_bank else _without_bank
     needed = {
-        m: [{r["seed"]: rollouts_to_reach(r["curve"], at(r)) for r in runs} for _, at in targets]
+        m: [{r["seed"]: rollouts_to_reach(curve(r), at(r)) for r in runs} for _, at in targets]
         for m, runs in by.items()
     }
     lines = [
@@ -233,9 +247,10 @@ def rollouts_to_target_table(results: Sequence[dict[str, Any]]) -> list[str]:
         cells = [_reach_cell(list(per_seed.values())) for per_seed in per_target]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     for ref, name in (("grpo", "GRPO"), ("skill-sd", "Skill-SD")):
-        if "lopd" in needed and ref in needed:
-            cells = [_fraction_cell(a, b) for a, b in zip(needed["lopd"], needed[ref])]
-            lines.append(f"| LOPD / {name} | " + " | ".join(cells) + " |")
+        for run in latent_runs(needed) if ref in needed else []:
+            cells = [_fraction_cell(a, b) for a, b in zip(needed[run], needed[ref])]
+            label = "LOPD" if run == "lopd" else run
+            lines.append(f"| {label} / {name} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -393,6 +408,34 @@ def write_report(
         "",
         *rollouts_to_target_table(results),
         "",
+        *_section(
+            "Rollouts to target, the bank's rollouts left out",
+            "The same, each curve counted from the run's first training rollout (the paper's "
+            "count: the base model's bank rollouts are not charged to the method).",
+            rollouts_to_target_table(results, count_bank=False)
+            if any(r.get("bank_rollouts") for r in results if r["error"] is None)
+            else [],
+        ),
+        *_section(
+            "The latent teacher against GRPO and Skill-SD",
+            "Each latent-teacher run's final held-out reward minus GRPO's and Skill-SD's, "
+            "paired within a seed (mean ± stderr over seeds).",
+            versus_table(by),
+        ),
+        *_section(
+            "Who reads the latents",
+            "Held-out reward of the frozen base and of the trained student, each without and "
+            "with the trained latents (`eval.with_composer`), and of a moved teacher's weights "
+            "with them.",
+            latent_reader_table(by),
+        ),
+        *_section(
+            "How the latent-teacher runs learnt",
+            "Per run, then mean ± stderr over seeds. Share: Σ|g_distill| / Σ(|g_ppo| + "
+            "|g_distill|) over the run's steps, of the gradients the two terms send into the "
+            "student's action-row hidden states (LOPD-PPO); cosine and Delta: means over steps.",
+            signal_table(by),
+        ),
         *_section(
             "The margin",
             "LOPD's privileged margin m (paper Fig. 3: m = 0 below the frozen composer, m >= 0.02 "

@@ -37,11 +37,14 @@ class Experience:
             start's data.
         retrieved: ``task_id -> `` the ``composer.num_retrieved`` formatted experiences of every
             train and held-out task (never the task's own).
+        retriever: the bank's FAISS retriever with its embedder (what a growing bank indexes
+            its new entries in, :mod:`lopd.latent.growth`).
     """
 
     bank_rollouts: int
     trajectories: list[Trajectory]
     retrieved: dict[str, list[str]]
+    retriever: Retriever | None = None
 
 
 def trajectory_to_dict(t: Trajectory) -> dict[str, Any]:
@@ -149,4 +152,4 @@ def build_experience(ctx: RunContext) -> Experience:
         retrieved[task.task_id] = [format_experience(e) for e in entries]
     if ctx.dist.is_main:
         atomic_write_text(run_dir.retrieval, json.dumps(retrieved))
-    return Experience(bank_rollouts, trajectories, retrieved)
+    return Experience(bank_rollouts, trajectories, retrieved, retriever)

@@ -98,8 +98,9 @@ def teacher_action_hidden(
     where: ActionRows,
     pad_id: int,
     checkpointed: bool = False,
+    model: torch.nn.Module | None = None,
 ) -> torch.Tensor:
-    """Frozen-teacher final hidden states at the student's action rows, ``[N, d]``.
+    """Latent-teacher final hidden states at the student's action rows, ``[N, d]``.
 
     The placeholder embeddings are replaced by ``latents`` (concatenation: gradient reaches phi),
     the backbone runs with the encoder adapter disabled, and row ``p - 1`` of the student is row
@@ -115,12 +116,18 @@ def teacher_action_hidden(
             each layer's input (``[B, L, d]``) and the backward holds one layer's activations at
             a time; each recompute re-enters ``teacher_mode`` (the encoder adapter must be off
             there too). A decoder without a ``layers`` list is recomputed as a whole.
+        model: the teacher's weights when they are not the frozen base (a copy of the student,
+            :mod:`lopd.methods.teacher_backbone`): it runs as it is, with no adapter to turn
+            off; ``None``: the composer's backbone in ``teacher_mode``.
     """
     device = where.rows.device
     ids, mask = pad_batch([s.input_ids for s in sequences], pad_id, device)
 
+    def mode() -> contextlib.AbstractContextManager[torch.nn.Module]:
+        return _teacher_mode(composer) if model is None else contextlib.nullcontext(model)
+
     def run(lat: torch.Tensor) -> torch.Tensor:
-        with _teacher_mode(composer) as backbone:
+        with mode() as backbone:
             embeds = backbone.get_input_embeddings()(ids)
             embeds = torch.stack(
                 [inject_latents(embeds[i], lat[i], s.latent_start) for i, s in enumerate(sequences)]
@@ -134,9 +141,9 @@ def teacher_action_hidden(
     if not checkpointed:
         hidden = run(latents)
     else:
-        layers = decoder_layers(composer.backbone)
+        layers = decoder_layers(composer.backbone if model is None else model)
         if layers is not None:
-            with checkpoint_each_layer(layers, lambda: _teacher_mode(composer)):
+            with checkpoint_each_layer(layers, mode):
                 hidden = run(latents)
         else:  # a decoder without a layer list: the whole forward as one checkpoint
             hidden = checkpoint(run, latents, use_reentrant=False)

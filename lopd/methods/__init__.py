@@ -7,6 +7,10 @@ held-out evaluation. They differ only in how a step's rollouts are drawn and in 
 
 ==============  ==========================================================================
 ``lopd``        LOPD (:mod:`lopd.methods.lopd`).
+``lopd-ppo``    Skill-SD's loss with LOPD's latent teacher: G rollouts per task, PPO-clip on
+                group advantages plus a distillation term toward the latent-conditioned teacher
+                (top-M + tail reverse KL or the sampled-token form), LOPD's margin and anchor
+                (:mod:`lopd.methods.lopd_ppo`, ``lopd_ppo`` section).
 ``grpo``        G rollouts per task, group-normalized advantages, PPO-clip, token-level loss on
                 the action tokens. No teacher (:mod:`lopd.methods.grpo`, ``grpo`` section).
 ``opsd``        Teacher = the frozen base model with one retrieved successful trajectory as text
@@ -44,6 +48,7 @@ from __future__ import annotations
 from lopd.methods.base import Method, MethodBase, MethodContext, MethodSpec
 from lopd.methods.grpo import GRPOMethod
 from lopd.methods.lopd import LOPDMethod
+from lopd.methods.lopd_ppo import LOPDPPOMethod
 from lopd.methods.opsd import OPSDMethod
 from lopd.methods.sdft import SDFTMethod
 from lopd.methods.sdpo import SDPOMethod
@@ -54,6 +59,7 @@ __all__ = [
     "METHODS",
     "GRPOMethod",
     "LOPDMethod",
+    "LOPDPPOMethod",
     "Method",
     "MethodBase",
     "MethodContext",
@@ -73,6 +79,14 @@ METHODS: dict[str, MethodSpec] = {
             LOPDMethod.from_config,
             "LOPD: latent-conditioned teacher, top-M + tail KL, privileged margin, anchor",
             uses_composer=True,
+        ),
+        MethodSpec(
+            "lopd-ppo",
+            LOPDPPOMethod.from_config,
+            "LOPD-PPO: PPO-clip on group advantages + distillation toward LOPD's latent teacher",
+            uses_composer=True,
+            group_size=lambda cfg: cfg.lopd_ppo.group_size,
+            supports_fsdp2=False,
         ),
         MethodSpec(
             "grpo",

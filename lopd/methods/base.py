@@ -21,6 +21,7 @@ import torch
 
 from lopd.config import Config, ConfigError, LOPDConfig
 from lopd.latent.experience import Experience
+from lopd.latent.growth import BankGrowth
 from lopd.latent.teacher import TaskLatents
 from lopd.parallel.distributed import Dist
 from lopd.rollout.engine import RolloutEngine
@@ -83,6 +84,7 @@ class MethodContext:
             privileged context in (``own`` or ``a5``, :mod:`lopd.methods.text_teacher`).
         dist: the process group (a method whose state is built from every rank's rollouts
             gathers through it); ``None``: one process.
+        bank_growth: the growing bank (``bank.grow``, :mod:`lopd.latent.growth`), or ``None``.
     """
 
     models: Models
@@ -97,6 +99,7 @@ class MethodContext:
     null_context: bool = False
     context_format: str = "own"
     dist: Dist | None = None
+    bank_growth: BankGrowth | None = None
 
     def step_tasks(self, step: int, size: int) -> list[Task]:
         """This rank's share of ``size`` training tasks drawn for step ``step``."""
@@ -145,7 +148,11 @@ class Method(Protocol):
 
 class MethodBase:
     """Defaults for :class:`Method`: one student rollout per drawn task, nothing after the
-    step, no state of its own.
+    step, no state of its own; with a growing bank (``ctx.bank_growth``) the rollouts are
+    offered to it, its refresh runs after the step and its state is the method's.
+
+    A subclass that draws its own rollouts passes them to :meth:`observe`; one that overrides
+    ``after_step``, ``state_dict`` or ``load_state_dict`` merges the base class's.
 
     Args:
         ctx: what the method is built from.
@@ -156,12 +163,20 @@ class MethodBase:
         self.ctx = ctx
         self.models = ctx.models
         self.tasks_per_step = tasks_per_step
+        self.bank_growth = ctx.bank_growth
 
     def rollouts(self, step: int) -> list[Trajectory]:
         """One student rollout of each of this rank's share of ``tasks_per_step`` tasks."""
         ctx = self.ctx
         tasks = ctx.step_tasks(step, self.tasks_per_step)
-        return ctx.engine.generate(self.models.student, tasks, seed=ctx.rollout_seed(step))
+        trajs = ctx.engine.generate(self.models.student, tasks, seed=ctx.rollout_seed(step))
+        self.observe(trajs)
+        return trajs
+
+    def observe(self, trajectories: Sequence[Trajectory]) -> None:
+        """Offer a step's rollouts to the growing bank (their verified successes join it)."""
+        if self.bank_growth is not None:
+            self.bank_growth.observe(trajectories)
 
     def privileged(self, text: str) -> str:
         """The privileged text a teacher template is filled with: ``text``, or nothing under
@@ -175,13 +190,14 @@ class MethodBase:
         raise NotImplementedError(f"{type(self).__name__} does not define loss()")
 
     def after_step(self, means: dict[str, float]) -> dict[str, float]:
-        return {}
+        return {} if self.bank_growth is None else self.bank_growth.after_step()
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {} if self.bank_growth is None else {"bank_growth": self.bank_growth.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        if self.bank_growth is not None and "bank_growth" in state:
+            self.bank_growth.load_state_dict(state["bank_growth"])
 
 
 @dataclass(frozen=True)
@@ -222,7 +238,32 @@ class MethodSpec:
             ConfigError: naming the setting.
         """
         self.check_teacher_settings(cfg)
+        if cfg.lopd.teacher_backbone != "base" and not self.uses_composer:
+            raise ConfigError(
+                f"lopd.teacher_backbone={cfg.lopd.teacher_backbone} is the latent teacher's "
+                f"setting (lopd, its ablations, lopd-ppo); lopd.method={self.name} has none"
+            )
+        self.check_bank_growth(cfg, world)
         self.check_parallel(cfg, world)
+
+    def check_bank_growth(self, cfg: Config, world: int) -> None:
+        """``bank.grow`` needs a method that reads the bank, in one process.
+
+        Raises:
+            ConfigError: naming ``bank.grow``.
+        """
+        if not cfg.bank.grow:
+            return
+        if not self.builds_bank:
+            raise ConfigError(
+                f"bank.grow=true needs a method that reads the experience bank (lopd, its "
+                f"ablations, lopd-ppo, opsd, sdft); lopd.method={self.name} has none"
+            )
+        if world > 1:
+            raise ConfigError(
+                f"bank.grow=true runs in one process (got {world} ranks): every rank would grow "
+                "its own bank from its own rollouts"
+            )
 
     def check_teacher_settings(self, cfg: Config) -> None:
         """Refuse the settings of a teacher's context where there is no teacher.

@@ -11,9 +11,14 @@ student's action tokens, and eq. 13 trains the student theta and the composer ph
                 + lambda mean_i ||c_phi[i] - sg c_phi0[i]||^2      (eq. 13)
     beta     <- max(0, beta + eta_beta (m - Delta))                 after the optimizer step
 
+The teacher's weights are the frozen base model by default; ``lopd.teacher_backbone`` makes
+them a copy of the student synced every k steps or its EMA
+(:class:`~lopd.methods.teacher_backbone.TeacherBackbone`), the encoder's LoRA off either way.
+
 The method owns its state: the dual variable beta (in :meth:`LOPDMethod.state_dict`, so a
-resumed run continues with it) and the anchor's c_phi0 (computed once by the cold start and kept
-in ``latents0.pt`` of the run directory). The ablations are the same class:
+resumed run continues with it), a moved teacher's weights, and the anchor's c_phi0 (computed once
+by the cold start and kept in ``latents0.pt`` of the run directory; a growing bank refreshes it,
+:mod:`lopd.latent.growth`). The ablations are the same class:
 ``lopd-frozen`` keeps the composer at phi_0 (the teacher reads c_phi0, no gradient reaches phi),
 ``lopd-m0`` uses m = 0.
 """
@@ -32,6 +37,7 @@ from lopd.latent.teacher import latent_teacher_sequence, teacher_action_hidden
 from lopd.loss import advantages_from_rewards, dual_update, lopd_loss, lopd_row_weights
 from lopd.methods.base import DistillSpec, MethodBase, MethodContext
 from lopd.methods.rows import distill_metric_sums, distill_rows, student_action_hidden
+from lopd.methods.teacher_backbone import TeacherBackbone
 from lopd.rollout.batch import ActionRows, lm_head
 from lopd.types import Task, Trajectory
 
@@ -52,6 +58,8 @@ class LOPDSettings:
         checkpointed_teacher: recompute the teacher forward in the backward
             (``model.gradient_checkpointing``).
         num_placeholders: J*K latent positions in the teacher prompt.
+        teacher_backbone, teacher_sync_every, teacher_ema_rate: the teacher's weights
+            (:class:`~lopd.methods.teacher_backbone.TeacherBackbone`).
     """
 
     margin: float
@@ -62,6 +70,9 @@ class LOPDSettings:
     frozen_composer: bool = False
     checkpointed_teacher: bool = False
     num_placeholders: int = 1
+    teacher_backbone: str = "base"
+    teacher_sync_every: int = 1
+    teacher_ema_rate: float = 0.05
 
     @classmethod
     def of(cls, cfg: Config, **changes: Any) -> LOPDSettings:
@@ -75,6 +86,9 @@ class LOPDSettings:
             spec=DistillSpec.of(c),
             checkpointed_teacher=cfg.model.gradient_checkpointing,
             num_placeholders=cfg.composer.num_latents * cfg.composer.num_retrieved,
+            teacher_backbone=c.teacher_backbone,
+            teacher_sync_every=c.teacher_sync_every,
+            teacher_ema_rate=c.teacher_ema_rate,
         )
         return dataclasses.replace(settings, **changes)
 
@@ -89,6 +103,7 @@ class LOPDMethod(MethodBase):
 
     Attributes:
         beta: the dual variable of the privilege constraint ``Delta >= m``.
+        teacher: the teacher's weights (the frozen base, or a copy that follows the student).
     """
 
     def __init__(self, ctx: MethodContext, settings: LOPDSettings, tasks_per_step: int) -> None:
@@ -100,6 +115,13 @@ class LOPDMethod(MethodBase):
         self.composer = ctx.latents.composer
         self.latents0 = ctx.latents0
         self.beta = settings.beta_init
+        self.teacher = TeacherBackbone(
+            ctx.models.student,
+            settings.teacher_backbone,
+            settings.teacher_sync_every,
+            settings.teacher_ema_rate,
+            ctx.models.sharding,
+        )
 
     @classmethod
     def from_config(cls, ctx: MethodContext, cfg: Config, **changes: Any) -> LOPDMethod:
@@ -125,16 +147,9 @@ class LOPDMethod(MethodBase):
         latents0 = self.cached_latents0(tasks)  # sg c_phi0  [B, J*K, d]
         sequences = [self.teacher_sequence(t) for t in trajectories]
         # Teacher pT(.|s_n, c_phi) and student pS(.|s_n) at the same tokens, as hidden states.
-        h_t = teacher_action_hidden(
-            self.composer,
-            sequences,
-            latents,
-            where,
-            models.pad_id,
-            checkpointed=s.checkpointed_teacher,
-        )
+        h_t = self.teacher_hidden(sequences, latents, where)
         h_s = student_action_hidden(models, trajectories, where)
-        head_s, head_t = lm_head(models.student), lm_head(self.composer.backbone)
+        head_s, head_t = lm_head(models.student), self.teacher_head()
         rewards = torch.tensor([t.reward for t in trajectories], device=models.device)
         advantages = advantages_from_rewards(rewards)  # A_i = 2 r_i - 1
         # KL_n (eq. 9-10) and delta_n (eq. 11) from the LM heads, on the N rows only. Eq. 13 is
@@ -166,6 +181,31 @@ class LOPDMethod(MethodBase):
             sums.update(distill_metric_sums(out, where, b))
         return loss, sums
 
+    def teacher_hidden(
+        self, sequences: Sequence[TeacherSequence], latents: torch.Tensor, where: ActionRows
+    ) -> torch.Tensor:
+        """The latent teacher's final hidden states at the action rows, ``[N, d]`` (its
+        backbone, :attr:`teacher`; differentiable in ``latents``)."""
+        return teacher_action_hidden(
+            self.composer,
+            sequences,
+            latents,
+            where,
+            self.models.pad_id,
+            checkpointed=self.settings.checkpointed_teacher,
+            model=self.teacher.model(),
+        )
+
+    def teacher_head(self) -> torch.nn.Module:
+        """The latent teacher's LM head."""
+        model = self.teacher.model()
+        return lm_head(self.composer.backbone if model is None else model)
+
+    def teacher_model(self) -> torch.nn.Module | None:
+        """The teacher's weights when they moved (a copy of the student), else ``None`` (the
+        frozen base)."""
+        return self.teacher.model()
+
     def latents(self, tasks: Sequence[Task]) -> torch.Tensor:
         """The teacher's latent context, ``[B, J*K, d]``: c_phi, c_phi0 for ``lopd-frozen``, or
         zeros under ``lopd.null_context`` (no gradient reaches phi then)."""
@@ -192,11 +232,18 @@ class LOPDMethod(MethodBase):
         s = self.settings
         before = self.beta
         self.beta = dual_update(before, s.margin, means["delta"], s.dual_lr)
+        self.teacher.after_step()
         # The margin too, so a finished run's metrics say which m its dual ascent used.
-        return {"beta": before, "beta_next": self.beta, "margin": s.margin}
+        out = {"beta": before, "beta_next": self.beta, "margin": s.margin}
+        return {**out, **super().after_step(means)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"beta": self.beta}
+        state = {"beta": self.beta, **super().state_dict()}
+        if self.teacher.moved:
+            state.update(self.teacher.state_dict())
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.beta = float(state["beta"])
+        self.teacher.load_state_dict(state)
+        super().load_state_dict(state)

@@ -13,6 +13,9 @@ appended to its first user message in the paper's wording (:data:`SDFT_USER_TEMP
   trajectories synthesized by stronger models; there are none offline, so the nearest
   verified one stands in.
 
+With a growing bank (``bank.grow``) the pool grows with the student's verified successes: a task
+without a demonstration of its own gets the first of its grown entries.
+
 Loss: forward KL(teacher || student) over the full vocabulary (``sdft.top_m`` = ``None``), token
 mean per trajectory, mean over trajectories. One student rollout per task, as LOPD; the bank's
 rollouts count toward the budget.
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 from lopd.config import Config
+from lopd.memory import BankEntry, format_experience
 from lopd.methods.base import DistillSpec, MethodBase, MethodContext
 from lopd.methods.ema import EMATeacher
 from lopd.methods.rows import distill_loss
@@ -76,11 +80,22 @@ class SDFTMethod(MethodBase):
         self.own_demos = {k: reference_text(t, ctx.context_format) for k, t in best.items()}
         self.spec = spec
         self.teacher = EMATeacher(ctx.models.student, ema_rate, ctx.models.sharding)
+        if self.bank_growth is not None:
+            self.bank_growth.subscribe(self.add_demonstrations)
 
     @classmethod
     def from_config(cls, ctx: MethodContext, cfg: Config) -> SDFTMethod:
         spec = DistillSpec.of(cfg.lopd, top_m=cfg.sdft.top_m, divergence=cfg.sdft.divergence)
         return cls(ctx, cfg.sdft.ema_rate, spec, cfg.lopd.tasks_per_step)
+
+    def add_demonstrations(self, entries: list[BankEntry]) -> None:
+        """The grown pool's entries as the demonstrations of the tasks that had none (the
+        earlier one stays: the best, first on ties)."""
+        for e in entries:
+            if e.task_id not in self.own_demos:
+                a5 = self.ctx.context_format == "a5"
+                text = format_experience(e) if a5 else (e.trace_text or "(no tool calls)")
+                self.own_demos[e.task_id] = text
 
     def demonstration(self, task_id: str) -> tuple[str, bool]:
         """The demonstration text of a task and whether it is the task's own trajectory."""
@@ -117,10 +132,11 @@ class SDFTMethod(MethodBase):
 
     def after_step(self, means: dict[str, float]) -> dict[str, float]:
         self.teacher.update()
-        return {}
+        return super().after_step(means)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.teacher.state_dict()
+        return {**self.teacher.state_dict(), **super().state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.teacher.load_state_dict(state)
+        super().load_state_dict(state)

@@ -9,6 +9,7 @@ Layout::
     checkpoints/         step_NNNNNN.pt (one process) or step_NNNNNN/ (FSDP2, DCP)
     bank/                experience bank (DONE marks it complete), trajectories.jsonl
     retrieval.json       the J retrieved experiences of every task (text)
+    bank_grown.jsonl     the student's successes that joined the bank in training (bank.grow)
     phi0.pt, latents0.pt the composer after the cold start and c_phi0 of every train task
     eval_vanilla.json    held-out evaluation before training
     eval_base_composer0.json  held-out "base + composer" with phi_0 (before training)
@@ -75,6 +76,10 @@ class RunDir:
     @property
     def bank_trajectories(self) -> Path:
         return self.root / "bank" / "trajectories.jsonl"
+
+    @property
+    def bank_grown(self) -> Path:
+        return self.root / "bank_grown.jsonl"
 
     @property
     def retrieval(self) -> Path:
