@@ -64,6 +64,16 @@ def _zero_actions(trajs: list[Any], micro_batch: int) -> None:
         t.action_mask = [0] * len(t.action_mask)
 
 
+def _teacher_copy(method) -> torch.nn.Module | None:
+    """The method's teacher weights that move with training (an EMA or synced copy), if any:
+    SDPO's, SDFT's and Skill-SD's ``EMATeacher``; LOPD's ``TeacherBackbone`` (``None`` for the
+    frozen base)."""
+    teacher = getattr(method, "teacher", None)
+    if teacher is None:
+        return None
+    return teacher.get() if hasattr(teacher, "get") else teacher.model()
+
+
 def train(shared: Path, out: Path, method: str, overrides: list[str], zero: tuple | None) -> None:
     run_dir = out / method
     cfg = config(run_dir, method, overrides)
@@ -88,7 +98,7 @@ def train(shared: Path, out: Path, method: str, overrides: list[str], zero: tupl
     digests = tr.dist.all_gather_object(_digest(tr.models.student))
     per_rank = tr.dist.all_gather_object(produced)
     states = tr.dist.all_gather_object(tr.method.state_dict() if method == "skill-sd" else {})
-    teacher = getattr(tr.method, "teacher", None)
+    teacher = _teacher_copy(tr.method)
     resumed_teacher = None
     if teacher is not None:
         # The EMA teacher through a checkpoint (under FSDP2 gathered whole, then resharded).
@@ -96,7 +106,7 @@ def train(shared: Path, out: Path, method: str, overrides: list[str], zero: tupl
         again = Trainer(copy.deepcopy(cfg), resume=True, progress=False)
         again.setup()
         assert again.load_checkpoint() == STEPS
-        resumed_teacher = _digest(again.method.teacher.get()) == _digest(teacher.get())
+        resumed_teacher = _digest(_teacher_copy(again.method)) == _digest(teacher)
     if tr.is_main:
         torch.save(
             {

@@ -8,7 +8,8 @@ trains them one after another; the bank and cold start are built once here and c
   trajectories (2, 1 and 1 passes), group methods 2, 2 and 0 (the third rank pads with another
   rank's trajectory); rank 1's first micro-batch of step 1 has its action tokens removed;
   Skill-SD keeps a teacher copy synchronized every 2 steps (a sharded EMA copy, as SDPO's and
-  SDFT's), and every EMA teacher goes through a checkpoint and back;
+  SDFT's), LOPD's latent teacher reads a copy synchronized every step
+  (``lopd.teacher_backbone=sync``), and every teacher copy goes through a checkpoint and back;
 * DDP on 2 ranks, 3 tasks a step: 2 and 1 trajectories, group methods 2 and 0; rank 0's first
   micro-batch of step 0 has no action token.
 
@@ -34,10 +35,12 @@ from lopd.trainer import Trainer
 from tests.dist_worker import STEPS, replay
 from tests.launch import REPO, run, torchrun
 
-GROUPS = ["grpo.group_size=2", "sdpo.group_size=2", "skill_sd.group_size=2"]
+GROUPS = [
+    "grpo.group_size=2", "sdpo.group_size=2", "skill_sd.group_size=2", "lopd_ppo.group_size=2",
+]  # fmt: skip
 FSDP2 = [
     "model.parallel=fsdp2", "model.gradient_checkpointing=true", "lopd.tasks_per_step=4",
-    "skill_sd.teacher_sync_every=2",
+    "skill_sd.teacher_sync_every=2", "lopd.teacher_backbone=sync",
 ]  # fmt: skip
 # name -> (ranks, overrides, rank:step whose first micro-batch has no action token)
 LAUNCHES = {
@@ -54,7 +57,10 @@ REPLAYED = {"fsdp2-3": tuple(METHODS), "ddp-2": ("lopd", "sdpo")}
 # What each rank holds per step: (LOPD-like methods, group methods).
 SHARES = {"fsdp2-3": ([2, 1, 1], [2, 2, 0]), "ddp-2": ([2, 1], [2, 0])}
 # The methods that keep an EMA teacher copy (Skill-SD: with teacher_sync_every > 1).
-EMA_TEACHERS = {"fsdp2-3": ("sdpo", "sdft", "skill-sd"), "ddp-2": ("sdpo", "sdft")}
+EMA_TEACHERS = {
+    "fsdp2-3": ("sdpo", "sdft", "skill-sd", "lopd", "lopd-ppo", "lopd-frozen", "lopd-m0"),
+    "ddp-2": ("sdpo", "sdft"),
+}
 SECONDS: dict[str, float] = {}
 
 

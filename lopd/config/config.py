@@ -189,20 +189,12 @@ class Config:
                 "gen.engine=vllm with model.parallel=fsdp2 is not supported (the engine needs "
                 "the full student on every rank); use model.parallel=ddp or gen.engine=hf"
             )
-        if self.model.parallel == "fsdp2":
-            # A moved teacher is a second, unsharded copy of the student; a growing bank embeds
-            # its new entries with the (then sharded) backbone on one rank.
-            if self.lopd.teacher_backbone != "base":
-                raise ConfigError(
-                    f"lopd.teacher_backbone={self.lopd.teacher_backbone} with "
-                    "model.parallel=fsdp2 is not supported (the teacher copy is not sharded); "
-                    "use lopd.teacher_backbone=base or model.parallel=ddp"
-                )
-            if self.bank.grow:
-                raise ConfigError(
-                    "bank.grow=true with model.parallel=fsdp2 is not supported; use "
-                    "model.parallel=ddp in one process"
-                )
+        # A growing bank embeds its new entries with the (then sharded) backbone on one rank.
+        if self.model.parallel == "fsdp2" and self.bank.grow:
+            raise ConfigError(
+                "bank.grow=true with model.parallel=fsdp2 is not supported; use "
+                "model.parallel=ddp in one process"
+            )
         if self.gen.engine == "vllm" and importlib.util.find_spec("vllm") is None:
             raise MissingDependencyError(
                 f"gen.engine=vllm needs vLLM, which is not installed: {VLLM_INSTALL_HINT}",

@@ -86,7 +86,6 @@ METHODS: dict[str, MethodSpec] = {
             "LOPD-PPO: PPO-clip on group advantages + distillation toward LOPD's latent teacher",
             uses_composer=True,
             group_size=lambda cfg: cfg.lopd_ppo.group_size,
-            supports_fsdp2=False,
         ),
         MethodSpec(
             "grpo",
