@@ -46,6 +46,10 @@ def copy_shared(shared: Path, run_dir: Path) -> None:
 
 
 def config(run_dir: Path, method: str, overrides: list[str]) -> Any:
+    """The smoke preset for ``method`` with the launch's overrides; ``lopd.teacher_backbone``
+    only for the methods with LOPD's latent teacher (the others refuse it)."""
+    if not METHODS[method].uses_composer:
+        overrides = [o for o in overrides if not o.startswith("lopd.teacher_backbone=")]
     return load_config(
         "smoke", overrides=[f"run_dir={run_dir}", f"lopd.method={method}", *overrides]
     )

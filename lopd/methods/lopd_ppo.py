@@ -262,8 +262,11 @@ class LOPDPPOMethod(LOPDMethod):
                     teacher_bias=getattr(head_t, "bias", None),
                 )  # fmt: skip
                 (g_dist,) = torch.autograd.grad(kl.loss, h2)
-        n_ppo, n_dist = float(g_ppo.norm()), float(g_dist.norm())
-        dot = float((g_ppo.double() * g_dist.double()).sum())
+        # Each rank's loss is divided by total / world (lopd.parallel.lockstep): the norms of the
+        # global loss's gradient on these rows are 1 / world of the rank's.
+        world = self.ctx.dist.world if self.ctx.dist is not None else 1
+        n_ppo, n_dist = float(g_ppo.norm()) / world, float(g_dist.norm()) / world
+        dot = float((g_ppo.double() * g_dist.double()).sum()) / world**2
         cosine = dot / (n_ppo * n_dist) if n_ppo > 0 and n_dist > 0 else 0.0
         return GradientSplit(n_ppo, n_dist, cosine)
 

@@ -346,6 +346,7 @@ class Checkpoints:
 
         has_optimizer = bool(meta.get("has_optimizer", True))
         sd = self._dcp_state(state, has_optimizer)
+        _drop_unsaved_optimizer_states(sd, str(path))
         dcp.load(sd, checkpoint_id=str(path))
         opts = state.optimizers
         phi_options = StateDictOptions(ignore_frozen_params=True, strict=False)
@@ -365,6 +366,26 @@ class Checkpoints:
             else:
                 set_model_state_dict(state.composer, sd["composer"], options=phi_options)
         return self._restore(state, meta, path.name, has_optimizer)
+
+
+def _drop_unsaved_optimizer_states(sd: dict[str, Any], checkpoint_id: str) -> None:
+    """Drop from ``sd`` the optimizer states of parameters the saved optimizer held none for.
+
+    A fresh optimizer's DCP state dict holds a state for every parameter (DCP initializes them),
+    the saved one only for parameters that had a gradient before the save (``lopd-frozen``'s
+    composer, LoRA weights no loss reached): loading the first from the second would ask for
+    keys that were never written. Such a parameter resumes without a state, as in the run that
+    saved it.
+    """
+    # Optional: DCP exists only in torch builds with distributed support.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = set(FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata)
+    for name in ("opt_student", "opt_composer"):
+        states = (sd.get(name) or {}).get("state", {})
+        for fqn in list(states):
+            if not any(f"{name}.state.{fqn}.{key}" in saved for key in states[fqn]):
+                del states[fqn]
 
 
 class _Unloadable(Exception):
