@@ -67,6 +67,7 @@ from typing import Any
 from lopd.config import COMPARE_BUDGETS, BankTooSmallError, ConfigError, load_config
 from lopd.eval.compare_report import ALL_METHODS, write_report
 from lopd.eval.run_names import parse_run_name
+from lopd.eval.run_results import collect_run, fill_teacher_traces
 from lopd.methods import METHODS, MethodSpec
 from lopd.run.claim import clear_run_dir, refuse_used_runs
 from lopd.run.host_memory import configure_host_memory
@@ -204,12 +205,12 @@ def run_method(
         ``dual`` (``margin``, and per step the privilege ``delta`` and ``beta`` after the dual
         update) and, under ``eval.with_composer``, ``base_composer_phi0`` and ``base_composer``
         (the frozen base model generating with c_phi0 and with the trained c_phi). Methods with
-        a teacher add ``teacher`` (:func:`teacher_trace`); ``student_composer`` and
-        ``teacher_composer`` (the trained student and a moved teacher generating with the
-        latents, ``eval.with_composer``), ``trace`` (per step: LOPD-PPO's ``grad_ppo``,
-        ``grad_distill``, ``grad_cosine``; a growing bank's ``bank_size``, ``bank_added``) and
-        ``teacher_curve`` (``[[rollouts, the latent teacher's held-out reward], ...]``,
-        ``eval.teacher_curve``) where the run logged them.
+        a teacher add ``teacher`` (:func:`lopd.eval.run_results.teacher_trace`);
+        ``student_composer`` and ``teacher_composer`` (the trained student and a moved teacher
+        generating with the latents, ``eval.with_composer``), ``trace`` (per step: LOPD-PPO's
+        ``grad_ppo``, ``grad_distill``, ``grad_cosine``; a growing bank's ``bank_size``,
+        ``bank_added``) and ``teacher_curve`` (``[[rollouts, the latent teacher's held-out
+        reward], ...]``, ``eval.teacher_curve``) where the run logged them.
     """
 
     run_dir = out / "runs" / f"{method}-seed{seed}"
@@ -240,103 +241,6 @@ def run_method(
         result.update(error=msg, trace=traceback.format_exc())
     result["wall_seconds"] = time.perf_counter() - t0
     return result
-
-
-def collect_run(method: str, run_dir: Path) -> dict[str, Any]:
-    """The result fields of a finished run of ``method`` (see :func:`run_method`), read from its
-    run directory alone (``summary.json``, ``metrics.jsonl``, the bank's marker), so a
-    comparison that was stopped keeps the runs it finished (``--from-runs``). ``steps`` counts
-    the steps the run logged; ``wall_seconds`` is the trainer's own (:func:`run_method` replaces
-    it with the time it measured around the trainer).
-
-    Raises:
-        OSError, ValueError, KeyError: the run directory holds no finished run.
-    """
-    files = RunDir(run_dir)
-    summary = json.loads(files.summary.read_text())
-    bank = 0
-    if _spec(method).builds_bank and files.bank_done.exists():
-        bank = int(json.loads(files.bank_done.read_text())["rollouts"])
-    vanilla = summary["vanilla"]["reward_mean"]
-    curve = [[0, vanilla]] + ([[bank, vanilla]] if bank else [])
-    rows = [json.loads(line) for line in files.metrics.read_text().splitlines()]
-    for row in rows:
-        if "eval_reward_mean" in row:
-            curve.append([int(row["rollouts"]), row["eval_reward_mean"]])
-    curve.append([int(summary["rollouts"]), summary["lopd"]["reward_mean"]])
-    result: dict[str, Any] = {
-        # Where a training step's time goes (means over steps; evaluation not included).
-        "step_seconds": {
-            part: sum(r.get(f"seconds_{part}", 0.0) for r in rows) / max(len(rows), 1)
-            for part in ("rollout", "loss_backward", "step")
-        }
-    }
-    if _spec(method).uses_composer:
-        # The privileged margin's dual ascent, step by step (the margin table).
-        result["dual"] = {
-            "margin": rows[0]["margin"] if rows else None,
-            "delta": [r["delta"] for r in rows],
-            "beta": [r["beta_next"] for r in rows],
-        }
-    for key in ("base_composer_phi0", "base_composer", "student_composer", "teacher_composer"):
-        if key in summary:
-            result[key] = summary[key]
-    # LOPD-PPO's gradient split, a growing bank, the latent teacher's curve (where logged).
-    trace = {k: [r[k] for r in rows if k in r] for k in _TRACED}
-    result.update({"trace": {k: v for k, v in trace.items() if v}} if any(trace.values()) else {})
-    teacher_curve = [
-        [int(r["rollouts"]), r["eval_teacher_reward_mean"]]
-        for r in rows
-        if "eval_teacher_reward_mean" in r
-    ]
-    if teacher_curve:
-        result["teacher_curve"] = teacher_curve
-    if _spec(method).has_teacher:
-        result["teacher"] = teacher_trace(rows)
-    result.update(
-        steps=sum("step" in r for r in rows),
-        rollouts=int(summary["rollouts"]),
-        bank_rollouts=bank,
-        vanilla=summary["vanilla"],
-        final=summary["lopd"],
-        curve=curve,
-        wall_seconds=summary["wall_seconds"],
-        error=None,
-    )
-    return result
-
-
-_TRACED = ("grad_ppo", "grad_distill", "grad_cosine", "bank_size", "bank_added")
-"""Per-step metrics a result keeps under ``trace`` (those a run logged)."""
-
-
-def teacher_trace(rows: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
-    """How far each step's teacher is from the student, from a run's ``metrics.jsonl`` rows:
-    per step its ``kl`` (the method's divergence on the action tokens it distils) and the
-    student's minus the teacher's mean log-prob of the student's action tokens (``None`` where
-    the step distilled nothing, e.g. SDPO without a successful sibling)."""
-    trace: dict[str, list[float | None]] = {"kl": [], "logprob_gap": []}
-    for row in rows:
-        distilled = "kl" in row and (
-            row.get("distilled", 1.0) > 0 and row.get("skill_guided", 1.0) > 0
-        )
-        trace["kl"].append(row["kl"] if distilled else None)
-        gap = None
-        if distilled and "teacher_logprob" in row and "student_logprob" in row:
-            gap = row["student_logprob"] - row["teacher_logprob"]
-        trace["logprob_gap"].append(gap)
-    return trace
-
-
-def fill_teacher_traces(results: Sequence[dict[str, Any]]) -> None:
-    """Add :func:`teacher_trace` to results written before it existed, from their run
-    directories' ``metrics.jsonl`` where those are still on disk."""
-    for r in results:
-        if r.get("error") is None and "teacher" not in r and _spec(r["method"]).has_teacher:
-            metrics = RunDir(Path(r.get("run_dir") or "")).metrics
-            if r.get("run_dir") and metrics.exists():
-                rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-                r["teacher"] = teacher_trace(rows)
 
 
 def run_seed(

@@ -8,13 +8,14 @@ import json
 
 import pytest
 
-from lopd.compare import fill_teacher_traces, main, resolve_run, teacher_trace
+from lopd.compare import main, resolve_run
 from lopd.eval.compare_report import (
     margin_table,
     rollouts_to_reach,
     rollouts_to_target_table,
     teacher_table,
 )
+from lopd.eval.run_results import fill_teacher_traces, teacher_trace
 from lopd.run.run_dir import RunDir
 
 
