@@ -163,3 +163,10 @@ def test_every_documented_command_has_its_module(command):
     """``python -m lopd.<command>`` keeps working under its name (README, docs)."""
     path = ROOT / "lopd" / f"{command}.py"
     assert path.exists() or (ROOT / "lopd" / command / "__main__.py").exists()
+
+
+def test_readme_is_a_front_page():
+    """The README stays a front page (set-up, commands, API, headline tables); the rest lives
+    in ``docs/``."""
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= 400, f"README.md has {lines} lines; move detail into docs/"
