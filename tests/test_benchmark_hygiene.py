@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import importlib
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,53 @@ def test_qformer_inputs_leave_the_global_rng_alone():
     assert torch.equal(torch.random.get_rng_state(), state)
     assert torch.equal(make_inputs(seed=3)[1], first)  # still seeded: the same inputs
     assert dict(os.environ) == env and torch.get_num_threads() == threads
+
+
+# The index: benchmarks/README.md names every script and every result, and nothing that is gone.
+BENCH_DIR = ROOT / "benchmarks"
+INDEX = BENCH_DIR / "README.md"
+# A results path as the index writes it: `results/x.json`, (results/x), benchmarks/results/x/y;
+# group 2 marks a pattern (`results/gpu_<op>.json`, `results/memory_*.json`), not a path.
+RESULT_PATH = re.compile(r"(?<![\w.-])results/([\w./-]*)([<*]?)")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def _named(text: str, name: str) -> bool:
+    return re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w-]|\.\w)", text) is not None
+
+
+def test_every_benchmark_script_is_in_the_index():
+    text = INDEX.read_text()
+    scripts = sorted(p.name for p in BENCH_DIR.iterdir() if p.suffix in {".py", ".sh"})
+    assert {"common.py", "gpu_all.sh", "bench_qformer.py"} <= set(scripts)
+    missing = [name for name in scripts if not _named(text, f"`{name}`")]
+    assert not missing, f"benchmarks/README.md does not name {missing}"
+
+
+def test_every_result_is_in_the_index():
+    text = INDEX.read_text()
+    named = {m.group(1).split("/")[0] for m in RESULT_PATH.finditer(text) if not m.group(2)}
+    named |= {Path(t).parts[1] for t in LINK.findall(text) if t.startswith("results/")}
+    entries = sorted(p.name for p in (BENCH_DIR / "results").iterdir())
+    assert {"topk_tail_kl.json", "compare"} <= set(entries)
+    missing = [name for name in entries if name not in named]
+    assert not missing, f"benchmarks/README.md does not name results/{missing}"
+
+
+def test_every_path_the_index_names_exists():
+    text = INDEX.read_text()
+    paths = [m.group(1).rstrip("./") for m in RESULT_PATH.finditer(text) if not m.group(2)]
+    gone = [f"results/{p}" for p in paths if p and not (BENCH_DIR / "results" / p).exists()]
+    links = [t for t in LINK.findall(text) if "://" not in t]
+    gone += [t for t in links if not (BENCH_DIR / t).exists()]
+    assert links and not gone, f"benchmarks/README.md names missing paths: {gone}"
+
+
+def test_the_index_checks_can_fail():
+    assert _named("| `gpu_env.py` |", "`gpu_env.py`")
+    assert not _named("| `gpu_env.py.bak` |", "`gpu_env.py`")
+    sample = (
+        "`results/gpu_<op>.json`, [x](results/compare), benchmarks/results/probe/a.json, results/*"
+    )
+    found = [(m.group(1), m.group(2)) for m in RESULT_PATH.finditer(sample)]
+    assert found == [("gpu_", "<"), ("compare", ""), ("probe/a.json", ""), ("", "*")]
