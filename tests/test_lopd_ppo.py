@@ -23,7 +23,7 @@ def trainer(tmp_path_factory):
     """The smoke run's bank and cold start with LOPD-PPO (the tiny model, composer included)."""
     torch.set_num_threads(1)
     run_dir = tmp_path_factory.mktemp("lopd_ppo")
-    cfg = load_config("smoke", overrides=[f"run_dir={run_dir}", "lopd.method=lopd-ppo"])
+    cfg = load_config("smoke", overrides=[f"run_dir={run_dir}", "train.method=lopd-ppo"])
     tr = Trainer(cfg, progress=False)
     tr.setup()
     return tr
@@ -32,7 +32,7 @@ def trainer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def group(trainer):
     """One group of G = 4 rollouts of one task, with fixed rewards and their group advantages."""
-    trajs = group_rollouts(trainer.context, 0, 4, trainer.cfg.lopd.tasks_per_step)
+    trajs = group_rollouts(trainer.context, 0, 4, trainer.cfg.train.tasks_per_step)
     rewards = [1.0, 0.0, 0.5, 0.0]
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), torch.zeros(4).long())
     for t, r, a in zip(trajs, rewards, adv.tolist()):
@@ -230,7 +230,7 @@ def test_settings_are_checked_at_startup():
         ("skill-sd", "bank.grow=true", "bank.grow"),
         ("sdpo", "bank.grow=true", "bank.grow"),
     ):
-        cfg = load_config("smoke", overrides=[f"lopd.method={method}", override])
+        cfg = load_config("smoke", overrides=[f"train.method={method}", override])
         with pytest.raises(ConfigError, match=what.replace(".", r"\.")):
             METHODS[method].check(cfg, 1)
     cfg = load_config("smoke", overrides=["bank.grow=true"])

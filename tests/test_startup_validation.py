@@ -36,7 +36,7 @@ def _float_fields(obj=None, prefix: str = "") -> list[str]:
 
 def test_every_float_field_is_covered():
     fields = _float_fields()
-    for name in ("lopd.margin", "lopd.lr", "eval.temperature", "gen.top_p", "bank.min_reward"):
+    for name in ("lopd.margin", "train.lr", "eval.temperature", "gen.top_p", "bank.min_reward"):
         assert name in fields
     assert len(fields) >= 15
 
@@ -71,7 +71,7 @@ def _train(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
 def test_cli_stops_on_nan_before_loading_anything(tmp_path):
     for override, field in (
         ("lopd.margin=nan", "lopd.margin"),
-        ("lopd.lr=nan", "lopd.lr"),
+        ("train.lr=nan", "train.lr"),
         ("eval.temperature=nan", "eval.temperature"),
     ):
         t0 = time.perf_counter()

@@ -127,7 +127,7 @@ class LOPDMethod(MethodBase):
     def from_config(cls, ctx: MethodContext, cfg: Config, **changes: Any) -> LOPDMethod:
         """Built from ``cfg.lopd`` (and the composer's J*K); ``changes`` as in
         :meth:`LOPDSettings.of`."""
-        return cls(ctx, LOPDSettings.of(cfg, **changes), cfg.lopd.tasks_per_step)
+        return cls(ctx, LOPDSettings.of(cfg, **changes), cfg.train.tasks_per_step)
 
     # ---------------------------------------------------------------- 1. rollouts
     def rollouts(self, step: int) -> list[Trajectory]:

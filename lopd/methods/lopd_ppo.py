@@ -106,7 +106,7 @@ class LOPDPPOMethod(LOPDMethod):
         """Built from ``cfg.lopd_ppo`` and ``cfg.lopd``; ``changes`` as in
         :meth:`LOPDSettings.of`."""
         settings = LOPDSettings.of(cfg, **changes)
-        return cls(ctx, settings, cfg.lopd_ppo, cfg.lopd.tasks_per_step, cfg.gen.temperature)
+        return cls(ctx, settings, cfg.lopd_ppo, cfg.train.tasks_per_step, cfg.gen.temperature)
 
     # ---------------------------------------------------------------- 1. rollouts
     def rollouts(self, step: int) -> list[Trajectory]:
