@@ -82,6 +82,27 @@ def test_cli_stops_on_nan_before_loading_anything(tmp_path):
         assert time.perf_counter() - t0 < 60
 
 
+def test_moved_keys_are_refused_naming_the_new_key(tmp_path):
+    from lopd.config.fields import MOVED_KEYS
+
+    assert MOVED_KEYS["lopd.steps"] == "train.steps" and len(MOVED_KEYS) == 8
+    for old, new in MOVED_KEYS.items():
+        with pytest.raises(ConfigError) as err:
+            load_config("smoke", overrides=[f"{old}=1"])
+        assert str(err.value) == f"override '{old}=1': '{old}' is now '{new}'"
+    yml = tmp_path / "old.yaml"
+    yml.write_text("lopd:\n  margin: 0.1\n  micro_batch: 2\n")
+    with pytest.raises(ConfigError, match=r"^--config .*: 'lopd\.micro_batch' is now "):
+        load_config("smoke", yml)
+    # The command line: one line, before anything is loaded or written.
+    res = _train(tmp_path / "r", "lopd.steps=3")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr == (
+        "lopd.train: config error: override 'lopd.steps=3': 'lopd.steps' is now 'train.steps'\n"
+    )
+    assert not (tmp_path / "r").exists()
+
+
 # --------------------------------------------------------------------------- task files
 
 
