@@ -535,7 +535,7 @@ def test_lopd_m0_is_lopd_with_margin_zero(lopd_trainer):
     assert method.beta == 0.0
     out = method.after_step({"delta": -0.1})
     assert out["beta_next"] == pytest.approx(tr.cfg.lopd.dual_lr * (0.0 + 0.1))  # m = 0
-    assert tr.cfg.lopd.margin == 0.05 and tr.method.settings.margin == 0.05
+    assert tr.cfg.lopd.margin == 0.05 and tr.method.settings.lopd.margin == 0.05
     assert method.state_dict() == {"beta": out["beta_next"]}
 
 

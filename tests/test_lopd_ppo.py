@@ -121,7 +121,9 @@ def test_loss_matches_a_float64_reference(trainer, group, distill, dual, anchor)
         lp_t = torch.log_softmax(lt, -1).gather(1, y)[:, 0]
         delta = (2 * t.reward - 1) * (lp_t - lp_s.detach()).mean()
         anc = ((latents[i].double() - latents0[i].double()) ** 2).mean() if anchor else 0.0
-        value = value + ppo + w * dist + b_eff * (s.margin - delta) + s.anchor_weight * anc
+        value = (
+            value + ppo + w * dist + b_eff * (s.lopd.margin - delta) + s.lopd.anchor_weight * anc
+        )
     (value / 4).backward()
     want = _grads(tr)
     _zero(tr)
