@@ -2,8 +2,8 @@
 
     python -m benchmarks.bench_standin_memory --shape 218m --out /tmp/mem          # fp32, 4 layers
     python -m benchmarks.bench_standin_memory --shape qwen3-0.6b --out /tmp/mem \
-        data.n_train=4 data.n_test=2 lopd.steps=2 \
-        model.gradient_checkpointing=true lopd.micro_batch=1   # 28 layers; fits 24 GiB on CPU
+        data.n_train=4 data.n_test=2 train.steps=2 \
+        model.gradient_checkpointing=true train.micro_batch=1   # 28 layers; fits 24 GiB on CPU
     python -m benchmarks.bench_standin_memory --shape qwen3-0.6b --out /tmp/mem \
         --trajectory-tokens 8192 model.gradient_checkpointing=true   # every trajectory 8,192
     python -m benchmarks.bench_standin_memory --report /tmp/mem/run-218m           # table only
@@ -33,11 +33,11 @@ import sys
 from pathlib import Path
 
 GIB = 2.0**30
-SHORT = ["data.n_train=4", "data.n_test=2", "lopd.steps=2"]
+SHORT = ["data.n_train=4", "data.n_test=2", "train.steps=2"]
 """The default short budget: 4 bank rollouts, 2 training steps, 2 held-out tasks."""
 AT_LENGTH = [
     "data.n_train=4", "data.n_test=2", "cold_start.steps=1", "cold_start.batch_size=1",
-    "lopd.steps=1", "lopd.tasks_per_step=1", "lopd.micro_batch=1", "gen.max_steps=1",
+    "train.steps=1", "train.tasks_per_step=1", "train.micro_batch=1", "gen.max_steps=1",
 ]  # fmt: skip
 """The budget of ``--trajectory-tokens``: every phase once, one trajectory at a time."""
 

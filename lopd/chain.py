@@ -23,7 +23,7 @@ Usage::
 
     python -m lopd.chain                                  # default preset, seeds 0 1 2, n_test 64
     python -m lopd.chain --temperature 0                  # greedy evaluation
-    python -m lopd.chain --seeds 0 1 --n-test 32 --out runs/chain lopd.steps=20
+    python -m lopd.chain --seeds 0 1 --n-test 32 --out runs/chain train.steps=20
     python -m lopd.chain --quick                          # seconds-scale plumbing (tests)
 
 Writes ``report.md`` and ``results.json`` (every seed's summary and step-0 metrics) to ``--out``

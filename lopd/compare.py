@@ -145,11 +145,11 @@ def _config(settings: CompareSettings, name: str, seed: int, run_dir: Path, step
         settings.preset,
         overrides=[
             *settings.overrides,
-            f"lopd.method={method}",
+            f"train.method={method}",
             *extra,
             f"seed={seed}",
             f"run_dir={json.dumps(str(run_dir))}",
-            f"lopd.steps={steps}",
+            f"train.steps={steps}",
             *every,
         ],
     )
@@ -160,7 +160,7 @@ def _config(settings: CompareSettings, name: str, seed: int, run_dir: Path, step
 def _steps_for(settings: CompareSettings, method: str) -> tuple[int, int]:
     """``(steps, bank_rollouts)`` that spend ``settings.budget`` rollouts with ``method``."""
     cfg = _config(settings, "lopd", 0, Path("."), 0)
-    tps = cfg.lopd.tasks_per_step
+    tps = cfg.train.tasks_per_step
     bank = cfg.data.n_train * cfg.bank.rollouts_per_task if _spec(method).builds_bank else 0
     if settings.budget <= bank:
         raise ValueError(
@@ -472,9 +472,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = _config(settings, "lopd", seeds[0], out, 0)
         for m in args.methods:
             group = _spec(m).group_size(cfg)
-            if cfg.lopd.tasks_per_step % group:
+            if cfg.train.tasks_per_step % group:
                 raise ConfigError(
-                    f"lopd.tasks_per_step={cfg.lopd.tasks_per_step} must be a multiple of the "
+                    f"train.tasks_per_step={cfg.train.tasks_per_step} must be a multiple of the "
                     f"group size {group} of {m} for equal per-step budgets"
                 )
         for m in args.methods:

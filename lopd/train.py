@@ -5,7 +5,7 @@ Usage::
     python -m lopd.train                                   # the tiny default (<= 15 min, 2 CPUs)
     python -m lopd.train --preset smoke --run-dir /tmp/s   # seconds; every phase runs
     python -m lopd.train --preset paper --model /ckpt/Qwen3-4B --tasks tasks.jsonl
-    python -m lopd.train --config my.yaml lopd.margin=0.1 lopd.steps=50
+    python -m lopd.train --config my.yaml lopd.margin=0.1 train.steps=50
     python -m lopd.train --preset smoke --profile-memory   # memory account per phase
     python -m lopd.train --run-dir runs/x --resume         # continue a killed run
     python -m lopd.train --run-dir runs/x --overwrite      # delete the run there, start anew
@@ -46,7 +46,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--method",
         default=None,
-        help="training objective (lopd.method), a name in lopd.methods.METHODS: lopd, its "
+        help="training objective (train.method), a name in lopd.methods.METHODS: lopd, its "
         "ablations or a baseline",
     )
     start = p.add_mutually_exclusive_group()
@@ -65,9 +65,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="log a memory account per phase to memory.jsonl (profile_memory=true)",
     )
-    p.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. lopd.steps=5")
+    p.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. train.steps=5")
     # Intermixed: overrides may come before, between or after the options
-    # (`python -m lopd.train lopd.steps=5 --run-dir x seed=1`).
+    # (`python -m lopd.train train.steps=5 --run-dir x seed=1`).
     return p.parse_intermixed_args(argv)
 
 
@@ -81,7 +81,7 @@ def build_config(args: argparse.Namespace):
     if args.run_dir is not None:
         overrides.insert(0, f"run_dir={json.dumps(args.run_dir)}")
     if args.method is not None:
-        overrides.insert(0, f"lopd.method={json.dumps(args.method)}")
+        overrides.insert(0, f"train.method={json.dumps(args.method)}")
     if args.profile_memory:
         overrides.insert(0, "profile_memory=true")
     cfg = load_config(args.preset, args.config, overrides)
@@ -138,11 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         v, lo = summary["vanilla"], summary["lopd"]
         print(
             f"held-out reward  vanilla {v['reward_mean']:.3f} ± {v['reward_stderr']:.3f}  |  "
-            f"{cfg.lopd.method} {lo['reward_mean']:.3f} ± {lo['reward_stderr']:.3f}  (n={lo['n']})"
+            f"{cfg.train.method} {lo['reward_mean']:.3f} ± {lo['reward_stderr']:.3f}  (n={lo['n']})"
         )
         print(
             f"success rate     vanilla {v['success_rate']:.3f}  |  "
-            f"{cfg.lopd.method} {lo['success_rate']:.3f}"
+            f"{cfg.train.method} {lo['success_rate']:.3f}"
         )
         for key, label in (("base_composer_phi0", "phi_0"), ("base_composer", "trained phi")):
             if key in summary:

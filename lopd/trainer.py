@@ -100,12 +100,12 @@ class Trainer:
         shared_phases: bool = False,
     ) -> None:
         cfg.validate()
-        if cfg.lopd.method not in METHODS:
+        if cfg.train.method not in METHODS:
             raise ConfigError(
-                f"lopd.method must be one of {sorted(METHODS)}, got {cfg.lopd.method!r}"
+                f"train.method must be one of {sorted(METHODS)}, got {cfg.train.method!r}"
             )
         self.cfg = cfg
-        self.spec = METHODS[cfg.lopd.method]
+        self.spec = METHODS[cfg.train.method]
         self.resume, self.overwrite, self.shared_phases = resume, overwrite, shared_phases
         self.lock: RunLock | None = None
         self.dist = Dist(cfg.model.device, cfg.threads, cfg.model.collective_timeout_minutes)
@@ -203,7 +203,7 @@ class Trainer:
         self.optimizers = build_optimizers(
             models.student,
             models.composer.trainable_parameters() if models.composer is not None else [],
-            cfg.lopd,
+            cfg.train,
             precision.grad_scaler(),
         )
         self.evaluate = HeldOutEvaluator(ctx, latents, getattr(self.method, "teacher_model", None))
@@ -234,7 +234,7 @@ class Trainer:
         """One training iteration (all ranks): the method's rollouts, a loss and backward per
         micro-batch, averaged and clipped gradients, the optimizer steps, the method's
         ``after_step``; returns the step's global metrics."""
-        cfg = self.cfg.lopd
+        cfg = self.cfg.train
         t_start = time.perf_counter()
         self.dist.enter("rollout", step)
         self.models.sharding.gather_frozen_roots()  # FSDP2 only
@@ -303,7 +303,7 @@ class Trainer:
         """Everything a resumed run needs to continue exactly (all ranks call it); the final
         step's checkpoint without optimizer states when ``checkpoint_final_optimizer=false``."""
         rollouts = self.global_rollouts()
-        optimizer = step < self.cfg.lopd.steps or self.cfg.checkpoint_final_optimizer
+        optimizer = step < self.cfg.train.steps or self.cfg.checkpoint_final_optimizer
         self.checkpoints.save(step, self._train_state(), rollouts, self.wall_seconds(), optimizer)
 
     def load_checkpoint(self) -> int:
@@ -315,7 +315,7 @@ class Trainer:
         self.engine.weights_updated(self.models.student)
         self.wall_before = resumed.wall_seconds
         self.log(f"resumed from {resumed.name} (step {resumed.step})")
-        if not resumed.optimizer_restored and resumed.step < self.cfg.lopd.steps:
+        if not resumed.optimizer_restored and resumed.step < self.cfg.train.steps:
             self.log(
                 f"{resumed.name} holds no optimizer state (checkpoint_final_optimizer=false): "
                 "AdamW restarts from zero moments, so the continued run is not the one an "
@@ -334,16 +334,16 @@ class Trainer:
             shared_phases=tuple(shared) if self.shared_phases else (),
         )  # fmt: skip
         self.setup()
-        cfg, run_dir = self.cfg, self.run_dir
+        cfg, run_dir, steps = self.cfg, self.run_dir, self.cfg.train.steps
         start = self.load_checkpoint() if self.resume else 0
         vanilla = self.evaluate.cached("vanilla", run_dir.eval_vanilla)
         base_composer0 = self._evaluate_base_composer0(start)
         self.memory.phase("eval_vanilla", self.models, self._optimizer_list())
         metrics_log = MetricsLog(run_dir, start, enabled=self.is_main)
-        bar = self.run_context.bar(range(start, cfg.lopd.steps), desc=cfg.lopd.method, unit="step")
+        bar = self.run_context.bar(range(start, steps), desc=cfg.train.method, unit="step")
         for step in bar:
             m = self.train_step(step)
-            if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.lopd.steps:
+            if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < steps:
                 m.update(self.evaluate.curve_point())
             metrics_log.write(m)
             if self.is_main:
@@ -354,9 +354,7 @@ class Trainer:
                 if (step + 1) % cfg.log_every == 0 and not self.progress:
                     self.log(json.dumps({k: round(v, 5) for k, v in m.items()}))
             done = step + 1
-            if (
-                cfg.checkpoint_every and done % cfg.checkpoint_every == 0
-            ) or done == cfg.lopd.steps:
+            if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == steps:
                 self.save_checkpoint(done)
         summary: dict[str, Any] = {"vanilla": vanilla, "lopd": self.evaluate("lopd")}
         if base_composer0 is not None:

@@ -51,7 +51,7 @@ def config(run_dir: Path, method: str, overrides: list[str]) -> Any:
     if not METHODS[method].uses_composer:
         overrides = [o for o in overrides if not o.startswith("lopd.teacher_backbone=")]
     return load_config(
-        "smoke", overrides=[f"run_dir={run_dir}", f"lopd.method={method}", *overrides]
+        "smoke", overrides=[f"run_dir={run_dir}", f"train.method={method}", *overrides]
     )
 
 
@@ -93,7 +93,7 @@ def train(shared: Path, out: Path, method: str, overrides: list[str], zero: tupl
     def recorded(step: int) -> list[Any]:
         trajs = rollouts(step)
         if zero is not None and zero == (rank, step):
-            _zero_actions(trajs, cfg.lopd.micro_batch)
+            _zero_actions(trajs, cfg.train.micro_batch)
         produced.append(copy.deepcopy(trajs))
         return trajs
 

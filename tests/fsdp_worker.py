@@ -61,7 +61,7 @@ def run(run_dir: str, out: str, overrides: list[str]) -> None:
     """Train, checkpoint, resume; rank 0 writes the results to ``out``."""
     cfg = load_config(
         "smoke",
-        overrides=[f"run_dir={run_dir}", "lopd.micro_batch=1", "lopd.beta_init=0.5", *overrides],
+        overrides=[f"run_dir={run_dir}", "train.micro_batch=1", "lopd.beta_init=0.5", *overrides],
     )
     tr = _trainer(cfg)
     metrics = []

@@ -102,7 +102,7 @@ def test_a_resumed_run_continues_with_the_same_bank(trainer, tmp_path):
     a fresh trainer resumed from that checkpoint runs steps 2-3 again: the same metrics, grown
     entries, retrievals, c_phi0 and EMA teacher."""
     overrides = [
-        "lopd.method=lopd-ppo", "lopd.tasks_per_step=4", "lopd_ppo.group_size=2",
+        "train.method=lopd-ppo", "train.tasks_per_step=4", "lopd_ppo.group_size=2",
         "bank.grow_every=3", "lopd.teacher_backbone=ema", "bank.min_reward=0.0",
     ]  # fmt: skip
     cfg = load_config(

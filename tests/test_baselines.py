@@ -126,7 +126,7 @@ def test_sdft_and_skill_sd_settings_are_the_papers_and_bad_values_name_the_field
 def trainer(tmp_path_factory):
     """The tiny model with the smoke bank (6 base-model rollouts), no composer."""
     run_dir = tmp_path_factory.mktemp("baselines")
-    cfg = load_config("smoke", overrides=[f"run_dir={run_dir}", "lopd.method=opsd"])
+    cfg = load_config("smoke", overrides=[f"run_dir={run_dir}", "train.method=opsd"])
     tr = Trainer(cfg, progress=False)
     tr.setup()
     return tr
@@ -136,7 +136,7 @@ def trainer(tmp_path_factory):
 def lopd_trainer(trainer):
     """A LOPD trainer on the same run directory: loads the bank, builds the composer."""
     cfg = copy.deepcopy(trainer.cfg)
-    cfg.lopd.method = "lopd"
+    cfg.train.method = "lopd"
     tr = Trainer(cfg, progress=False)
     tr.setup()
     return tr
@@ -146,7 +146,7 @@ def lopd_trainer(trainer):
 def group(trainer):
     """One group of G = 4 student rollouts of one task (and what it cost the budget)."""
     before = trainer.engine.rollouts
-    trajs = group_rollouts(trainer.context, 0, 4, trainer.cfg.lopd.tasks_per_step)
+    trajs = group_rollouts(trainer.context, 0, 4, trainer.cfg.train.tasks_per_step)
     return trajs, trainer.engine.rollouts - before
 
 
@@ -511,7 +511,7 @@ def test_skill_sd_on_one_of_two_ranks_takes_its_share_of_the_whole_steps_choices
     # skills one process would give the same tasks (tests/test_distributed_methods.py runs it
     # under torchrun).
     cfg = copy.deepcopy(trainer.cfg)
-    cfg.lopd.tasks_per_step = 2 * cfg.skill_sd.group_size  # two groups: one per rank
+    cfg.train.tasks_per_step = 2 * cfg.skill_sd.group_size  # two groups: one per rank
     bank = SkillSDMethod.from_config(trainer.context, cfg).bank
     for task in trainer.train_tasks:
         bank.add(dataclasses.replace(task, task_id=f"{task.task_id}-src"),
@@ -535,7 +535,7 @@ def test_lopd_m0_is_lopd_with_margin_zero(lopd_trainer):
     assert method.beta == 0.0
     out = method.after_step({"delta": -0.1})
     assert out["beta_next"] == pytest.approx(tr.cfg.lopd.dual_lr * (0.0 + 0.1))  # m = 0
-    assert tr.cfg.lopd.margin == 0.05 and tr.method.settings.margin == 0.05
+    assert tr.cfg.lopd.margin == 0.05 and tr.method.settings.lopd.margin == 0.05
     assert method.state_dict() == {"beta": out["beta_next"]}
 
 
@@ -546,7 +546,7 @@ def test_lopd_frozen_reads_c_phi0_and_gives_the_composer_no_gradient(lopd_traine
     lat = method.latents(tasks)
     torch.testing.assert_close(lat, method.cached_latents0(tasks))
     assert not lat.requires_grad
-    traj = group_rollouts(tr.context, 0, 2, tr.cfg.lopd.tasks_per_step)
+    traj = group_rollouts(tr.context, 0, 2, tr.cfg.train.tasks_per_step)
     composer = tr.models.composer
     composer.zero_grad(set_to_none=True)  # the cold start's last gradients
     loss, sums = method.loss(traj, num_total=2)
@@ -684,7 +684,7 @@ def test_answers_compute_the_rollout_fraction_and_ablation_verdict():
 
 def test_sdpo_ema_teacher_survives_a_checkpoint(tmp_path):
     """A resumed SDPO run continues with the saved EMA teacher, not a copy of the student."""
-    cfg = load_config("smoke", overrides=[f"run_dir={tmp_path}", "lopd.method=sdpo"])
+    cfg = load_config("smoke", overrides=[f"run_dir={tmp_path}", "train.method=sdpo"])
     tr = Trainer(cfg, progress=False)
     tr.setup()  # SDPO needs no bank: model and tasks only
     with torch.no_grad():
@@ -706,7 +706,7 @@ def test_sdpo_ema_teacher_survives_a_checkpoint(tmp_path):
 def test_skill_sd_skill_bank_ucb_statistics_and_teacher_survive_a_resume(tmp_path):
     """Steps 0-3 straight equal steps 0-1, a checkpoint, a fresh process state, steps 2-3."""
     overrides = [
-        "lopd.method=skill-sd", "lopd.tasks_per_step=4", "skill_sd.group_size=2",
+        "train.method=skill-sd", "train.tasks_per_step=4", "skill_sd.group_size=2",
         "skill_sd.teacher_sync_every=2",  # a teacher copy, synced after steps 1 and 3
     ]  # fmt: skip
 

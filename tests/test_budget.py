@@ -142,9 +142,9 @@ def test_task_counts_a_source_cannot_supply_are_errors(tmp_path):
 
 
 def test_overrides_parse_anywhere_on_the_command_line(tmp_path):
-    args = parse_args(["lopd.steps=5", "--preset", "smoke", "seed=3", "--run-dir", str(tmp_path)])
+    args = parse_args(["train.steps=5", "--preset", "smoke", "seed=3", "--run-dir", str(tmp_path)])
     cfg = build_config(args)
-    assert (cfg.lopd.steps, cfg.seed, cfg.run_dir) == (5, 3, str(tmp_path))
+    assert (cfg.train.steps, cfg.seed, cfg.run_dir) == (5, 3, str(tmp_path))
     assert build_config(parse_args(["--profile-memory", "--preset", "smoke"])).profile_memory
 
 

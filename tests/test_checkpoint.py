@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from lopd.config import LOPDConfig
+from lopd.config import TrainConfig
 from lopd.parallel.distributed import Dist
 from lopd.run.checkpoint import Checkpoints, TrainState, save_deployable
 from lopd.run.optim import build_optimizers
@@ -37,7 +37,7 @@ def _state(seed: int = 0) -> TrainState:
         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
     )  # fmt: skip
     model = Qwen3ForCausalLM(cfg)
-    opts = build_optimizers(model, [], LOPDConfig(lr=1e-2))
+    opts = build_optimizers(model, [], TrainConfig(lr=1e-2))
     return TrainState(model, None, opts, _Beta())
 
 

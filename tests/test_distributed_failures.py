@@ -106,7 +106,7 @@ def test_two_launchers_train_the_smoke_preset_to_the_end(two_nodes):
     cfg = load_config("smoke")
     # Both ranks' rollouts are counted (the step's tasks are split across them), and the bank's.
     bank = cfg.data.n_train * cfg.bank.rollouts_per_task
-    assert rows[-1]["rollouts"] == bank + cfg.lopd.steps * cfg.lopd.tasks_per_step
+    assert rows[-1]["rollouts"] == bank + cfg.train.steps * cfg.train.tasks_per_step
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["lopd"]["n"] == cfg.data.n_test and summary["rollouts"] == rows[-1]["rollouts"]
 

@@ -39,16 +39,16 @@ GROUPS = [
     "grpo.group_size=2", "sdpo.group_size=2", "skill_sd.group_size=2", "lopd_ppo.group_size=2",
 ]  # fmt: skip
 FSDP2 = [
-    "model.parallel=fsdp2", "model.gradient_checkpointing=true", "lopd.tasks_per_step=4",
+    "model.parallel=fsdp2", "model.gradient_checkpointing=true", "train.tasks_per_step=4",
     "skill_sd.teacher_sync_every=2", "lopd.teacher_backbone=sync",
 ]  # fmt: skip
 # name -> (ranks, overrides, rank:step whose first micro-batch has no action token)
 LAUNCHES = {
     "fsdp2-3": (3, [*FSDP2, *GROUPS], "1:1"),
-    "ddp-2": (2, ["lopd.tasks_per_step=3", *GROUPS], "0:0"),
+    "ddp-2": (2, ["train.tasks_per_step=3", *GROUPS], "0:0"),
 }
 COMMON = [
-    "lopd.micro_batch=1", "gen.max_new_tokens=12", "gen.max_steps=1",
+    "train.micro_batch=1", "gen.max_new_tokens=12", "gen.max_steps=1",
     "model.collective_timeout_minutes=3",
 ]  # fmt: skip
 # Replayed in one process: every method of the FSDP2 launch; of the DDP launch one of each

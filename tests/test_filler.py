@@ -63,7 +63,7 @@ def test_filler_run_trains_every_phase_at_the_chosen_length(tmp_path):
             f"gen.max_new_tokens={length - 1}",
             "gen.max_prompt_tokens=500",
             "gen.max_steps=1",
-            "lopd.steps=1",
+            "train.steps=1",
             "cold_start.steps=1",
         ],
     )

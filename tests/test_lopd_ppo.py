@@ -23,7 +23,7 @@ def trainer(tmp_path_factory):
     """The smoke run's bank and cold start with LOPD-PPO (the tiny model, composer included)."""
     torch.set_num_threads(1)
     run_dir = tmp_path_factory.mktemp("lopd_ppo")
-    cfg = load_config("smoke", overrides=[f"run_dir={run_dir}", "lopd.method=lopd-ppo"])
+    cfg = load_config("smoke", overrides=[f"run_dir={run_dir}", "train.method=lopd-ppo"])
     tr = Trainer(cfg, progress=False)
     tr.setup()
     return tr
@@ -32,7 +32,7 @@ def trainer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def group(trainer):
     """One group of G = 4 rollouts of one task, with fixed rewards and their group advantages."""
-    trajs = group_rollouts(trainer.context, 0, 4, trainer.cfg.lopd.tasks_per_step)
+    trajs = group_rollouts(trainer.context, 0, 4, trainer.cfg.train.tasks_per_step)
     rewards = [1.0, 0.0, 0.5, 0.0]
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), torch.zeros(4).long())
     for t, r, a in zip(trajs, rewards, adv.tolist()):
@@ -121,7 +121,9 @@ def test_loss_matches_a_float64_reference(trainer, group, distill, dual, anchor)
         lp_t = torch.log_softmax(lt, -1).gather(1, y)[:, 0]
         delta = (2 * t.reward - 1) * (lp_t - lp_s.detach()).mean()
         anc = ((latents[i].double() - latents0[i].double()) ** 2).mean() if anchor else 0.0
-        value = value + ppo + w * dist + b_eff * (s.margin - delta) + s.anchor_weight * anc
+        value = (
+            value + ppo + w * dist + b_eff * (s.lopd.margin - delta) + s.lopd.anchor_weight * anc
+        )
     (value / 4).backward()
     want = _grads(tr)
     _zero(tr)
@@ -230,7 +232,7 @@ def test_settings_are_checked_at_startup():
         ("skill-sd", "bank.grow=true", "bank.grow"),
         ("sdpo", "bank.grow=true", "bank.grow"),
     ):
-        cfg = load_config("smoke", overrides=[f"lopd.method={method}", override])
+        cfg = load_config("smoke", overrides=[f"train.method={method}", override])
         with pytest.raises(ConfigError, match=what.replace(".", r"\.")):
             METHODS[method].check(cfg, 1)
     cfg = load_config("smoke", overrides=["bank.grow=true"])

@@ -101,7 +101,7 @@ def trainer(standin, tmp_path_factory):
     cfg = load_config(
         "smoke",
         overrides=[f"run_dir={tmp_path_factory.mktemp('run')}", f"model.path={standin}",
-                   "lopd.method=lopd", "data.n_train=4", "data.n_test=2", "gen.max_steps=1"],
+                   "train.method=lopd", "data.n_train=4", "data.n_test=2", "gen.max_steps=1"],
     )  # fmt: skip
     with _hook() as hook:
         tr = Trainer(cfg, progress=False)
@@ -121,7 +121,7 @@ def test_one_step_of_every_method_builds_no_vocab_sized_tensor(method, trainer):
     """Each method built on the same models, bank and composer, then one training step (its
     rollouts, losses, backward and optimizer step) under the hook."""
     cfg = copy.deepcopy(trainer.cfg)
-    cfg.lopd.method = method
+    cfg.train.method = method
     trainer.method = METHODS[method].build(trainer.context, cfg)
     with _hook() as hook:
         metrics = trainer.train_step(0)

@@ -15,7 +15,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import lopd_kernels as lk
-from lopd.config import LOPDConfig
+from lopd.config import TrainConfig
 from lopd.parallel.distributed import Dist
 from lopd.parallel.precision import Precision, autocast_cast
 from lopd.run.optim import build_optimizers, check_master_weights
@@ -51,7 +51,7 @@ def _train(mode: str) -> dict[str, torch.Tensor]:
         precision = Precision.of(mode, "cpu")
         teacher = teacher.to(precision.frozen)
         opts = build_optimizers(
-            student, [], LOPDConfig(lr=LR, grad_clip=1.0), precision.grad_scaler()
+            student, [], TrainConfig(lr=LR, grad_clip=1.0), precision.grad_scaler()
         )
     teacher.requires_grad_(False)
     before = {n: p.detach().float().clone() for n, p in student.named_parameters()}
@@ -122,14 +122,14 @@ def test_the_old_bf16_path_fails_the_same_check(fp32_delta):
 def test_optimizers_refuse_16_bit_parameters():
     model = _model(0).to(torch.bfloat16)
     with pytest.raises(TypeError, match=r"student parameter 0 .* torch.bfloat16: trained"):
-        build_optimizers(model, [], LOPDConfig())
+        build_optimizers(model, [], TrainConfig())
     check_master_weights(list(_model(0).parameters()), "student")  # float32 passes
 
 
 def test_float16_loss_scaler_skips_an_overflowing_step():
     precision = Precision.of("float16", "cpu")
     model = _model(0)
-    opts = build_optimizers(model, [], LOPDConfig(lr=1e-3), precision.grad_scaler())
+    opts = build_optimizers(model, [], TrainConfig(lr=1e-3), precision.grad_scaler())
     assert opts.scaler is not None and opts.scaler.get_scale() == 2.0**16
     before = [p.detach().clone() for p in model.parameters()]
     with precision.autocast():
@@ -139,7 +139,7 @@ def test_float16_loss_scaler_skips_an_overflowing_step():
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert opts.scaler.get_scale() == 2.0**15  # halved after the overflow
     assert "grad_scaler" in opts.state_dict()
-    assert build_optimizers(model, [], LOPDConfig(), Precision.of("bfloat16", "cpu").grad_scaler())
+    assert build_optimizers(model, [], TrainConfig(), Precision.of("bfloat16", "cpu").grad_scaler())
     assert Precision.of("bfloat16", "cpu").grad_scaler().is_enabled() is False
 
 

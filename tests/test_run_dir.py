@@ -101,7 +101,7 @@ def test_identity_is_recorded_atomically_and_a_whole_config_resumes(tmp_path):
     time.sleep(0.01)
     claim_run_dir(RunDir(run), cfg, resume=True).release()
     assert (run / "config.yaml").stat().st_mtime_ns == mtime  # unchanged: not rewritten
-    more = _cfg(run, "seed=3", "lopd.steps=9")
+    more = _cfg(run, "seed=3", "train.steps=9")
     claim_run_dir(RunDir(run), more, resume=True).release()  # an override: recorded
     assert read_saved_run(RunDir(run))["config_sha256"] == run_identity(more)["config_sha256"]
 
@@ -135,7 +135,7 @@ def test_resume_refuses_a_config_that_is_not_this_run(tmp_path, capsys, damage, 
         config.write_text(yaml.safe_dump(fields, sort_keys=False))
     elif damage == "edited":  # by hand, after the run started: not the run its checkpoints hold
         fields = yaml.safe_load(text)
-        fields["lopd"]["steps"] += 1
+        fields["train"]["steps"] += 1
         config.write_text(yaml.safe_dump(fields, sort_keys=False))
     else:
         extra = ["seed=1"]

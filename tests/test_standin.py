@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from lopd.models.loading import load_model
 from lopd.standin.build import QWEN3_BASE_VOCAB, SHAPES, build_qwen3_tokenizer, build_standin
 
-FAST = ["data.n_train=4", "data.n_test=2", "lopd.steps=2", "gen.max_steps=1"]
+FAST = ["data.n_train=4", "data.n_test=2", "train.steps=2", "gen.max_steps=1"]
 """Overrides of the smoke preset that keep the CI test fast."""
 
 

@@ -36,7 +36,7 @@ def _float_fields(obj=None, prefix: str = "") -> list[str]:
 
 def test_every_float_field_is_covered():
     fields = _float_fields()
-    for name in ("lopd.margin", "lopd.lr", "eval.temperature", "gen.top_p", "bank.min_reward"):
+    for name in ("lopd.margin", "train.lr", "eval.temperature", "gen.top_p", "bank.min_reward"):
         assert name in fields
     assert len(fields) >= 15
 
@@ -71,7 +71,7 @@ def _train(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
 def test_cli_stops_on_nan_before_loading_anything(tmp_path):
     for override, field in (
         ("lopd.margin=nan", "lopd.margin"),
-        ("lopd.lr=nan", "lopd.lr"),
+        ("train.lr=nan", "train.lr"),
         ("eval.temperature=nan", "eval.temperature"),
     ):
         t0 = time.perf_counter()
@@ -80,6 +80,27 @@ def test_cli_stops_on_nan_before_loading_anything(tmp_path):
         assert f"{field} must be a finite number, got nan" in res.stderr
         assert "Traceback" not in res.stderr and not (tmp_path / "r").exists()
         assert time.perf_counter() - t0 < 60
+
+
+def test_moved_keys_are_refused_naming_the_new_key(tmp_path):
+    from lopd.config.fields import MOVED_KEYS
+
+    assert MOVED_KEYS["lopd.steps"] == "train.steps" and len(MOVED_KEYS) == 8
+    for old, new in MOVED_KEYS.items():
+        with pytest.raises(ConfigError) as err:
+            load_config("smoke", overrides=[f"{old}=1"])
+        assert str(err.value) == f"override '{old}=1': '{old}' is now '{new}'"
+    yml = tmp_path / "old.yaml"
+    yml.write_text("lopd:\n  margin: 0.1\n  micro_batch: 2\n")
+    with pytest.raises(ConfigError, match=r"^--config .*: 'lopd\.micro_batch' is now "):
+        load_config("smoke", yml)
+    # The command line: one line, before anything is loaded or written.
+    res = _train(tmp_path / "r", "lopd.steps=3")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr == (
+        "lopd.train: config error: override 'lopd.steps=3': 'lopd.steps' is now 'train.steps'\n"
+    )
+    assert not (tmp_path / "r").exists()
 
 
 # --------------------------------------------------------------------------- task files

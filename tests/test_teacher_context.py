@@ -33,7 +33,7 @@ from lopd.trainer import Trainer
 def lopd_trainer(tmp_path_factory):
     """The tiny model with the smoke bank and the composer (LOPD's phases)."""
     run_dir = tmp_path_factory.mktemp("null-context")
-    cfg = load_config("smoke", overrides=[f"run_dir={run_dir}", "lopd.method=lopd"])
+    cfg = load_config("smoke", overrides=[f"run_dir={run_dir}", "train.method=lopd"])
     tr = Trainer(cfg, progress=False)
     tr.setup()
     return tr
@@ -42,7 +42,7 @@ def lopd_trainer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trajs(lopd_trainer):
     tr = lopd_trainer
-    return group_rollouts(tr.context, 0, 2, tr.cfg.lopd.tasks_per_step)
+    return group_rollouts(tr.context, 0, 2, tr.cfg.train.tasks_per_step)
 
 
 def _contexts(tr):
@@ -185,11 +185,11 @@ def test_lopd_teacher_reads_zero_latents_and_trains_no_composer(lopd_trainer, tr
 
 
 def test_a_method_without_a_teacher_is_refused_in_one_line():
-    cfg = load_config("smoke", overrides=["lopd.method=grpo", "lopd.null_context=true"])
+    cfg = load_config("smoke", overrides=["train.method=grpo", "lopd.null_context=true"])
     with pytest.raises(ConfigError, match=r"lopd\.null_context=true needs a method with a teach"):
         METHODS["grpo"].check_teacher_settings(cfg)
     for name, spec in METHODS.items():
-        cfg.lopd.method = name
+        cfg.train.method = name
         if name != "grpo":
             spec.check_teacher_settings(cfg)  # every other method has a teacher
 
@@ -204,7 +204,7 @@ def test_a_method_without_a_teacher_is_refused_in_one_line():
 def test_train_cli_refuses_grpo_with_a_teacher_setting(tmp_path, capsys, override, says):
     from lopd.train import main
 
-    rc = main([f"run_dir={tmp_path / 'r'}", "lopd.method=grpo", override])
+    rc = main([f"run_dir={tmp_path / 'r'}", "train.method=grpo", override])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and says in err[0], err
 
@@ -212,7 +212,7 @@ def test_train_cli_refuses_grpo_with_a_teacher_setting(tmp_path, capsys, overrid
 def test_an_unknown_context_format_is_one_line(tmp_path, capsys):
     from lopd.train import main
 
-    rc = main([f"run_dir={tmp_path / 'r'}", "lopd.method=opsd", "lopd.context_format=A.5"])
+    rc = main([f"run_dir={tmp_path / 'r'}", "train.method=opsd", "lopd.context_format=A.5"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "lopd.context_format must be one of" in err[0], err
 

@@ -13,8 +13,8 @@ from lopd.train import main as train_main
 DATA = Path(__file__).parent / "data"
 TINY = str(Path(__file__).resolve().parents[1] / "lopd" / "assets" / "tiny-qwen3")
 QUICK = [
-    "--preset", "smoke", "--no-progress", "data.n_train=4", "data.n_test=1", "lopd.steps=1",
-    "lopd.tasks_per_step=1", "cold_start.steps=1", "checkpoint_every=100",
+    "--preset", "smoke", "--no-progress", "data.n_train=4", "data.n_test=1", "train.steps=1",
+    "train.tasks_per_step=1", "cold_start.steps=1", "checkpoint_every=100",
 ]  # fmt: skip
 
 

@@ -69,24 +69,24 @@ def test_bad_config_values_stop_at_startup_naming_the_field(override, field):
 
 
 def test_override_types_keys_and_yaml_are_checked(tmp_path):
-    with pytest.raises(ConfigError, match=r"lopd\.steps expects int"):
-        load_config("smoke", overrides=["lopd.steps=abc"])
+    with pytest.raises(ConfigError, match=r"train\.steps expects int"):
+        load_config("smoke", overrides=["train.steps=abc"])
     with pytest.raises(ConfigError, match=r"lopd\.nope"):
         load_config("smoke", overrides=["lopd.nope=1"])
     with pytest.raises(ConfigError, match=r"section\.field=value"):
-        load_config("smoke", overrides=["lopd.steps"])
-    cfg = load_config("smoke", overrides=["lopd.lr=1e-3", "lopd.top_m=null", "seed=7"])
-    assert (cfg.lopd.lr, cfg.lopd.top_m, cfg.seed) == (1e-3, None, 7)
+        load_config("smoke", overrides=["train.steps"])
+    cfg = load_config("smoke", overrides=["train.lr=1e-3", "lopd.top_m=null", "seed=7"])
+    assert (cfg.train.lr, cfg.lopd.top_m, cfg.seed) == (1e-3, None, 7)
     yml = tmp_path / "c.yaml"
-    yml.write_text("lopd:\n  margin: 0.2\n  steps: 9\ncomposer:\n  num_latents: 3\n")
-    cfg = load_config("smoke", yml, ["lopd.steps=11"])
-    assert (cfg.lopd.margin, cfg.lopd.steps, cfg.composer.num_latents) == (0.2, 11, 3)
+    yml.write_text("lopd:\n  margin: 0.2\ntrain:\n  steps: 9\ncomposer:\n  num_latents: 3\n")
+    cfg = load_config("smoke", yml, ["train.steps=11"])
+    assert (cfg.lopd.margin, cfg.train.steps, cfg.composer.num_latents) == (0.2, 11, 3)
     yml.write_text("lopd:\n  margin: [1, 2]\n")
     with pytest.raises(ConfigError, match=r"lopd\.margin expects float"):
         load_config("smoke", yml)
     paper = load_config("paper")
     assert (paper.lopd.top_m, paper.lopd.margin, paper.lopd.anchor_weight) == (20, 0.05, 0.2)
-    assert (paper.lopd.dual_lr, paper.lopd.lr, paper.composer.num_latents) == (0.5, 1e-5, 32)
+    assert (paper.lopd.dual_lr, paper.train.lr, paper.composer.num_latents) == (0.5, 1e-5, 32)
     assert paper.composer.num_retrieved == 3
 
 
@@ -425,7 +425,7 @@ def test_smoke_run_end_to_end(smoke_run):
     assert "base + composer" in res.stdout and "(phi_0)" in res.stdout
     rows = _metrics(run_dir)
     assert not any(k.endswith("task_rewards") for r in rows for k in r)
-    assert [r["step"] for r in rows] == list(range(cfg.lopd.steps))
+    assert [r["step"] for r in rows] == list(range(cfg.train.steps))
     for key in ("loss", "kl", "delta", "beta", "teacher_top_m_mass", "reward_mean", "rollouts"):
         assert all(key in r for r in rows), key
     # The dual variable follows its update rule step to step.
@@ -434,13 +434,13 @@ def test_smoke_run_end_to_end(smoke_run):
         assert r["beta_next"] == pytest.approx(expected)
     # Rollout budget: bank rollouts + one per task per step.
     bank = cfg.data.n_train * cfg.bank.rollouts_per_task
-    assert rows[-1]["rollouts"] == bank + cfg.lopd.steps * cfg.lopd.tasks_per_step
+    assert rows[-1]["rollouts"] == bank + cfg.train.steps * cfg.train.tasks_per_step
     assert summary["rollouts"] == rows[-1]["rollouts"]
     for path in ("config.yaml", "reward_curve.png", "phi0.pt", "latents0.pt", "composer.pt",
                  "student/config.json", "bank/trajectories.jsonl", "retrieval.json"):  # fmt: skip
         assert (run_dir / path).exists(), path
     assert any((run_dir / "tensorboard").glob("events.out.tfevents.*"))
-    assert (run_dir / "checkpoints" / f"step_{cfg.lopd.steps:06d}.pt").exists()
+    assert (run_dir / "checkpoints" / f"step_{cfg.train.steps:06d}.pt").exists()
 
 
 def test_kill_then_resume_gives_the_uninterrupted_metrics(smoke_run, tmp_path):
@@ -507,12 +507,12 @@ def test_run_dir_names_every_file_once():
 
 
 def test_a_run_without_training_steps_evaluates_and_finishes(tmp_path):
-    # lopd.steps=0: the bank, the cold start and every evaluation, no step (e.g. to evaluate
+    # train.steps=0: the bank, the cold start and every evaluation, no step (e.g. to evaluate
     # the base model with latents); it once crashed at the end reading a metrics file no step
     # had written.
     run_dir = tmp_path / "run"
     res = subprocess.run(
-        _train_cmd(run_dir, "lopd.steps=0"),
+        _train_cmd(run_dir, "train.steps=0"),
         capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]

@@ -28,6 +28,7 @@ from lopd.config.sections import (
     EvalConfig,
     GenConfig,
     ModelConfig,
+    TrainConfig,
 )
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "SDFTConfig",
     "SDPOConfig",
     "SkillSDConfig",
+    "TrainConfig",
     "check_tasks_file",
     "load_config",
     "preset_yaml",

@@ -49,6 +49,7 @@ from lopd.config.sections import (
     EvalConfig,
     GenConfig,
     ModelConfig,
+    TrainConfig,
 )
 from lopd.envs import load_task_file, load_tasks_jsonl, missing_requirement
 from lopd.envs.acebench.data import is_acebench_path
@@ -69,7 +70,7 @@ class Config:
     Attributes:
         seed: seeds tasks, rollouts, initialization and data order.
         run_dir: output directory (config, metrics.jsonl, TensorBoard, checkpoints, summary).
-        checkpoint_every: save a checkpoint every this many LOPD steps (0 = only at the end).
+        checkpoint_every: save a checkpoint every this many training steps (0 = only at the end).
         checkpoint_keep: how many of the newest checkpoints to keep (older ones are deleted).
         checkpoint_final_optimizer: the final step's checkpoint holds the optimizer states too
             (``false``: student, phi and the method's state only, about a quarter of the size
@@ -97,6 +98,7 @@ class Config:
     bank: BankConfig = field(default_factory=BankConfig)
     composer: ComposerConfig = field(default_factory=ComposerConfig)
     cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     lopd: LOPDConfig = field(default_factory=LOPDConfig)
     lopd_ppo: LOPDPPOConfig = field(default_factory=LOPDPPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)

@@ -2,7 +2,8 @@
 
 :func:`apply_mapping` applies a nested mapping (a YAML file), :func:`set_field` one value; both
 coerce the value to the field's annotated type (int -> float allowed, YAML 1.1's ``"1e-3"``
-strings read as floats) or raise a :class:`~lopd.config.checks.ConfigError` naming the key.
+strings read as floats) or raise a :class:`~lopd.config.checks.ConfigError` naming the key. A key
+that moved to another section (:data:`MOVED_KEYS`) is refused naming where it lives now.
 """
 
 from __future__ import annotations
@@ -14,7 +15,23 @@ from typing import Any
 
 from lopd.config.checks import ConfigError
 
-__all__ = ["apply_mapping", "has_field", "set_field"]
+__all__ = ["MOVED_KEYS", "apply_mapping", "has_field", "set_field"]
+
+_TRAIN_FIELDS = (
+    "method",
+    "steps",
+    "tasks_per_step",
+    "micro_batch",
+    "lr",
+    "composer_lr",
+    "weight_decay",
+    "grad_clip",
+)
+
+MOVED_KEYS: dict[str, str] = {f"lopd.{name}": f"train.{name}" for name in _TRAIN_FIELDS}
+"""Keys of earlier layouts, old -> new: the trainer-wide fields left the ``lopd`` section (LOPD's
+own hyper-parameters) for the ``train`` section. An old key is refused in one line naming the
+new one, in an override, a YAML file or a saved ``config.yaml``."""
 
 
 def has_field(obj: Any, name: str) -> bool:
@@ -25,7 +42,7 @@ def apply_mapping(obj: Any, mapping: dict[str, Any], prefix: str, source: str) -
     for key, value in mapping.items():
         dotted = f"{prefix}{key}"
         if not has_field(obj, key):
-            raise ConfigError(f"{source}: unknown config key {dotted!r}")
+            raise _unknown_key(dotted, source)
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
@@ -37,11 +54,18 @@ def apply_mapping(obj: Any, mapping: dict[str, Any], prefix: str, source: str) -
 
 def set_field(obj: Any, name: str, value: Any, dotted: str, source: str) -> None:
     if not has_field(obj, name):
-        raise ConfigError(f"{source}: unknown config key {dotted!r}")
+        raise _unknown_key(dotted, source)
     hint = typing.get_type_hints(type(obj))[name]
     if dataclasses.is_dataclass(hint):
         raise ConfigError(f"{source}: {dotted!r} is a section; set one of its fields")
     setattr(obj, name, _coerce(value, hint, dotted, source))
+
+
+def _unknown_key(dotted: str, source: str) -> ConfigError:
+    """The refusal of a key no section has: where it moved (:data:`MOVED_KEYS`), or unknown."""
+    if dotted in MOVED_KEYS:
+        return ConfigError(f"{source}: {dotted!r} is now {MOVED_KEYS[dotted]!r}")
+    return ConfigError(f"{source}: unknown config key {dotted!r}")
 
 
 def _coerce(value: Any, hint: Any, dotted: str, source: str) -> Any:

@@ -1,8 +1,9 @@
 """The training methods' sections of a run's configuration (one YAML section each).
 
-``lopd`` (joint training; also selects the method), ``lopd_ppo``, ``grpo``, ``opsd``, ``sdpo``,
-``sdft`` and ``skill_sd``: each dataclass's attributes document its fields and its ``validate``
-checks them.
+``lopd`` (LOPD's joint training, and the distillation settings other teachers borrow),
+``lopd_ppo``, ``grpo``, ``opsd``, ``sdpo``, ``sdft`` and ``skill_sd``: each dataclass's attributes
+document its fields and its ``validate`` checks them. Which method runs, how long and with which
+optimizer settings is the ``train`` section's (:class:`lopd.config.sections.TrainConfig`).
 """
 
 from __future__ import annotations
@@ -36,20 +37,11 @@ __all__ = [
 
 @dataclass
 class LOPDConfig:
-    """Joint training (paper 3.3, Algorithm 1, eq. 10-13).
+    """Joint training (paper 3.3, Algorithm 1, eq. 10-13) of ``train.method=lopd``, its ablations
+    and ``lopd-ppo``; the other methods' teachers read its kernel settings (where their own
+    section has none), ``null_context`` and ``context_format`` too.
 
     Attributes:
-        method: the training objective, a name in :data:`lopd.methods.METHODS` (``lopd``,
-            its ablations and the baselines; their own settings are the ``grpo``, ``opsd``,
-            ``sdpo``, ``sdft`` and ``skill_sd`` sections).
-        steps: training iterations.
-        tasks_per_step: training tasks sampled per iteration (one rollout each): the rollout
-            budget per step, across all data-parallel ranks.
-        micro_batch: trajectories per forward/backward (gradient accumulation inside a step).
-        lr: AdamW learning rate of the student theta.
-        composer_lr: AdamW learning rate of the composer phi.
-        weight_decay: AdamW weight decay for both.
-        grad_clip: global gradient-norm clip (student and composer separately).
         top_m: M, teacher top-M support plus a tail bucket; ``None`` = full vocabulary.
         temperature: distillation temperature applied to both logits.
         divergence: ``reverse`` (paper) or ``forward`` KL.
@@ -83,14 +75,6 @@ class LOPDConfig:
         teacher_ema_rate: ``ema``: the update rate per optimizer step.
     """
 
-    method: str = "lopd"
-    steps: int = 30
-    tasks_per_step: int = 8
-    micro_batch: int = 4
-    lr: float = 1e-5
-    composer_lr: float = 1e-5
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
     top_m: int | None = 20
     temperature: float = 1.0
     divergence: str = "reverse"
@@ -110,26 +94,21 @@ class LOPDConfig:
         one_of(TEACHER_BACKBONES, lopd__teacher_backbone=self.teacher_backbone)
         at_least(1, lopd__teacher_sync_every=self.teacher_sync_every)
         in_unit_interval(lopd__teacher_ema_rate=self.teacher_ema_rate)
-        at_least(1, lopd__tasks_per_step=self.tasks_per_step, lopd__micro_batch=self.micro_batch)
         at_least(
             0,
             lopd__margin=self.margin,
             lopd__anchor_weight=self.anchor_weight,
             lopd__dual_lr=self.dual_lr,
             lopd__beta_init=self.beta_init,
-            lopd__lr=self.lr,
-            lopd__composer_lr=self.composer_lr,
-            lopd__weight_decay=self.weight_decay,
-            lopd__steps=self.steps,
         )
-        greater_than(0, lopd__grad_clip=self.grad_clip, lopd__temperature=self.temperature)
+        greater_than(0, lopd__temperature=self.temperature)
         optional_at_least(1, lopd__top_m=self.top_m)
         one_of(KL_DIVERGENCES, lopd__divergence=self.divergence)
 
 
 @dataclass
 class LOPDPPOConfig:
-    """LOPD-PPO (``lopd.method=lopd-ppo``): Skill-SD's loss with LOPD's latent teacher.
+    """LOPD-PPO (``train.method=lopd-ppo``): Skill-SD's loss with LOPD's latent teacher.
 
     PPO-clip on GRPO's group-normalized advantages plus ``distill_weight`` times a distillation
     term toward the latent-conditioned teacher (:mod:`lopd.methods.lopd_ppo`). The teacher, its
@@ -137,7 +116,7 @@ class LOPDPPOConfig:
     section's.
 
     Attributes:
-        group_size: G, rollouts per task; a step draws ``max(1, lopd.tasks_per_step // G)``
+        group_size: G, rollouts per task; a step draws ``max(1, train.tasks_per_step // G)``
             tasks.
         clip_eps_low, clip_eps_high: the PPO-clip range ``[1 - low, 1 + high]`` (Skill-SD's).
         distill: the distillation term: ``topk`` (LOPD's reverse KL over the teacher's top-M
@@ -169,10 +148,10 @@ class LOPDPPOConfig:
 
 @dataclass
 class GRPOConfig:
-    """GRPO (paper B.1; ``lopd.method=grpo``).
+    """GRPO (paper B.1; ``train.method=grpo``).
 
     Attributes:
-        group_size: G, rollouts per task; a step draws ``max(1, lopd.tasks_per_step // G)``
+        group_size: G, rollouts per task; a step draws ``max(1, train.tasks_per_step // G)``
             tasks.
         clip_eps: PPO clip epsilon.
     """
@@ -187,7 +166,7 @@ class GRPOConfig:
 
 @dataclass
 class OPSDConfig:
-    """OPSD (paper B.1; ``lopd.method=opsd``): the distillation kernel of its frozen teacher.
+    """OPSD (paper B.1; ``train.method=opsd``): the distillation kernel of its frozen teacher.
 
     Attributes:
         top_m: teacher top-M support plus a tail bucket; ``None`` = the full vocabulary.
@@ -205,7 +184,7 @@ class OPSDConfig:
 
 @dataclass
 class SDPOConfig:
-    """SDPO (paper B.1; ``lopd.method=sdpo``).
+    """SDPO (paper B.1; ``train.method=sdpo``).
 
     Attributes:
         group_size: G, rollouts per task (a success is distilled into its siblings).
@@ -226,7 +205,7 @@ class SDPOConfig:
 
 @dataclass
 class SDFTConfig:
-    """SDFT (paper B.1; ``lopd.method=sdft``): an EMA teacher with a demonstration as text.
+    """SDFT (paper B.1; ``train.method=sdft``): an EMA teacher with a demonstration as text.
 
     Attributes:
         ema_rate: alpha, the EMA teacher's update rate, applied after every optimizer step.
@@ -247,11 +226,11 @@ class SDFTConfig:
 
 @dataclass
 class SkillSDConfig:
-    """Skill-SD (paper B.1; ``lopd.method=skill-sd``): a skill-conditioned self-teacher.
+    """Skill-SD (paper B.1; ``train.method=skill-sd``): a skill-conditioned self-teacher.
 
     Attributes:
         group_size: G, rollouts per task (group-normalized advantages, as GRPO); a step draws
-            ``max(1, lopd.tasks_per_step // G)`` tasks.
+            ``max(1, train.tasks_per_step // G)`` tasks.
         clip_eps_low, clip_eps_high: the PPO-clip range ``[1 - low, 1 + high]``.
         sdl_weight: lambda_sdl, weight of the importance-weighted sampled-token reverse KL.
         ucb_c: c of the UCB1 skill choice (paper: sqrt 2).

@@ -36,8 +36,8 @@ def _default() -> Config:
     cfg.composer.qformer_layers = 2
     cfg.composer.max_encoder_tokens = 256
     cfg.cold_start.steps, cfg.cold_start.batch_size, cfg.cold_start.lr = 300, 4, 1e-3
-    cfg.lopd.steps, cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 30, 8, 4
-    cfg.lopd.lr, cfg.lopd.composer_lr = 1e-4, 3e-4
+    cfg.train.steps, cfg.train.tasks_per_step, cfg.train.micro_batch = 30, 8, 4
+    cfg.train.lr, cfg.train.composer_lr = 1e-4, 3e-4
     cfg.skill_sd.summarizer = "rule"
     cfg.checkpoint_every = 10
     return cfg
@@ -55,7 +55,7 @@ def _smoke() -> Config:
     cfg.composer.qformer_layers = 1
     cfg.composer.max_encoder_tokens = 128
     cfg.cold_start.steps, cfg.cold_start.batch_size = 2, 2
-    cfg.lopd.steps, cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 3, 2, 2
+    cfg.train.steps, cfg.train.tasks_per_step, cfg.train.micro_batch = 3, 2, 2
     cfg.checkpoint_every = 2
     return cfg
 
@@ -83,9 +83,9 @@ def _paper() -> Config:
     cfg.composer.max_encoder_tokens = 2048
     cfg.cold_start.steps, cfg.cold_start.batch_size = 500, 8
     cfg.cold_start.lr, cfg.cold_start.grad_clip = 1e-5, 3.0
-    cfg.lopd.steps, cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 200, 32, 1
-    cfg.lopd.lr = cfg.lopd.composer_lr = 1e-5
-    cfg.lopd.grad_clip = 1.0
+    cfg.train.steps, cfg.train.tasks_per_step, cfg.train.micro_batch = 200, 32, 1
+    cfg.train.lr = cfg.train.composer_lr = 1e-5
+    cfg.train.grad_clip = 1.0
     cfg.lopd.top_m, cfg.lopd.margin, cfg.lopd.anchor_weight, cfg.lopd.dual_lr = 20, 0.05, 0.2, 0.5
     cfg.eval.every = 20
     cfg.checkpoint_every = 20
@@ -99,7 +99,7 @@ def _compare() -> Config:
     The paper's budget shape in miniature: :data:`COMPARE_BUDGETS` (640) generated rollouts per
     run, bank included, learning curves on 64 held-out tasks (greedy, every 8 steps), 48 train
     tasks, 6 environment steps of <= 48 tokens, two bank rollouts per train task, the default's
-    300 cold-start steps (chosen on val), 8 rollouts per step (``lopd.steps`` is set per method
+    300 cold-start steps (chosen on val), 8 rollouts per step (``train.steps`` is set per method
     from the budget). Wall time on 2 CPU cores (``--jobs 3``): 52.3 minutes for the eight methods
     evaluated every 17 steps (2026-12-02); the twelve runs evaluated every 8 steps take about
     2.5 hours (from the per-run wall times of docs/results.md, 2026-12-06).
@@ -112,7 +112,7 @@ def _compare() -> Config:
     # rollouts the bank held 1, with 48 rollouts 2 for one seed).
     cfg.data.n_train, cfg.data.n_test = 48, 64
     cfg.bank.rollouts_per_task = 2
-    cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 8, 8
+    cfg.train.tasks_per_step, cfg.train.micro_batch = 8, 8
     cfg.eval.with_composer = False
     cfg.eval.every = 8
     cfg.checkpoint_every = 0
@@ -128,7 +128,7 @@ def _compare_quick() -> Config:
     cfg = _smoke()
     cfg.run_dir = "runs/compare-quick"
     cfg.data.n_train, cfg.data.n_test = 8, 4
-    cfg.lopd.tasks_per_step, cfg.lopd.micro_batch = 4, 4
+    cfg.train.tasks_per_step, cfg.train.micro_batch = 4, 4
     cfg.eval.with_composer = False
     cfg.eval.every = 2
     cfg.checkpoint_every = 0

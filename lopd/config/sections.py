@@ -1,9 +1,9 @@
 """The sections of a run's configuration that are not a method's own (one YAML section each).
 
-``model``, ``data``, ``gen``, ``bank``, ``composer``, ``cold_start`` and ``eval``: each dataclass's
-attributes document what every field means, and its ``validate`` checks them (with the messages
-of :mod:`lopd.config.checks`). The methods' sections are in :mod:`lopd.config.method_sections`;
-:class:`lopd.config.config.Config` holds one of each.
+``model``, ``data``, ``gen``, ``bank``, ``composer``, ``cold_start``, ``train`` and ``eval``: each
+dataclass's attributes document what every field means, and its ``validate`` checks them (with
+the messages of :mod:`lopd.config.checks`). The methods' sections are in
+:mod:`lopd.config.method_sections`; :class:`lopd.config.config.Config` holds one of each.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ __all__ = [
     "EvalConfig",
     "GenConfig",
     "ModelConfig",
+    "TrainConfig",
 ]
 
 ENGINES = ("hf", "vllm", "filler")
@@ -332,6 +333,46 @@ class ColdStartConfig:
         at_least(1, cold_start__batch_size=self.batch_size)
         at_least(0, cold_start__steps=self.steps, cold_start__lr=self.lr)
         greater_than(0, cold_start__grad_clip=self.grad_clip)
+
+
+@dataclass
+class TrainConfig:
+    """The training loop, whatever the method: which method, how long, how big a step, the
+    optimizers (:mod:`lopd.run.optim`). The method's own hyper-parameters are its section's
+    (``lopd``, ``lopd_ppo``, ``grpo``, ``opsd``, ``sdpo``, ``sdft``, ``skill_sd``).
+
+    Attributes:
+        method: the training objective, a name in :data:`lopd.methods.METHODS` (``lopd``,
+            its ablations and the baselines).
+        steps: training iterations.
+        tasks_per_step: training tasks sampled per iteration (one rollout each): the rollout
+            budget per step, across all data-parallel ranks.
+        micro_batch: trajectories per forward/backward (gradient accumulation inside a step).
+        lr: AdamW learning rate of the student theta.
+        composer_lr: AdamW learning rate of the composer phi (methods that train one).
+        weight_decay: AdamW weight decay for both.
+        grad_clip: global gradient-norm clip (student and composer separately).
+    """
+
+    method: str = "lopd"
+    steps: int = 30
+    tasks_per_step: int = 8
+    micro_batch: int = 4
+    lr: float = 1e-5
+    composer_lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        at_least(1, train__tasks_per_step=self.tasks_per_step, train__micro_batch=self.micro_batch)
+        at_least(
+            0,
+            train__lr=self.lr,
+            train__composer_lr=self.composer_lr,
+            train__weight_decay=self.weight_decay,
+            train__steps=self.steps,
+        )
+        greater_than(0, train__grad_clip=self.grad_clip)
 
 
 @dataclass

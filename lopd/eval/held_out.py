@@ -63,7 +63,7 @@ class HeldOutEvaluator:
         self.temperature = ctx.cfg.eval.temperature
         self.num_placeholders = ctx.cfg.composer.num_latents * ctx.cfg.composer.num_retrieved
         # Tasks composed per forward.
-        self.chunk = max(1, ctx.cfg.lopd.micro_batch)
+        self.chunk = max(1, ctx.cfg.train.micro_batch)
 
     def __call__(self, which: str) -> dict[str, Any]:
         """Summary metrics (:func:`summarize`, ``task_rewards`` in the order of the held-out
@@ -96,7 +96,7 @@ class HeldOutEvaluator:
                 result["task_rewards"] = [float(t.reward) for t in trajs]
                 result["seconds"] = time.perf_counter() - t0
                 # ``lopd`` names the trained student of every method (the summary's key).
-                label = f"{self.ctx.cfg.lopd.method} student" if which == "lopd" else which
+                label = f"{self.ctx.cfg.train.method} student" if which == "lopd" else which
                 self.ctx.log(
                     f"eval {label}: reward {result['reward_mean']:.3f} ± "
                     f"{result['reward_stderr']:.3f} (n={result['n']}), "

@@ -161,7 +161,7 @@ def cold_start(
         log("cold start: the bank holds no trajectory; phi_0 is the initialization")
     with torch.no_grad(), precision.autocast():
         latents0 = {}
-        bs = max(1, cfg.lopd.micro_batch)
+        bs = max(1, cfg.train.micro_batch)
         for i in range(0, len(ctx.train_tasks), bs):
             chunk = ctx.train_tasks[i : i + bs]
             for task, lat in zip(chunk, latents(chunk)):

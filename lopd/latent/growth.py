@@ -270,7 +270,7 @@ def build_bank_growth(
     compose0 = None
     if latents is not None:
         phi0 = torch.load(ctx.run_dir.phi0, map_location=ctx.device)
-        chunk = max(1, cfg.lopd.micro_batch)
+        chunk = max(1, cfg.train.micro_batch)
 
         def compose0(tasks: Sequence[Task]) -> dict[str, torch.Tensor]:
             with ctx.precision.autocast():

@@ -3,7 +3,7 @@
 Every method runs inside the same :class:`~lopd.trainer.Trainer`: the same student, rollout
 engine, optimizer, rollout-budget accounting (every generated rollout counts, bank included) and
 held-out evaluation. They differ only in how a step's rollouts are drawn and in the loss
-(paper B.1). ``lopd.method`` selects one of :data:`METHODS`:
+(paper B.1). ``train.method`` selects one of :data:`METHODS`:
 
 ==============  ==========================================================================
 ``lopd``        LOPD (:mod:`lopd.methods.lopd`).
@@ -132,5 +132,5 @@ METHODS: dict[str, MethodSpec] = {
         ),
     )
 }
-"""Every training method, ``lopd.method`` name -> :class:`~lopd.methods.base.MethodSpec`, in
+"""Every training method, ``train.method`` name -> :class:`~lopd.methods.base.MethodSpec`, in
 the order reports list them."""

@@ -156,7 +156,7 @@ class MethodBase:
 
     Args:
         ctx: what the method is built from.
-        tasks_per_step: rollouts per step across all ranks (``lopd.tasks_per_step``).
+        tasks_per_step: rollouts per step across all ranks (``train.tasks_per_step``).
     """
 
     def __init__(self, ctx: MethodContext, tasks_per_step: int) -> None:
@@ -205,7 +205,7 @@ class MethodSpec:
     """A registered method: how to build it and which phases it needs.
 
     Attributes:
-        name: the ``lopd.method`` value.
+        name: the ``train.method`` value.
         build: ``(ctx, cfg) -> Method``.
         summary: one line for listings.
         uses_composer: the trainer builds the bank, the composer and its cold start.
@@ -241,7 +241,7 @@ class MethodSpec:
         if cfg.lopd.teacher_backbone != "base" and not self.uses_composer:
             raise ConfigError(
                 f"lopd.teacher_backbone={cfg.lopd.teacher_backbone} is the latent teacher's "
-                f"setting (lopd, its ablations, lopd-ppo); lopd.method={self.name} has none"
+                f"setting (lopd, its ablations, lopd-ppo); train.method={self.name} has none"
             )
         self.check_bank_growth(cfg, world)
         self.check_parallel(cfg, world)
@@ -257,7 +257,7 @@ class MethodSpec:
         if not self.builds_bank:
             raise ConfigError(
                 f"bank.grow=true needs a method that reads the experience bank (lopd, its "
-                f"ablations, lopd-ppo, opsd, sdft); lopd.method={self.name} has none"
+                f"ablations, lopd-ppo, opsd, sdft); train.method={self.name} has none"
             )
         if world > 1:
             raise ConfigError(
@@ -276,13 +276,13 @@ class MethodSpec:
             return
         if cfg.lopd.null_context:
             raise ConfigError(
-                f"lopd.null_context=true needs a method with a teacher; lopd.method={self.name} "
+                f"lopd.null_context=true needs a method with a teacher; train.method={self.name} "
                 "has none (its null-context control is itself)"
             )
         if cfg.lopd.context_format != "own":
             raise ConfigError(
                 f"lopd.context_format={cfg.lopd.context_format} needs a method with a teacher; "
-                f"lopd.method={self.name} has none"
+                f"train.method={self.name} has none"
             )
 
     def check_parallel(self, cfg: Config, world: int) -> None:
@@ -296,4 +296,4 @@ class MethodSpec:
         if cfg.model.parallel != "fsdp2" or world == 1:
             return
         if not self.supports_fsdp2:
-            raise ConfigError(f"lopd.method={self.name} does not support model.parallel=fsdp2")
+            raise ConfigError(f"train.method={self.name} does not support model.parallel=fsdp2")

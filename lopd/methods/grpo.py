@@ -50,7 +50,7 @@ class GRPOMethod(MethodBase):
     @classmethod
     def from_config(cls, ctx: MethodContext, cfg: Config) -> GRPOMethod:
         return cls(
-            ctx, cfg.grpo.group_size, cfg.grpo.clip_eps, cfg.lopd.tasks_per_step,
+            ctx, cfg.grpo.group_size, cfg.grpo.clip_eps, cfg.train.tasks_per_step,
             cfg.gen.temperature,
         )  # fmt: skip
 

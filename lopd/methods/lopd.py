@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from lopd.config import Config
+from lopd.config import Config, LOPDConfig
 from lopd.latent.injection import TeacherSequence
 from lopd.latent.teacher import latent_teacher_sequence, teacher_action_hidden
 from lopd.loss import advantages_from_rewards, dual_update, lopd_loss, lopd_row_weights
@@ -46,51 +46,39 @@ __all__ = ["LOPDMethod", "LOPDSettings"]
 
 @dataclasses.dataclass(frozen=True)
 class LOPDSettings:
-    """LOPD's hyper-parameters (the ``lopd`` config section).
+    """LOPD's hyper-parameters: the ``lopd`` config section itself, and what the run adds.
+
+    The section's fields (margin m, lambda, eta_beta, beta's start, the kernel, the teacher's
+    backbone) are read from :attr:`lopd`, never copied: ``settings.lopd.margin``.
 
     Attributes:
-        margin: m, the privileged margin.
-        anchor_weight: lambda, weight of the latent anchor.
-        dual_lr: eta_beta, the dual ascent step.
-        beta_init: beta before the first step.
-        spec: the distillation kernel settings.
+        lopd: the ``lopd`` section (a copy, with an ablation's changes such as ``margin=0.0``).
         frozen_composer: the teacher reads the cached c_phi0 (ablation ``lopd-frozen``).
         checkpointed_teacher: recompute the teacher forward in the backward
             (``model.gradient_checkpointing``).
         num_placeholders: J*K latent positions in the teacher prompt.
-        teacher_backbone, teacher_sync_every, teacher_ema_rate: the teacher's weights
-            (:class:`~lopd.methods.teacher_backbone.TeacherBackbone`).
     """
 
-    margin: float
-    anchor_weight: float
-    dual_lr: float
-    beta_init: float
-    spec: DistillSpec
+    lopd: LOPDConfig
     frozen_composer: bool = False
     checkpointed_teacher: bool = False
     num_placeholders: int = 1
-    teacher_backbone: str = "base"
-    teacher_sync_every: int = 1
-    teacher_ema_rate: float = 0.05
+
+    @property
+    def spec(self) -> DistillSpec:
+        """The distillation kernel settings of the section."""
+        return DistillSpec.of(self.lopd)
 
     @classmethod
-    def of(cls, cfg: Config, **changes: Any) -> LOPDSettings:
-        """The settings of ``cfg`` (``changes`` override fields, e.g. ``margin=0.0``)."""
-        c = cfg.lopd
-        settings = cls(
-            margin=c.margin,
-            anchor_weight=c.anchor_weight,
-            dual_lr=c.dual_lr,
-            beta_init=c.beta_init,
-            spec=DistillSpec.of(c),
+    def of(cls, cfg: Config, frozen_composer: bool = False, **changes: Any) -> LOPDSettings:
+        """The settings of ``cfg``; ``changes`` override fields of the ``lopd`` section (e.g.
+        ``margin=0.0``), in a copy (``cfg`` is left as it is)."""
+        return cls(
+            lopd=dataclasses.replace(cfg.lopd, **changes),
+            frozen_composer=frozen_composer,
             checkpointed_teacher=cfg.model.gradient_checkpointing,
             num_placeholders=cfg.composer.num_latents * cfg.composer.num_retrieved,
-            teacher_backbone=c.teacher_backbone,
-            teacher_sync_every=c.teacher_sync_every,
-            teacher_ema_rate=c.teacher_ema_rate,
         )
-        return dataclasses.replace(settings, **changes)
 
 
 class LOPDMethod(MethodBase):
@@ -114,12 +102,12 @@ class LOPDMethod(MethodBase):
         self.task_latents = ctx.latents
         self.composer = ctx.latents.composer
         self.latents0 = ctx.latents0
-        self.beta = settings.beta_init
+        self.beta = settings.lopd.beta_init
         self.teacher = TeacherBackbone(
             ctx.models.student,
-            settings.teacher_backbone,
-            settings.teacher_sync_every,
-            settings.teacher_ema_rate,
+            settings.lopd.teacher_backbone,
+            settings.lopd.teacher_sync_every,
+            settings.lopd.teacher_ema_rate,
             ctx.models.sharding,
         )
 
@@ -127,7 +115,7 @@ class LOPDMethod(MethodBase):
     def from_config(cls, ctx: MethodContext, cfg: Config, **changes: Any) -> LOPDMethod:
         """Built from ``cfg.lopd`` (and the composer's J*K); ``changes`` as in
         :meth:`LOPDSettings.of`."""
-        return cls(ctx, LOPDSettings.of(cfg, **changes), cfg.lopd.tasks_per_step)
+        return cls(ctx, LOPDSettings.of(cfg, **changes), cfg.train.tasks_per_step)
 
     # ---------------------------------------------------------------- 1. rollouts
     def rollouts(self, step: int) -> list[Trajectory]:
@@ -166,8 +154,8 @@ class LOPDMethod(MethodBase):
             latents,
             latents0,
             beta=self.beta,
-            margin=s.margin,
-            anchor_weight=s.anchor_weight,
+            margin=s.lopd.margin,
+            anchor_weight=s.lopd.anchor_weight,
             num_total=num_total,
         )
         # The value of terms.loss, the gradients of the distillation and privilege terms too.
@@ -231,10 +219,10 @@ class LOPDMethod(MethodBase):
         """Dual ascent on beta with the step's global Delta (every rank gets the same value)."""
         s = self.settings
         before = self.beta
-        self.beta = dual_update(before, s.margin, means["delta"], s.dual_lr)
+        self.beta = dual_update(before, s.lopd.margin, means["delta"], s.lopd.dual_lr)
         self.teacher.after_step()
         # The margin too, so a finished run's metrics say which m its dual ascent used.
-        out = {"beta": before, "beta_next": self.beta, "margin": s.margin}
+        out = {"beta": before, "beta_next": self.beta, "margin": s.lopd.margin}
         return {**out, **super().after_step(means)}
 
     def state_dict(self) -> dict[str, Any]:

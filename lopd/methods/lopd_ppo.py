@@ -106,7 +106,7 @@ class LOPDPPOMethod(LOPDMethod):
         """Built from ``cfg.lopd_ppo`` and ``cfg.lopd``; ``changes`` as in
         :meth:`LOPDSettings.of`."""
         settings = LOPDSettings.of(cfg, **changes)
-        return cls(ctx, settings, cfg.lopd_ppo, cfg.lopd.tasks_per_step, cfg.gen.temperature)
+        return cls(ctx, settings, cfg.lopd_ppo, cfg.train.tasks_per_step, cfg.gen.temperature)
 
     # ---------------------------------------------------------------- 1. rollouts
     def rollouts(self, step: int) -> list[Trajectory]:
@@ -176,13 +176,14 @@ class LOPDPPOMethod(LOPDMethod):
             distill = segment_mean(iw, where.batch, b)  # with its gradient
         else:
             distill = kl  # its gradient is in distilled.loss
-        if p.anchor and s.anchor_weight > 0:
+        c = s.lopd
+        if p.anchor and c.anchor_weight > 0:
             diff = latents.float() - latents0.float()
             anchor = diff.pow(2).flatten(1).mean(dim=1)
         else:
             anchor = torch.zeros(b, device=device)
         per_traj = (
-            ppo + p.distill_weight * distill + beta * (s.margin - delta) + s.anchor_weight * anchor
+            ppo + p.distill_weight * distill + beta * (c.margin - delta) + c.anchor_weight * anchor
         )
         loss = per_traj.sum() / num_total + (distilled.loss - distilled.loss.detach())
         grads = self.gradient_split(
@@ -277,5 +278,5 @@ class LOPDPPOMethod(LOPDMethod):
         if self.ppo.dual:
             return super().after_step(means)
         self.teacher.after_step()
-        out = {"beta": 0.0, "beta_next": 0.0, "margin": self.settings.margin}
+        out = {"beta": 0.0, "beta_next": 0.0, "margin": self.settings.lopd.margin}
         return {**out, **MethodBase.after_step(self, means)}

@@ -57,7 +57,7 @@ class OPSDMethod(MethodBase):
     @classmethod
     def from_config(cls, ctx: MethodContext, cfg: Config) -> OPSDMethod:
         spec = DistillSpec.of(cfg.lopd, top_m=cfg.opsd.top_m, divergence=cfg.opsd.divergence)
-        return cls(ctx, spec, cfg.lopd.tasks_per_step)
+        return cls(ctx, spec, cfg.train.tasks_per_step)
 
     def teacher_sequence(self, traj: Trajectory) -> TextTeacherSequence:
         """The teacher's input: the first retrieved experience of the task as system text."""

@@ -86,7 +86,7 @@ class SDFTMethod(MethodBase):
     @classmethod
     def from_config(cls, ctx: MethodContext, cfg: Config) -> SDFTMethod:
         spec = DistillSpec.of(cfg.lopd, top_m=cfg.sdft.top_m, divergence=cfg.sdft.divergence)
-        return cls(ctx, cfg.sdft.ema_rate, spec, cfg.lopd.tasks_per_step)
+        return cls(ctx, cfg.sdft.ema_rate, spec, cfg.train.tasks_per_step)
 
     def add_demonstrations(self, entries: list[BankEntry]) -> None:
         """The grown pool's entries as the demonstrations of the tasks that had none (the

@@ -81,7 +81,7 @@ class SDPOMethod(MethodBase):
             cfg.sdpo.ema_rate,
             cfg.bank.min_reward,
             DistillSpec.of(cfg.lopd, divergence=cfg.sdpo.divergence),
-            cfg.lopd.tasks_per_step,
+            cfg.train.tasks_per_step,
         )
 
     def rollouts(self, step: int) -> list[Trajectory]:

@@ -119,7 +119,7 @@ class SkillSDMethod(MethodBase):
     Args:
         ctx: the models, engine and sampler.
         cfg: the run config (``skill_sd`` section, ``bank.min_reward`` as the success
-            criterion, ``gen.temperature``, ``lopd.tasks_per_step``).
+            criterion, ``gen.temperature``, ``train.tasks_per_step``).
 
     Attributes:
         bank: the :class:`~lopd.methods.skills.SkillBank`.
@@ -127,7 +127,7 @@ class SkillSDMethod(MethodBase):
     """
 
     def __init__(self, ctx: MethodContext, cfg: Config) -> None:
-        super().__init__(ctx, cfg.lopd.tasks_per_step)
+        super().__init__(ctx, cfg.train.tasks_per_step)
         s = cfg.skill_sd
         self.settings = s
         self.success_reward = cfg.bank.min_reward

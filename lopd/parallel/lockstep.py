@@ -76,7 +76,7 @@ def plan_step(dist: Dist, trajectories: Sequence[Trajectory], micro_batch: int) 
     Args:
         dist: the process group facts (one process: no collective).
         trajectories: this rank's trajectories of the step.
-        micro_batch: ``lopd.micro_batch``.
+        micro_batch: ``train.micro_batch``.
     """
     if micro_batch < 1:
         raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")

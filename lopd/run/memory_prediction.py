@@ -64,7 +64,7 @@ What is counted (the code paths as they are, ``lopd/models/loading.py``,
 Assumptions: every trajectory is ``tokens`` long (student and teacher sequences alike; the
 paper preset caps trajectories at ``gen.max_total_tokens`` = 40,448 so that the framed teacher
 sequence fits 40,960), every token of it is scored (``action_tokens = tokens``, an upper
-bound), micro-batches of ``lopd.micro_batch`` trajectories, ``cold_start.batch_size / world``
+bound), micro-batches of ``train.micro_batch`` trajectories, ``cold_start.batch_size / world``
 trajectories per rank in one cold-start forward, flash/SDPA attention (no ``[L, L]`` scores),
 the student's backward and the teacher's recompute not overlapping but the student's
 checkpoint boundaries alive during the teacher's recompute (the order autograd picks can only
@@ -121,7 +121,7 @@ class RunSetting:
         checkpointing: ``model.gradient_checkpointing``.
         teacher_layer_checkpointing: under ``checkpointing``, the teacher recomputed per layer
             (the trainer's way); ``False``: recomputed as one block.
-        micro_batch, cold_start_batch: ``lopd.micro_batch``, ``cold_start.batch_size``.
+        micro_batch, cold_start_batch: ``train.micro_batch``, ``cold_start.batch_size``.
         num_latents, num_retrieved, qformer_layers, ffn_mult, lora_r, max_encoder_tokens: the
             composer.
         rollout_batch_size: ``gen.rollout_batch_size``.
@@ -153,7 +153,7 @@ class RunSetting:
             fsdp=cfg.model.parallel == "fsdp2",
             mixed=cfg.model.dtype in ("bfloat16", "float16"),
             checkpointing=cfg.model.gradient_checkpointing,
-            micro_batch=max(1, cfg.lopd.micro_batch),
+            micro_batch=max(1, cfg.train.micro_batch),
             cold_start_batch=cfg.cold_start.batch_size,
             num_latents=c.num_latents,
             num_retrieved=c.num_retrieved,
@@ -387,7 +387,7 @@ STANDIN_RUNS = {
     "qwen3-0.6b": {"checkpointing": True, "micro_batch": 1},
 }
 """The measured stand-in runs of ``docs/trainer.md`` (``benchmarks/bench_standin_memory.py``: smoke
-preset, float32 on CPU, ``data.n_train=4 data.n_test=2 lopd.steps=2``)."""
+preset, float32 on CPU, ``data.n_train=4 data.n_test=2 train.steps=2``)."""
 
 
 def standin_predictions(

@@ -36,7 +36,7 @@ class MetricsLog:
         self.writer = None
         if enabled:
             _truncate_metrics(self.path, start_step)
-            self.path.touch()  # a run of lopd.steps=0 has a metrics file too, an empty one
+            self.path.touch()  # a run of train.steps=0 has a metrics file too, an empty one
 
             self.writer = SummaryWriter(str(run_dir.tensorboard), purge_step=start_step)
 

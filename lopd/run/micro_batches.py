@@ -64,7 +64,7 @@ def backward_micro_batches(
             gradient path, :meth:`~lopd.parallel.fsdp.Sharding.outputs_reached`).
         method: the training method (its ``loss``).
         trajectories: this rank's trajectories of the step.
-        micro_batch: ``lopd.micro_batch``.
+        micro_batch: ``train.micro_batch``.
         backward: the backward of a loss (:meth:`lopd.run.optim.Optimizers.backward`).
         scopes: the contexts of each loss (autocast, the memory account), made anew per pass.
     """

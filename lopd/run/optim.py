@@ -1,7 +1,7 @@
 """The optimizers of joint training: AdamW on the student theta and on the composer phi.
 
 Built in one place (:func:`build_optimizers`) so learning rates, weight decay, parameter groups
-and clipping are read from the ``lopd`` section here and nowhere else. Every parameter an
+and clipping are read from the ``train`` section here and nowhere else. Every parameter an
 optimizer steps is a float32 master weight (its AdamW state is float32 too), whatever
 ``model.dtype`` computes in (:mod:`lopd.parallel.precision`); with ``float16`` the loss is scaled
 (:meth:`Optimizers.backward`) and gradients are unscaled before clipping.
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lopd.config import LOPDConfig
+from lopd.config import TrainConfig
 from lopd.parallel.distributed import Dist, is_sharded
 
 __all__ = ["Optimizers", "build_optimizers", "check_master_weights"]
@@ -130,16 +130,16 @@ def check_master_weights(params: list[nn.Parameter], what: str) -> None:
 def build_optimizers(
     student: nn.Module,
     composer_params: list[nn.Parameter],
-    cfg: LOPDConfig,
+    cfg: TrainConfig,
     scaler: torch.amp.GradScaler | None = None,
 ) -> Optimizers:
-    """AdamW on the student (``lopd.lr``) and on phi (``lopd.composer_lr``), both with
-    ``lopd.weight_decay``; call after FSDP2 sharding (the optimizers hold the shards).
+    """AdamW on the student (``train.lr``) and on phi (``train.composer_lr``), both with
+    ``train.weight_decay``; call after FSDP2 sharding (the optimizers hold the shards).
 
     Args:
         student: the student (its trainable parameters must be float32).
         composer_params: phi (float32), empty without a composer.
-        cfg: the ``lopd`` section.
+        cfg: the ``train`` section.
         scaler: the float16 loss scaler; a disabled one (or ``None``) means no scaling.
 
     Raises:
