@@ -46,7 +46,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def _case_id(case) -> str:
+    """The case's fields joined by ``-``, a set of names sorted: ids must not depend on the hash
+    seed (``pytest --lf``, pytest-xdist's workers compare them across processes)."""
+    return "-".join("+".join(sorted(x)) if isinstance(x, set) else str(x) for x in case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_dense_rows_match_reference(case):
     n, d, vocab, top_m, chunk, bias, requires, dtype = case
     inputs, target = dense_inputs(n, d, vocab, dtype, bias=bias, seed=n + d)
