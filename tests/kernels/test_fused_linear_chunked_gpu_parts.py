@@ -18,18 +18,14 @@ import math
 import pytest
 import torch
 
-from tests.kernels.test_fused_linear_topk_tail_kl import CASES, check, check_case, make_inputs
+from tests.kernels.fused_linear_utils import CASES, check, check_case, make_inputs
 from tests.kernels.triton_compile import assert_script_compiles
-from tests.utils import assert_close, triton_interpret
+from tests.utils import assert_close, requires_triton_interpret, triton_interpret
 
 chunked = importlib.import_module("lopd_kernels.fused_linear_topk_tail_kl_chunked")
 gemm = importlib.import_module("lopd_kernels.gemm_f32")
 FROZEN = {"student_hidden", "teacher_hidden"}
 ALL = {"student_hidden", "student_weight", "teacher_hidden", "teacher_weight"}
-
-requires_triton = pytest.mark.skipif(
-    not triton_interpret(), reason="needs TRITON_INTERPRET=1 (Triton on CPU tensors)"
-)
 
 
 def test_epilogue_follows_topk_tail_kl_auto(monkeypatch):
@@ -59,7 +55,7 @@ def test_epilogue_follows_topk_tail_kl_auto(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-@requires_triton
+@requires_triton_interpret
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [0, 7])
 def test_tail_probs_triton_matches_float64(out_dtype, m):

@@ -18,7 +18,7 @@ import torch
 
 import lopd_kernels as lk
 from lopd_kernels.chunked_linear import Chunk
-from tests.kernels.test_fused_linear_topk_tail_kl import check, make_inputs
+from tests.kernels.fused_linear_utils import check, make_inputs
 from tests.utils import assert_close
 
 chunked = importlib.import_module("lopd_kernels.fused_linear_topk_tail_kl_chunked")

@@ -21,16 +21,11 @@ import lopd_kernels as lk
 from lopd_kernels import fused_linear_logprob_chunked as chunked
 from lopd_kernels.fused_linear_logprob import fused_linear_logprob, fused_linear_logprob_reference
 from tests.kernels.triton_compile import assert_script_compiles
-from tests.utils import TRITON_DEVICE, assert_close, triton_interpret
+from tests.utils import TRITON_DEVICE, assert_close, requires_cpp, requires_triton
 
 NAMES = ("hidden", "weight", "bias")
 # The module (lopd_kernels.fused_linear_logprob is also the function's name in the package).
 flp = importlib.import_module("lopd_kernels.fused_linear_logprob")
-needs_ext = pytest.mark.skipif(not lk.extension_loaded(), reason="lopd_kernels._C is not built")
-needs_triton = pytest.mark.skipif(
-    not (torch.cuda.is_available() or triton_interpret()),
-    reason="Triton needs a CUDA device or TRITON_INTERPRET=1",
-)
 
 
 def make_inputs(n, d, vocab, dtype=torch.float32, *, bias=False, seed=0, scale=2.0):
@@ -100,7 +95,7 @@ def check(inputs, targets, backend, dtype, requires=None, device="cpu", **kw):
 # The C++ CPU op and the chunked path, against the float64 reference
 # ---------------------------------------------------------------------------------------------
 
-IMPLS = [pytest.param("cpu", marks=needs_ext), "chunked"]
+IMPLS = [pytest.param("cpu", marks=requires_cpp), "chunked"]
 CASES = [
     # (n, d, V, temperature, bias, chunk_size, with_entropy)
     (13, 8, 37, 1.0, False, None, False),
@@ -227,7 +222,7 @@ def test_all_rows_ignored_and_int32_targets(impl):
     assert not out.logprob[::3].any()
 
 
-@needs_ext
+@requires_cpp
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_cpu_bf16_gemms(isa, monkeypatch):
     """A bf16 head on CPU: float32 GEMMs of upcast blocks (below AVX-512, or without
@@ -241,7 +236,7 @@ def test_cpu_bf16_gemms(isa, monkeypatch):
     check(inputs, targets, "cpu", torch.bfloat16, chunk_size=20)  # one chunk
 
 
-@needs_ext
+@requires_cpp
 @pytest.mark.parametrize("isa", ["default", "avx2", "avx512"])
 def test_every_cpu_isa(isa, monkeypatch):
     """Each compiled ISA copy of the row kernels (LOPD_CPU_ISA caps it), V off the vector width."""
@@ -263,7 +258,7 @@ TRITON_CASES = [
 ]
 
 
-@needs_triton
+@requires_triton
 @pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_triton_matches_reference(case):
     n, d, vocab, temp, bias, ent, dtype = case
@@ -272,7 +267,7 @@ def test_triton_matches_reference(case):
           with_entropy=ent)  # fmt: skip
 
 
-@needs_triton
+@requires_triton
 def test_triton_frozen_head_and_masked_vocabulary():
     inputs, targets = make_inputs(9, 16, 41, bias=True, seed=13)
     inputs["bias"][:5] = -math.inf
@@ -331,11 +326,11 @@ def _op_args(device, projection):
 @pytest.mark.parametrize(
     ("impl", "projection"),
     [
-        pytest.param("cpu", False, marks=needs_ext),
-        pytest.param("cpu", True, marks=needs_ext),
+        pytest.param("cpu", False, marks=requires_cpp),
+        pytest.param("cpu", True, marks=requires_cpp),
         ("chunked", False),
         ("chunked", True),
-        pytest.param("triton", False, marks=needs_triton),
+        pytest.param("triton", False, marks=requires_triton),
     ],
 )
 def test_opcheck(impl, projection):
@@ -355,7 +350,7 @@ def test_opcheck(impl, projection):
     torch.library.opcheck(bwd_op.default, bwd_args, test_utils=("test_schema", "test_faketensor"))
 
 
-@needs_ext
+@requires_cpp
 def test_torch_compile_fullgraph():
     inputs, targets = make_inputs(7, 16, 61, bias=True, seed=14)
 

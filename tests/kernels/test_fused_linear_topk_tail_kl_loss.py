@@ -15,7 +15,7 @@ from lopd_kernels.fused_linear_topk_tail_kl_loss import (
     CUSTOM_OPS,
     fused_linear_topk_tail_kl_loss,
 )
-from tests.kernels.test_fused_linear_topk_tail_kl import NAMES, make_inputs
+from tests.kernels.fused_linear_utils import NAMES, make_inputs
 from tests.utils import assert_close
 
 # The module (the package's attribute of that name is the function).

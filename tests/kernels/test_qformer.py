@@ -10,17 +10,12 @@ import torch
 from lopd_kernels import QFormerCompressor
 from lopd_kernels._backend import triton_available
 from lopd_kernels.qformer import straightforward_qformer
+from tests.kernels.utils import cu_seqlens
 from tests.utils import assert_close, tol
 
 BACKENDS = ["cpu"] + (["triton"] if triton_available() else [])
 DEVICE = {"cpu": "cpu", "triton": "cuda" if torch.cuda.is_available() else "cpu"}
 LENGTHS = [3, 0, 40, 1, 7]
-
-
-def _cu(lengths, device="cpu"):
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lengths).cumsum(0)
-    return cu.to(device)
 
 
 def _module(seed=0, **kwargs):
@@ -77,7 +72,7 @@ def test_module_matches_straightforward(backend, share_layers, perceiver):
     """Forward, every parameter gradient and dH vs the float64 per-item implementation."""
     device = DEVICE[backend]
     module = _module(share_layers=share_layers, perceiver=perceiver, backend=backend).to(device)
-    cu = _cu(LENGTHS, device)
+    cu = cu_seqlens(LENGTHS, device)
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(sum(LENGTHS), 32, generator=gen).to(device).requires_grad_()
     grad = torch.randn(len(LENGTHS), 5, 32, generator=gen).to(device)
@@ -101,7 +96,7 @@ def test_module_matches_straightforward(backend, share_layers, perceiver):
 def test_padded_straightforward_equals_looped(perceiver):
     """The benchmark's padded + masked baseline computes the same function (empty item included)."""
     module = _module(perceiver=perceiver).double()
-    cu = _cu(LENGTHS)
+    cu = cu_seqlens(LENGTHS)
     hidden = torch.randn(sum(LENGTHS), 32, dtype=torch.float64, requires_grad=True)
     looped = straightforward_qformer(module, hidden, cu, padded=False)
     padded = straightforward_qformer(module, hidden, cu, padded=True)
@@ -112,13 +107,13 @@ def test_padded_straightforward_equals_looped(perceiver):
 
 def test_items_are_independent_and_empty_item_is_finite():
     module = _module()
-    cu = _cu(LENGTHS)
+    cu = cu_seqlens(LENGTHS)
     hidden = torch.randn(sum(LENGTHS), 32)
     batched = module(hidden, cu)
     assert torch.isfinite(batched).all()
     bounds = cu.tolist()
     for b, length in enumerate(LENGTHS):
-        alone = module(hidden[bounds[b] : bounds[b + 1]], _cu([length]))
+        alone = module(hidden[bounds[b] : bounds[b + 1]], cu_seqlens([length]))
         torch.testing.assert_close(batched[b : b + 1], alone, rtol=1e-5, atol=1e-6)
 
 
@@ -129,7 +124,7 @@ def test_kv_projected_once_when_shared(share_layers):
     calls = []
     for layer in module.layers:
         layer.k_proj.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
-    module(torch.randn(sum(LENGTHS), 32), _cu(LENGTHS))
+    module(torch.randn(sum(LENGTHS), 32), cu_seqlens(LENGTHS))
     assert calls == [sum(LENGTHS)] * (1 if share_layers else 4)
 
 
@@ -141,7 +136,7 @@ def test_shared_kv_activation_memory_is_counted_once():
     """
     lengths = [300, 200, 400]
     module = _module(num_layers=8, num_queries=4)
-    cu = _cu(lengths)
+    cu = cu_seqlens(lengths)
     hidden = torch.randn(sum(lengths), 32, requires_grad=True)
     params = list(module.parameters())
     ours = saved_activation_bytes(lambda: module(hidden, cu), params)
@@ -165,9 +160,9 @@ def test_dtype_cast_and_gqa_default():
     module = _module(num_kv_heads=None)
     assert module.layers[0].num_kv_heads == 4
     hidden = torch.randn(sum(LENGTHS), 32, dtype=torch.bfloat16)
-    out = module(hidden, _cu(LENGTHS))
+    out = module(hidden, cu_seqlens(LENGTHS))
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, module(hidden.float(), _cu(LENGTHS)))
+    torch.testing.assert_close(out, module(hidden.float(), cu_seqlens(LENGTHS)))
 
 
 @pytest.mark.parametrize(
@@ -188,19 +183,19 @@ def test_constructor_validation(kwargs, match):
 def test_forward_validation():
     module = _module()
     with pytest.raises(ValueError, match="hidden_states"):
-        module(torch.randn(2, 5, 32), _cu([5, 5]))
+        module(torch.randn(2, 5, 32), cu_seqlens([5, 5]))
     with pytest.raises(ValueError, match="hidden_size"):
-        module(torch.randn(10, 16), _cu([5, 5]))
+        module(torch.randn(10, 16), cu_seqlens([5, 5]))
     with pytest.raises(ValueError, match="cu_seqlens"):
-        module(torch.randn(10, 32), _cu([5, 5])[None])
+        module(torch.randn(10, 32), cu_seqlens([5, 5])[None])
     with pytest.raises(ValueError, match="cu_seqlens_k"):
-        module(torch.randn(10, 32), _cu([5, 4]))
+        module(torch.randn(10, 32), cu_seqlens([5, 4]))
 
 
 def test_silu_activation_runs_and_differs():
     hidden = torch.randn(sum(LENGTHS), 32)
-    gelu = _module(seed=3)(hidden, _cu(LENGTHS))
-    silu = _module(seed=3, activation="silu")(hidden, _cu(LENGTHS))
+    gelu = _module(seed=3)(hidden, cu_seqlens(LENGTHS))
+    silu = _module(seed=3, activation="silu")(hidden, cu_seqlens(LENGTHS))
     assert torch.isfinite(silu).all() and not torch.allclose(gelu, silu)
 
 
@@ -213,7 +208,7 @@ def test_cpu_path_is_one_batched_call_per_layer_without_fills():
     module, lengths = _module(num_layers=3), [3, 0, 40, 1, 7, 12]
     hidden = torch.randn(sum(lengths), 32, requires_grad=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        module(hidden, _cu(lengths)).sum().backward()
+        module(hidden, cu_seqlens(lengths)).sum().backward()
     events = prof.events()
     names = [e.name for e in events]
     assert names.count("lopd::varlen_cross_attention_cpu_fwd") == 3

@@ -11,17 +11,11 @@ import pytest
 import torch
 
 import lopd_kernels as lk
-from lopd_kernels import _backend
 from lopd_kernels.sparse_teacher_topk_tail_kl import sparse_teacher_topk_tail_kl_reference
 from lopd_kernels.topk_tail_kl import topk_tail_kl_reference
-from tests.kernels.test_topk_tail_kl import HAS_TRITON, assert_grad_close
-from tests.utils import TRITON_DEVICE, assert_close
+from tests.kernels.utils import assert_grad_close
+from tests.utils import HAS_CPP, TRITON_DEVICE, assert_close, requires_cpp, requires_triton
 
-HAS_CPP = _backend.has_kernel("sparse_teacher_topk_tail_kl_cpu_fwd", "CPU")
-requires_cpp = pytest.mark.skipif(not HAS_CPP, reason="lopd_kernels._C (C++ ops) is not built")
-requires_triton = pytest.mark.skipif(
-    not HAS_TRITON, reason="triton (GPU or TRITON_INTERPRET=1) is not available"
-)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKEND_MARKS = {"cpu": requires_cpp, "triton": requires_triton}
 BACKENDS = [pytest.param(b, marks=m) for b, m in BACKEND_MARKS.items()]

@@ -10,104 +10,17 @@ import pytest
 import torch
 
 import lopd_kernels as lk
-from lopd_kernels import _backend
 from lopd_kernels.topk_tail_kl import topk_tail_kl_reference
-from tests.utils import TOLERANCES, TRITON_DEVICE, assert_close
-
-HAS_CPP = _backend.has_kernel("topk_tail_kl_cpu_fwd", "CPU")
-requires_cpp = pytest.mark.skipif(not HAS_CPP, reason="lopd_kernels._C (C++ ops) is not built")
-
-
-def _has_triton_launchers() -> bool:
-    if not _backend.triton_available():
-        return False
-    try:
-        import lopd_kernels.triton.topk_tail_kl  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-HAS_TRITON = _has_triton_launchers()
-requires_triton = pytest.mark.skipif(
-    not HAS_TRITON, reason="triton (GPU or TRITON_INTERPRET=1) or its topk_tail_kl launchers absent"
+from tests.kernels.utils import assert_grad_close, make_inputs, random_upstream, run
+from tests.utils import (
+    HAS_CPP,
+    TRITON_DEVICE,
+    assert_close,
+    requires_cpp,
+    requires_triton,
 )
 
-
 # --------------------------------------------------------------------------------- helpers
-
-
-def make_inputs(
-    n: int,
-    v: int,
-    *,
-    s_dtype=torch.float32,
-    t_dtype=None,
-    seed: int = 0,
-    ignore_rows=(),
-    pad: int = 0,
-    scale: float = 2.0,
-    ignore_index: int = -100,
-):
-    """Random student/teacher logits [n, v] and targets [n]; the last ``pad`` vocabulary entries
-    are -inf in both (a padded vocabulary). Continuous random logits: no ties."""
-    g = torch.Generator().manual_seed(seed)
-    t_dtype = t_dtype or s_dtype
-    t = torch.randn(n, v, generator=g, dtype=torch.float64) * scale
-    s = t + torch.randn(n, v, generator=g, dtype=torch.float64) * (scale / 2)
-    if pad:
-        s[:, v - pad :] = -math.inf
-        t[:, v - pad :] = -math.inf
-    target = torch.randint(0, v - pad, (n,), generator=g)
-    for r in ignore_rows:
-        target[r] = ignore_index
-    return s.to(s_dtype), t.to(t_dtype), target
-
-
-def run(fn, s, t, target, upstream, **kw):
-    """Calls ``fn`` with leaf copies; returns (outputs, grad_student, grad_teacher)."""
-    s = s.detach().clone().requires_grad_(True)
-    t = t.detach().clone().requires_grad_(True)
-    out = fn(s, t, target, **kw)
-    loss = sum((o.double() * u).sum() for o, u in zip(out[:4], upstream))
-    loss.backward()
-    return out, s.grad, t.grad
-
-
-def random_upstream(n: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, generator=g, dtype=torch.float64) for _ in range(4)]
-
-
-def assert_grad_close(actual, expected, dtype, msg):
-    """Gradient check in two parts, with the dtype's (rtol, atol) from tests/utils.py.
-
-    Entries of one row span many orders of magnitude (the target and top-M entries are O(1),
-    tail entries O(1/V)), and each is S_j (c_b - u): a product with a cancelling difference, so a
-    float32 entry is accurate relative to its *row's* scale, not to itself. Hence (1) elementwise
-    ``|a - e| <= atol * rowmax|e| + rtol * |e|``, which pins the large entries, and (2) a
-    relative L1 error ``sum|a - e| / sum|e| <= rtol``, which pins the bulk of small (tail) entries
-    that (1) alone would let through at V = 151,936.
-    """
-    assert not torch.isnan(actual).any(), f"{msg}: NaN in gradient"
-    assert actual.shape == expected.shape, f"{msg}: shape {actual.shape} != {expected.shape}"
-    rtol, atol = TOLERANCES[dtype]
-    a, e = actual.double(), expected.double()
-    row_max = e.abs().amax(dim=-1, keepdim=True) if e.numel() else e
-    # A row whose exact gradient is identically 0 (V = 1: every softmax is exactly 1) still gets
-    # float32 rounding of terms of the upstream gradient's size, O(1) in these tests: unit scale.
-    row_max = torch.where(row_max > 0, row_max, torch.ones_like(row_max))
-    excess = (a - e).abs() - (atol * row_max + rtol * e.abs())
-    if e.numel() and excess.max() > 0:
-        i = int(excess.argmax())
-        raise AssertionError(
-            f"{msg}: entry {tuple(int(x) for x in torch.unravel_index(torch.tensor(i), e.shape))}"
-            f" = {a.flatten()[i].item():.6g}, expected {e.flatten()[i].item():.6g}"
-        )
-    total = e.abs().sum().item()
-    if total > 0:
-        rel_l1 = (a - e).abs().sum().item() / total
-        assert rel_l1 <= rtol, f"{msg}: relative L1 error {rel_l1:.3g} > {rtol}"
 
 
 def check_against_reference(s, t, target, backend, **kw):

@@ -23,8 +23,7 @@ import lopd_kernels as lk
 from lopd_kernels.kernel_variants import SLOTS, selected, selecting
 from lopd_kernels.topk_tail_kl import TopKTailKLOutput, topk_tail_kl_reference
 from tests.kernels import simt_emu
-from tests.kernels.test_topk_tail_kl import assert_grad_close, make_inputs, random_upstream, run
-from tests.kernels.test_topk_tail_kl_strided import _copies
+from tests.kernels.utils import assert_grad_close, copies, make_inputs, random_upstream, run
 from tests.utils import assert_close
 
 FWD_SLOT = "topk_tail_kl.cuda_forward"
@@ -161,7 +160,7 @@ def test_strided_logits_are_not_copied(target, v):
         tgt = torch.randint(0, v, (n,), generator=g).to(dev)
         out = fwd(s, t, tgt, 8, 1.0, "reverse", 1.0, "teacher", -100)
         assert (
-            _copies(
+            copies(
                 lambda s=s, t=t, tgt=tgt: fwd(s, t, tgt, 8, 1.0, "reverse", 1.0, "teacher", -100),
                 n * v,
             )
@@ -187,7 +186,7 @@ def test_strided_logits_are_not_copied(target, v):
             True,
             True,
         )
-        assert _copies(lambda args=args: bwd(*args), n * v) == []
+        assert copies(lambda args=args: bwd(*args), n * v) == []
         gs, gt = bwd(*args)
         assert gs.shape == s.shape and gs.is_contiguous() and gt.is_contiguous()
         dense = fwd(s.contiguous(), t.contiguous(), tgt, 8, 1.0, "reverse", 1.0, "teacher", -100)

@@ -20,12 +20,8 @@ from lopd_kernels.topk_tail_kl import (
 )
 from tests.kernels import simt_emu
 from tests.kernels import topk_teacher_golden as golden
-from tests.kernels.test_topk_tail_kl import assert_grad_close, make_inputs, random_upstream
-from tests.utils import TRITON_DEVICE, assert_close
-
-HAS_CPP = _backend.has_kernel("topk_tail_kl_cpu_fwd", "CPU")
-requires_cpp = pytest.mark.skipif(not HAS_CPP, reason="lopd_kernels._C (C++ ops) is not built")
-
+from tests.kernels.utils import assert_grad_close, make_inputs, random_upstream
+from tests.utils import HAS_CPP, TRITON_DEVICE, assert_close, requires_cpp
 
 # --------------------------------------------------------------------------------- teacher: bits
 

@@ -15,7 +15,7 @@ import torch
 import lopd_kernels as lk
 from lopd_kernels.bucket_math import op_divergence, rows_bwd_torch, rows_fwd_torch
 from lopd_kernels.topk_tail_kl import topk_tail_kl_reference
-from tests.kernels.test_topk_tail_kl import make_inputs
+from tests.kernels.utils import make_inputs
 
 SUPPORTS = ("teacher", "student", "union")
 # (divergence, beta) as a user passes them; "jsd" at 0 / 1 is TRL's forward / reverse end.

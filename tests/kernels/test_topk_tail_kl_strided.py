@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import lopd_kernels as lk
-from lopd_kernels import _backend
 from lopd_kernels.row_layout import rows_in_place
 from lopd_kernels.topk_tail_kl import topk_tail_kl_reference
-from tests.utils import TRITON_DEVICE, assert_close
+from tests.kernels.utils import copies
+from tests.utils import HAS_CPP, HAS_TRITON, TRITON_DEVICE, assert_close, requires_cpp
 
-HAS_CPP = _backend.has_kernel("topk_tail_kl_cpu_fwd", "CPU")
-# A reshape that cannot be a view shows up as the aten::clone it runs.
-COPY_OPS = {"aten::clone", "aten::contiguous", "aten::copy_", "aten::_to_copy"}
 B, T, V = 2, 6, 70
 
 
@@ -55,7 +51,7 @@ def _backends():
     out.append(
         pytest.param(
             "triton", TRITON_DEVICE, id="triton",
-            marks=pytest.mark.skipif(not _backend.triton_available(), reason="no triton runtime"),
+            marks=pytest.mark.skipif(not HAS_TRITON, reason="no triton runtime"),
         )
     )  # fmt: skip
     return out
@@ -82,7 +78,7 @@ def test_rows_in_place_views():
     )
 
 
-@pytest.mark.skipif(not HAS_CPP, reason="lopd_kernels._C (C++ ops) is not built")
+@requires_cpp
 def test_compiled_fullgraph_on_a_causal_view():
     """torch.compile(fullgraph=True) traces the view choice (no failed ``view`` to catch)."""
     s_base, t_base, target = _causal(2)
@@ -125,28 +121,14 @@ def test_causal_view_equals_its_contiguous_copy(backend, device, top_m):
     assert_close(t_base.grad[:, :-1].cpu(), t64.grad, torch.float32, "grad teacher")
 
 
-def _copies(fn, numel: int) -> list[tuple[str, list]]:
-    """The copy-like aten ops ``fn`` runs (nested ones inside C++ ops included) on tensors of at
-    least ``numel`` elements."""
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        fn()
-    out = []
-    for e in prof.events():
-        if e.name in COPY_OPS:
-            sizes = [s for s in e.input_shapes if s and torch.Size(s).numel() >= numel]
-            if sizes:
-                out.append((e.name, sizes))
-    return out
-
-
-@pytest.mark.skipif(not HAS_CPP, reason="lopd_kernels._C (C++ ops) is not built")
+@requires_cpp
 def test_cpu_ops_do_not_copy_strided_logits():
     s_base, t_base, target = _causal(4)
     s, t = s_base.detach()[:, :-1], t_base.detach()[:, :-1]
     tgt = target.reshape(-1)
     fwd, bwd = torch.ops.lopd.topk_tail_kl_cpu_fwd, torch.ops.lopd.topk_tail_kl_cpu_bwd
     numel = s.numel()
-    assert _copies(lambda: fwd(s, t, tgt, 5, 1.0, "reverse", 1.0, "teacher", -100), numel) == []
+    assert copies(lambda: fwd(s, t, tgt, 5, 1.0, "reverse", 1.0, "teacher", -100), numel) == []
     kl, _slp, _tlp, ids, lse, bucket = fwd(s, t, tgt, 5, 1.0, "reverse", 1.0, "teacher", -100)
     ones = torch.ones_like(kl)
     args = (
@@ -167,22 +149,22 @@ def test_cpu_ops_do_not_copy_strided_logits():
         True,
         True,
     )
-    assert _copies(lambda: bwd(*args), numel) == []
+    assert copies(lambda: bwd(*args), numel) == []
     gs, gt = bwd(*args)
     assert gs.shape == gt.shape == s.shape and gs.is_contiguous() and gt.is_contiguous()
     # The public API passes the view itself (3-D) to the op.
-    assert _copies(lambda: lk.topk_tail_kl(s, t, target, top_m=5, backend="cpu"), numel) == []
+    assert copies(lambda: lk.topk_tail_kl(s, t, target, top_m=5, backend="cpu"), numel) == []
 
 
 def test_reference_does_not_copy_strided_logits():
     s_base, t_base, target = _causal(5)
     s, t = s_base.detach()[:, :-1], t_base.detach()[:, :-1]
     # One gather of the kept rows (index), no whole-tensor copy first.
-    assert _copies(lambda: topk_tail_kl_reference(s, t, target, top_m=5), s.numel()) == []
+    assert copies(lambda: topk_tail_kl_reference(s, t, target, top_m=5), s.numel()) == []
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.skipif(not _backend.triton_available(), reason="no triton runtime")
+@pytest.mark.skipif(not HAS_TRITON, reason="no triton runtime")
 def test_triton_kernels_get_the_views_memory(monkeypatch):
     """The Triton launchers hand the kernels the view's own memory and strides."""
     import lopd_kernels.triton.topk_tail_kl as launchers

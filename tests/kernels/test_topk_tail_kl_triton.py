@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.kernels.triton_compile import assert_script_compiles
-from tests.utils import assert_close, requires_cuda, triton_interpret
+from tests.utils import TRITON_DEVICE, assert_close, requires_cuda, requires_triton
 
 triton = pytest.importorskip("triton", reason="the triton backend needs the triton package")
 
@@ -42,10 +42,7 @@ def kl_args(reverse: bool) -> tuple[str, float, str]:
 
 
 pytestmark = [
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() or triton_interpret()),
-        reason="Triton needs a CUDA device or TRITON_INTERPRET=1",
-    ),
+    requires_triton,
     # The interpreter evaluates masked-off lanes too (-inf - -inf there); numpy warns, the
     # kernels discard those lanes.
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
@@ -53,7 +50,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
 ]
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = TRITON_DEVICE
 
 
 @pytest.fixture(params=SLOTS[FWD_SLOT].choices)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lopd_kernels.bucket_math import op_divergence, rows_bwd_torch, rows_fwd_torch
-from tests.utils import assert_close, triton_interpret
+from tests.utils import TRITON_DEVICE, assert_close, requires_triton
 
 triton = pytest.importorskip("triton", reason="the triton backend needs the triton package")
 
@@ -30,13 +30,10 @@ from lopd_kernels.triton.topk_tail_kl import (  # noqa: E402
 )
 
 IGNORE = -100
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = TRITON_DEVICE
 
 pytestmark = [
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() or triton_interpret()),
-        reason="Triton needs a CUDA device or TRITON_INTERPRET=1",
-    ),
+    requires_triton,
     # The interpreter evaluates masked-off lanes too (-inf - -inf there); numpy warns, the
     # kernels discard those lanes.
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),

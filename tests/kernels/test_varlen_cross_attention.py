@@ -13,28 +13,13 @@ from lopd_kernels.varlen_cross_attention import (
     varlen_cross_attention_reference,
 )
 from tests.kernels.triton_compile import assert_script_compiles
+from tests.kernels.utils import cu_seqlens, varlen_inputs
 from tests.utils import assert_close
 
 # The four lengths of the spec plus an empty item in the middle of the pack.
 LENGTHS = [1, 7, 0, 97, 1025]
 KERNEL_BACKENDS = ["cpu"] + (["triton"] if triton_available() else [])
 DEVICE = {"cpu": "cpu", "triton": "cuda" if torch.cuda.is_available() else "cpu"}
-
-
-def _cu(lengths: list[int], device: str = "cpu") -> torch.Tensor:
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lengths).cumsum(0)
-    return cu.to(device)
-
-
-def _inputs(lengths, n_q_heads, n_kv_heads, head_dim, seq_q, dtype, device, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    total = sum(lengths)
-    q = torch.randn(len(lengths), seq_q, n_q_heads, head_dim, generator=gen)
-    k = torch.randn(total, n_kv_heads, head_dim, generator=gen)
-    v = torch.randn(total, n_kv_heads, head_dim, generator=gen)
-    grad = torch.randn(len(lengths), seq_q, n_q_heads, head_dim, generator=gen)
-    return [t.to(device=device, dtype=dtype) for t in (q, k, v, grad)]
 
 
 def _reference_grads(q, k, v, cu, grad, scale=None):
@@ -51,8 +36,8 @@ def _reference_grads(q, k, v, cu, grad, scale=None):
 def test_backend_matches_reference(backend, dtype, heads):
     device = DEVICE[backend]
     n_q_heads, n_kv_heads = heads
-    cu = _cu(LENGTHS, device)
-    q, k, v, grad = _inputs(LENGTHS, n_q_heads, n_kv_heads, 16, 5, dtype, device)
+    cu = cu_seqlens(LENGTHS, device)
+    q, k, v, grad = varlen_inputs(LENGTHS, n_q_heads, n_kv_heads, 16, 5, dtype, device)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = varlen_cross_attention(q, k, v, cu, max_seqlen_k=max(LENGTHS), backend=backend)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
@@ -72,8 +57,8 @@ def test_non_power_of_two_head_dim_and_custom_scale(backend):
     """Head dim 20 exercises the masked D tile (Qwen3-4B's QFormer has D = 2560 / 32 = 80)."""
     device = DEVICE[backend]
     lengths = [3, 70]
-    cu = _cu(lengths, device)
-    q, k, v, grad = _inputs(lengths, 3, 1, 20, 4, torch.float32, device, seed=1)
+    cu = cu_seqlens(lengths, device)
+    q, k, v, grad = varlen_inputs(lengths, 3, 1, 20, 4, torch.float32, device, seed=1)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = varlen_cross_attention(q, k, v, cu, scale=0.3, backend=backend)
     grads = torch.autograd.grad(out, (q, k, v), grad)
@@ -88,8 +73,8 @@ def test_lse_output_and_its_gradient(backend):
     """lse is differentiable (the Perceiver option merges two attentions through it)."""
     device = DEVICE[backend]
     lengths = [5, 0, 40]
-    cu = _cu(lengths, device)
-    q, k, v, grad = _inputs(lengths, 2, 1, 16, 3, torch.float32, device, seed=2)
+    cu = cu_seqlens(lengths, device)
+    q, k, v, grad = varlen_inputs(lengths, 2, 1, 16, 3, torch.float32, device, seed=2)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out, lse = varlen_cross_attention(q, k, v, cu, backend=backend, return_lse=True)
     assert torch.isneginf(lse[1]).all()
@@ -114,8 +99,8 @@ def test_lse_output_and_its_gradient(backend):
 def test_reference_matches_dense_masked_softmax():
     """The SDPA-loop reference vs an explicit padded softmax(QK^T)V, in float64."""
     lengths = [4, 0, 9]
-    cu = _cu(lengths)
-    q, k, v, _ = _inputs(lengths, 4, 2, 8, 3, torch.float64, "cpu", seed=4)
+    cu = cu_seqlens(lengths)
+    q, k, v, _ = varlen_inputs(lengths, 4, 2, 8, 3, torch.float64, "cpu", seed=4)
     out = varlen_cross_attention_reference(q, k, v, cu)
     for b, (s, e) in enumerate([(0, 4), (4, 4), (4, 13)]):
         if e == s:
@@ -134,8 +119,8 @@ def test_triton_split_kv_forward(num_splits):
 
     device = DEVICE["triton"]
     lengths = [1, 0, 300, 64]
-    cu = _cu(lengths, device)
-    q, k, v, _ = _inputs(lengths, 4, 2, 16, 5, torch.float32, device, seed=5)
+    cu = cu_seqlens(lengths, device)
+    q, k, v, _ = varlen_inputs(lengths, 4, 2, 16, 5, torch.float32, device, seed=5)
     out, lse = varlen_xattn_fwd(q, k, v, cu, 0.25, max(lengths), num_splits=num_splits)
     ref = varlen_cross_attention_reference(q.double().cpu(), k.double().cpu(), v.double().cpu(), cu)
     assert_close(out.cpu(), ref, torch.float32, "split out")
@@ -144,8 +129,8 @@ def test_triton_split_kv_forward(num_splits):
 
 def _opcheck_args(device, dtype=torch.float32):
     lengths = [3, 0, 20]
-    cu = _cu(lengths, device)
-    q, k, v, grad = _inputs(lengths, 4, 2, 16, 2, dtype, device, seed=6)
+    cu = cu_seqlens(lengths, device)
+    q, k, v, grad = varlen_inputs(lengths, 4, 2, 16, 2, dtype, device, seed=6)
     return lengths, cu, q, k, v, grad
 
 

@@ -32,7 +32,7 @@ import torch
 import lopd_kernels as lk
 from lopd_kernels.varlen_cross_attention import varlen_cross_attention_reference
 from tests.kernels import simt_emu
-from tests.kernels.test_varlen_cross_attention import _cu, _inputs
+from tests.kernels.utils import cu_seqlens, varlen_inputs
 from tests.utils import TOLERANCES, assert_close
 
 EMU_UNAVAILABLE = simt_emu.unavailable_reason()
@@ -104,8 +104,10 @@ def assert_grad_close(actual, expected, dtype, msg):
 
 def check(where, lengths, n_q_heads, n_kv_heads, head_dim, seq_q, dtype, seed=0, scale=None):
     """out, lse, dq, dk, dv of the target vs float64, with random do and random (finite) dlse."""
-    cu = _cu(lengths)
-    q, k, v, grad = _inputs(lengths, n_q_heads, n_kv_heads, head_dim, seq_q, dtype, "cpu", seed)
+    cu = cu_seqlens(lengths)
+    q, k, v, grad = varlen_inputs(
+        lengths, n_q_heads, n_kv_heads, head_dim, seq_q, dtype, "cpu", seed
+    )
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     w = torch.randn(len(lengths), n_q_heads, seq_q, generator=torch.Generator().manual_seed(seed))
     eff_scale = head_dim**-0.5 if scale is None else scale
@@ -186,8 +188,8 @@ def test_misaligned_half_precision_inputs_fall_back(target):
     fwd, bwd = raw_ops(target)
     dev = "cuda" if target == "cuda" else "cpu"
     lengths = [5, 0, 40]
-    cu = _cu(lengths, dev)
-    q, k, v, grad = _inputs(lengths, 4, 2, 64, 6, torch.bfloat16, dev, seed=23)
+    cu = cu_seqlens(lengths, dev)
+    q, k, v, grad = varlen_inputs(lengths, 4, 2, 64, 6, torch.bfloat16, dev, seed=23)
     q_off = torch.empty(q.numel() + 1, dtype=q.dtype, device=dev)[1:].view(q.shape).copy_(q)
     assert q_off.is_contiguous() and q_off.data_ptr() % 16 != 0
     out, lse = fwd(q, k, v, cu, 0.125, 40)
@@ -232,8 +234,8 @@ def test_nonzero_lse_gradient_on_empty_items(target, dtype):
     fwd, bwd = raw_ops(target)
     dev = "cuda" if target == "cuda" else "cpu"
     lengths = [5, 0, 40]
-    cu = _cu(lengths, dev)
-    q, k, v, grad = _inputs(lengths, 4, 2, 64, 6, dtype, dev, seed=6)
+    cu = cu_seqlens(lengths, dev)
+    q, k, v, grad = varlen_inputs(lengths, 4, 2, 64, 6, dtype, dev, seed=6)
     out, lse = fwd(q, k, v, cu, 0.125, 40)
     dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(7)).to(dev)
     dq, dk, dv = bwd(grad, dlse, q, k, v, out, lse, cu, 0.125, 40)
@@ -265,8 +267,8 @@ def test_opcheck(target):
     fwd, bwd = raw_ops(target)
     dev = "cuda" if target == "cuda" else "cpu"
     lengths = [3, 0, 20]
-    cu = _cu(lengths, dev)
-    q, k, v, grad = _inputs(lengths, 4, 2, 16, 2, torch.float32, dev, seed=9)
+    cu = cu_seqlens(lengths, dev)
+    q, k, v, grad = varlen_inputs(lengths, 4, 2, 16, 2, torch.float32, dev, seed=9)
     torch.library.opcheck(fwd, (q.requires_grad_(), k, v, cu, 0.25, 20))
     out, lse = fwd(q.detach(), k, v, cu, 0.25, 20)
     torch.library.opcheck(
@@ -276,8 +278,8 @@ def test_opcheck(target):
 
 def _bad_input_cases():
     lengths = [3, 0, 20]
-    cu = _cu(lengths)
-    q, k, v, _ = _inputs(lengths, 4, 2, 16, 2, torch.float32, "cpu", seed=10)
+    cu = cu_seqlens(lengths)
+    q, k, v, _ = varlen_inputs(lengths, 4, 2, 16, 2, torch.float32, "cpu", seed=10)
     ok = {"q": q, "k": k, "v": v, "cu": cu, "scale": 0.25, "max_seqlen_k": 20}
     big_d = torch.zeros(1, 1, 1, 264), torch.zeros(2, 1, 264)
     return [
@@ -296,7 +298,7 @@ def _bad_input_cases():
         ({"max_seqlen_k": 5}, "max_seqlen_k=5 is below"),
         ({"scale": float("nan")}, "scale must be a positive finite float"),
         (
-            {"q": big_d[0], "k": big_d[1], "v": big_d[1], "cu": _cu([2])},
+            {"q": big_d[0], "k": big_d[1], "v": big_d[1], "cu": cu_seqlens([2])},
             r"head dim D must be in \[1, 256\]",
         ),
     ], ok
@@ -327,7 +329,7 @@ def test_emulated_rejects_bad_input_naming_the_argument():
 
 
 def test_public_backend_cuda_needs_cuda_tensors():
-    cu = _cu([2, 3])
-    q, k, v, _ = _inputs([2, 3], 2, 1, 16, 2, torch.float32, "cpu")
+    cu = cu_seqlens([2, 3])
+    q, k, v, _ = varlen_inputs([2, 3], 2, 1, 16, 2, torch.float32, "cpu")
     with pytest.raises(RuntimeError, match="backend='cuda' needs CUDA tensors"):
         lk.varlen_cross_attention(q, k, v, cu, backend="cuda")

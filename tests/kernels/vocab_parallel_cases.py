@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import lopd_kernels as lk
 from lopd_kernels import vocab_parallel as vp
-from tests.kernels.test_topk_tail_kl import assert_grad_close
+from tests.kernels.utils import assert_grad_close
 from tests.utils import assert_close
 
 IGNORE = -100

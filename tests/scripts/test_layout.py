@@ -163,3 +163,15 @@ def test_every_documented_command_has_its_module(command):
     """``python -m lopd.<command>`` keeps working under its name (README, docs)."""
     path = ROOT / "lopd" / f"{command}.py"
     assert path.exists() or (ROOT / "lopd" / command / "__main__.py").exists()
+
+
+def test_tests_live_in_one_folder_per_layer():
+    """``tests/`` itself holds only the shared conftest.py and utils.py; every test module sits in
+    a layer's folder (docs/architecture.md), and every folder is a package, so its helpers and
+    workers import as ``tests.<folder>.<module>``."""
+    tests = ROOT / "tests"
+    assert sorted(p.name for p in tests.glob("*.py")) == ["__init__.py", "conftest.py", "utils.py"]
+    folders = {p.parent for p in tests.rglob("test_*.py")}
+    assert folders and tests not in folders
+    missing = sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").exists())
+    assert not missing, f"test folders without __init__.py: {missing}"
