@@ -11,7 +11,13 @@ import torch
 
 import lopd_kernels as lk
 from lopd_kernels.topk_tail_kl import topk_tail_kl_reference
-from tests.kernels.utils import assert_grad_close, make_inputs, random_upstream, run
+from tests.kernels.utils import (
+    assert_grad_close,
+    make_inputs,
+    opcheck_samples,
+    random_upstream,
+    run,
+)
 from tests.utils import (
     HAS_CPP,
     TRITON_DEVICE,
@@ -258,8 +264,11 @@ def test_cpu_tail_stabilizer_jumps_and_empty_tails(isa, monkeypatch):
     )
 
 
-@requires_cpp
-def test_cpu_infinite_divergence_is_inf_not_nan():
+@pytest.mark.parametrize(
+    "backend", ["torch", pytest.param("cpu", marks=requires_cpp),
+                pytest.param("triton", marks=requires_triton)]
+)  # fmt: skip
+def test_infinite_divergence_is_inf_not_nan(backend):
     """A bucket with mass on the weighting side against none on the other is an infinite
     divergence, also when that mass underflows float32 (log-mass -390: exp gives 0, and 0 * inf
     was NaN): forward KL with a student that is -inf outside the teacher's top-M."""
@@ -268,12 +277,11 @@ def test_cpu_infinite_divergence_is_inf_not_nan():
     t[:, :m] += 400.0  # the teacher's tail holds ~e^-390 of its mass
     s[:, m:] = -math.inf
     target[:] = 0
-    for backend in ("cpu", "torch", "triton"):
-        dev = TRITON_DEVICE if backend == "triton" else "cpu"
-        out = lk.topk_tail_kl(
-            s.to(dev), t.to(dev), target.to(dev), top_m=m, divergence="forward", backend=backend
-        )
-        assert torch.all(out.kl == math.inf), (backend, out.kl)
+    dev = TRITON_DEVICE if backend == "triton" else "cpu"
+    out = lk.topk_tail_kl(
+        s.to(dev), t.to(dev), target.to(dev), top_m=m, divergence="forward", backend=backend
+    )
+    assert torch.all(out.kl == math.inf), (backend, out.kl)
 
 
 @requires_cpp
@@ -373,59 +381,35 @@ def test_trl_oracle(divergence):
 # --------------------------------------------------------------------------------- custom ops
 
 
-def _opcheck_samples(fwd, top_m, device="cpu", support="teacher", divergence="reverse", beta=1.0):
-    s, t, target = (x.to(device) for x in make_inputs(3, 37, ignore_rows=(1,), pad=2, seed=9))
-    s.requires_grad_(True)
-    t.requires_grad_(True)
-    fwd_args = (s, t, target, top_m, 0.9, divergence, beta, support, -100)
-    kl, _slp, _tlp, ids, lse, bucket = fwd(
-        *(x.detach() if torch.is_tensor(x) else x for x in fwd_args)
-    )
-    g = [u.to(device) for u in random_upstream(3)]
-    bwd_args = (
-        g[0].float(),
-        g[1].float(),
-        g[2].float(),
-        s.detach(),
-        t.detach(),
-        target,
-        ids,
-        kl,
-        lse,
-        bucket,
-        0.9,
-        divergence,
-        beta,
-        -100,
-        True,
-        True,
-    )
-    return fwd_args, bwd_args
+OPCHECK_CASES = [
+    # (backend, top_m, support, divergence, beta): the C++ ops with their default options and
+    # every option, the Triton ops with each option once (tiny shapes for the interpreter).
+    *(("cpu", m, "teacher", "reverse", 1.0) for m in (5, 0)),
+    *(("cpu", m, support, div, beta) for m in (5, 0) for support in lk.SUPPORTS
+      for div, beta in (("jsd", 0.3), ("forward", 0.0))),
+    ("triton", 5, "teacher", "reverse", 1.0), ("triton", 5, "union", "jsd", 0.5),
+    ("triton", 4, "student", "forward", 0.0), ("triton", 0, "union", "jsd", 0.25),
+]  # fmt: skip
 
 
-@requires_cpp
-@pytest.mark.parametrize("top_m", [5, 0])
-def test_opcheck_cpp(top_m):
-    fwd_args, bwd_args = _opcheck_samples(torch.ops.lopd.topk_tail_kl_cpu_fwd, top_m)
-    torch.library.opcheck(torch.ops.lopd.topk_tail_kl_cpu_fwd, fwd_args)
-    torch.library.opcheck(torch.ops.lopd.topk_tail_kl_cpu_bwd, bwd_args)
-    one_side = (*bwd_args[:-2], False, True)
-    torch.library.opcheck(torch.ops.lopd.topk_tail_kl_cpu_bwd, one_side)
-
-
-@requires_triton
 @pytest.mark.parametrize(
-    ("top_m", "support", "divergence", "beta"),
-    [(5, "teacher", "reverse", 1.0), (5, "union", "jsd", 0.5), (4, "student", "forward", 0.0),
-     (0, "union", "jsd", 0.25)],
+    ("backend", "top_m", "support", "divergence", "beta"),
+    [pytest.param(*c, marks=requires_cpp if c[0] == "cpu" else requires_triton)
+     for c in OPCHECK_CASES],
 )  # fmt: skip
-def test_opcheck_triton(top_m, support, divergence, beta):
-    """The Triton ops' schema, fakes (the union's [N, 2M] ids) and autograd, every option."""
-    fwd_args, bwd_args = _opcheck_samples(
-        torch.ops.lopd.topk_tail_kl_triton_fwd, top_m, TRITON_DEVICE, support, divergence, beta
-    )
-    torch.library.opcheck(torch.ops.lopd.topk_tail_kl_triton_fwd, fwd_args)
-    torch.library.opcheck(torch.ops.lopd.topk_tail_kl_triton_bwd, bwd_args)
+def test_opcheck(backend, top_m, support, divergence, beta):
+    """The ops' schema, fakes (the union's [N, 2M] ids) and autograd, with every option; the C++
+    backward also with one side's gradient only."""
+    fwd = getattr(torch.ops.lopd, f"topk_tail_kl_{backend}_fwd")
+    bwd = getattr(torch.ops.lopd, f"topk_tail_kl_{backend}_bwd")
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    fwd_args, bwd_args = opcheck_samples(fwd, top_m, device, support, divergence, beta)
+    k = 0 if top_m == 0 else (2 * top_m if support == "union" else top_m)
+    assert bwd_args[6].shape == (3, k)
+    torch.library.opcheck(fwd, fwd_args)
+    torch.library.opcheck(bwd, bwd_args)
+    if backend == "cpu":
+        torch.library.opcheck(bwd, (*bwd_args[:-2], False, True))
 
 
 @requires_triton

@@ -20,7 +20,7 @@ from lopd_kernels.topk_tail_kl import (
 )
 from tests.kernels import simt_emu
 from tests.kernels import topk_teacher_golden as golden
-from tests.kernels.utils import assert_grad_close, make_inputs, random_upstream
+from tests.kernels.utils import assert_grad_close, make_inputs, opcheck_samples, random_upstream
 from tests.utils import HAS_CPP, TRITON_DEVICE, assert_close, requires_cpp
 
 # --------------------------------------------------------------------------------- teacher: bits
@@ -230,36 +230,11 @@ def test_jsd_ends_are_the_kls_bit_for_bit_on_cpu(support):
                 assert torch.equal(x, y)
 
 
-def _op_args(top_m, divergence, beta, support):
-    s, t, target = make_inputs(3, 37, ignore_rows=(1,), pad=2, seed=9)
-    s.requires_grad_(True)
-    t.requires_grad_(True)
-    fwd_args = (s, t, target, top_m, 0.9, divergence, beta, support, -100)
-    out = torch.ops.lopd.topk_tail_kl_cpu_fwd(*(x.detach() if torch.is_tensor(x) else x
-                                                for x in fwd_args))  # fmt: skip
-    kl, _slp, _tlp, ids, lse, bucket = out
-    g = [u.float() for u in random_upstream(3)]
-    bwd_args = (*g[:3], s.detach(), t.detach(), target, ids, kl, lse, bucket, 0.9, divergence,
-                beta, -100, True, True)  # fmt: skip
-    return fwd_args, bwd_args
-
-
-@requires_cpp
-@pytest.mark.parametrize(("divergence", "beta"), [("jsd", 0.3), ("forward", 0.0)])
-@pytest.mark.parametrize("support", SUPPORTS)
-@pytest.mark.parametrize("top_m", [5, 0])
-def test_opcheck_cpu_every_option(top_m, support, divergence, beta):
-    fwd_args, bwd_args = _op_args(top_m, divergence, beta, support)
-    k = 0 if top_m == 0 else (2 * top_m if support == "union" else top_m)
-    assert bwd_args[6].shape == (3, k)
-    torch.library.opcheck(torch.ops.lopd.topk_tail_kl_cpu_fwd, fwd_args)
-    torch.library.opcheck(torch.ops.lopd.topk_tail_kl_cpu_bwd, bwd_args)
-    torch.library.opcheck(torch.ops.lopd.topk_tail_kl_cpu_bwd, (*bwd_args[:-2], False, True))
-
-
 @requires_cpp
 def test_cpu_op_rejects_bad_options_in_one_line():
-    fwd_args, _ = _op_args(5, "jsd", 0.5, "union")
+    fwd_args, _ = opcheck_samples(
+        torch.ops.lopd.topk_tail_kl_cpu_fwd, 5, "cpu", "union", "jsd", 0.5
+    )
     args = [x.detach() if torch.is_tensor(x) else x for x in fwd_args]
     for i, value, fragment in ((5, "js", "divergence must be"), (6, 1.5, "beta must be in"),
                                (7, "both", "support must be")):  # fmt: skip

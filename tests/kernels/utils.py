@@ -90,6 +90,38 @@ def assert_grad_close(actual, expected, dtype, msg):
         assert rel_l1 <= rtol, f"{msg}: relative L1 error {rel_l1:.3g} > {rtol}"
 
 
+def opcheck_samples(fwd, top_m, device="cpu", support="teacher", divergence="reverse", beta=1.0):
+    """Forward and backward arguments of a ``topk_tail_kl`` op (``fwd``: the forward custom op
+    of one backend) for ``torch.library.opcheck``: 3 rows, V = 37, one ignored row, 2 padded ids."""
+    s, t, target = (x.to(device) for x in make_inputs(3, 37, ignore_rows=(1,), pad=2, seed=9))
+    s.requires_grad_(True)
+    t.requires_grad_(True)
+    fwd_args = (s, t, target, top_m, 0.9, divergence, beta, support, -100)
+    kl, _slp, _tlp, ids, lse, bucket = fwd(
+        *(x.detach() if torch.is_tensor(x) else x for x in fwd_args)
+    )
+    g = [u.to(device) for u in random_upstream(3)]
+    bwd_args = (
+        g[0].float(),
+        g[1].float(),
+        g[2].float(),
+        s.detach(),
+        t.detach(),
+        target,
+        ids,
+        kl,
+        lse,
+        bucket,
+        0.9,
+        divergence,
+        beta,
+        -100,
+        True,
+        True,
+    )
+    return fwd_args, bwd_args
+
+
 # ------------------------------------------------------------------ strided logits, no copies
 
 # A reshape that cannot be a view shows up as the aten::clone it runs.

@@ -130,7 +130,7 @@ def test_test_selections_hold_the_gpu_tests_of_every_op(dry_run):
     cuda_ids = steps["tests_cuda"]["details"]["ids"]
     memcheck_ids = steps["memcheck"]["details"]["ids"]
     for prefix in (
-        "tests/kernels/test_topk_tail_kl.py::test_opcheck_triton",
+        "tests/kernels/test_topk_tail_kl.py::test_opcheck[triton",
         "tests/kernels/test_topk_tail_kl.py::test_triton_backend_matches_reference",
         "tests/kernels/test_topk_tail_kl_triton.py::test_matches_oracle",
         "tests/kernels/test_topk_tail_kl_triton.py::test_gpu_qwen_vocab_bf16",
