@@ -54,7 +54,7 @@ HEAD_GRAD = os.environ.get("LOPD_BENCH_LP_GRADS", "head") != "frozen-head"
 ISA = os.environ.get("LOPD_CPU_ISA", "native")
 
 # The same source runs here (timing) and in a fresh process per variant (peak RSS). Valid Python
-# before formatting too, so tests/test_benchmark_hygiene.py can parse it.
+# before formatting too, so tests/scripts/test_benchmark_hygiene.py can parse it.
 SETUP = """
 import torch
 import torch.nn.functional as F

@@ -277,7 +277,7 @@ def add_common_args(parser: argparse.ArgumentParser, reps: int) -> None:
         "--device",
         default="cuda",
         choices=("cuda", "cpu"),
-        help="cuda (default); cpu only dry-runs the script (tests/test_gpu_scripts.py)",
+        help="cuda (default); cpu only dry-runs the script (tests/scripts/test_gpu_scripts.py)",
     )
     parser.add_argument(
         "--size",

@@ -1,8 +1,8 @@
 """Dry run only: the GPU check's steps as forked children of one preloaded process.
 
-A CPU dry run of ``benchmarks/gpu_run.py`` (``--dry-run-cpu``, tests/test_gpu_scripts.py in CI)
-has ~25 Python steps; as fresh processes each would spend 5-10 s importing torch, lopd_kernels and
-transformers. :func:`preload` imports them once and :class:`Forked` runs each step in a forked
+A CPU dry run of ``benchmarks/gpu_run.py`` (``--dry-run-cpu``, tests/scripts/test_gpu_scripts.py in
+CI) has ~25 Python steps; as fresh processes each would spend 5-10 s importing torch, lopd_kernels
+and transformers. :func:`preload` imports them once and :class:`Forked` runs each step in a forked
 child: the same script, arguments and environment as an exec, in a process group of its own.
 Never used on a GPU (CUDA does not survive a fork; there every step is a fresh process).
 """

@@ -43,7 +43,7 @@ checkout:
 
 ``--dry-run-cpu`` runs every step on the CPU at tiny shapes (Triton under its interpreter, the
 C++ kernels standing in for CUDA, pytest selections collected but not run, no build): the CI
-check that this script keeps working on machines without a GPU (tests/test_gpu_scripts.py).
+check that this script keeps working on machines without a GPU (tests/scripts/test_gpu_scripts.py).
 """
 
 from __future__ import annotations

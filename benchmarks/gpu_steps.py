@@ -18,15 +18,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 KERNEL_TESTS = (
-    "tests/test_topk_tail_kl*.py", "tests/test_fused_linear*.py",
-    "tests/test_varlen_cross_attention*.py", "tests/test_qformer*.py",
+    "tests/kernels/test_topk_tail_kl*.py", "tests/kernels/test_fused_linear*.py",
+    "tests/kernels/test_varlen_cross_attention*.py", "tests/kernels/test_qformer*.py",
 )  # fmt: skip
 # Real-GPU selections: the SIMT-emulated runs and the CPU-side compile checks are CI's.
 TRITON_TESTS_K = "(triton or gpu) and not cuda and not emulated and not compile"
 CUDA_TESTS_K = "cuda and not emulated and not compile"
 MEMCHECK_TESTS = (
-    "tests/test_topk_tail_kl_cuda.py", "tests/test_varlen_cross_attention_cuda.py",
-    "tests/test_topk_tail_kl_triton.py",
+    "tests/kernels/test_topk_tail_kl_cuda.py", "tests/kernels/test_varlen_cross_attention_cuda.py",
+    "tests/kernels/test_topk_tail_kl_triton.py",
 )  # fmt: skip
 MEMCHECK_K = "(cuda or out_of_bounds) and not emulated and not compile"
 MEMCHECK_K_TRITON_ONLY = "out_of_bounds and not emulated and not compile"

@@ -2,7 +2,7 @@
 
     python benchmarks/precision.py            # ~60 min on 1 thread; records + markdown tables
     python benchmarks/precision.py --report   # the tables again, from the saved records
-    python benchmarks/precision.py --quick    # seconds, tiny shapes (tests/test_bench_scripts.py)
+    python benchmarks/precision.py --quick    # seconds, tiny shapes (test_bench_scripts.py)
 
 **Table 1, bf16 accuracy.** The inputs are rounded to bfloat16 once: student / teacher logits
 ``[N, V]`` (dense ops), or hidden states ``[N, d]`` and LM heads ``[V, d]`` (fused ops). The truth

@@ -2,7 +2,7 @@
 
     python benchmarks/scaling.py              # ~35 min, 1 thread: records, two PNGs
     python benchmarks/scaling.py --plot-only  # the PNGs again from benchmarks/results/scaling.json
-    python benchmarks/scaling.py --quick      # seconds, tiny grids (tests/test_bench_scripts.py)
+    python benchmarks/scaling.py --quick      # seconds, tiny grids (test_bench_scripts.py)
 
 Ops, variants and grids: :mod:`benchmarks.scaling_ops` (``topk_tail_kl``: N = 256 .. 8192 at
 V = 32,768 and V = 32k .. 256k at N = 512; ``fused_linear_topk_tail_kl``, d = 128: N = 256 .. 8192

@@ -4,8 +4,8 @@ Each kernel implementation ``<impl>`` (``cpu``, ``cuda``, ``triton``: :data:`KER
 ``<op>`` is a pair of custom ops, ``torch.ops.lopd.<op>_<impl>_fwd`` and ``..._bwd``, and all
 implementations of an op share one schema. :func:`op_name` is the one place these names are
 formed (the C++ declarations in ``csrc/ops.cpp`` take them from the schema macros of
-``csrc/common/schemas.h``, which spell the same pattern; ``tests/test_kernel_library.py`` checks
-that every implementation of an op has the same schema).
+``csrc/common/schemas.h``, which spell the same pattern; ``tests/kernels/test_kernel_library.py``
+checks that every implementation of an op has the same schema).
 
 An op module declares one :class:`CustomOps`: the fake (meta) implementations and the autograd
 wiring its implementations share. It then registers each implementation through it:
@@ -15,7 +15,7 @@ wiring its implementations share. It then registers each implementation through 
   backward functions, then :meth:`CustomOps.register`;
 * :meth:`CustomOps.register_compiled` for the C++ / CUDA ops the extension declared: fakes and
   autograd for each of ``cpu`` and ``cuda`` the namespace holds (``lopd``, or the SIMT-emulated
-  test build's ``lopd_simt_emu``, ``tests/simt_emu.py``).
+  test build's ``lopd_simt_emu``, ``tests/kernels/simt_emu.py``).
 
 The forward op of every implementation is then differentiable through that implementation's
 backward op, and ``torch.compile(fullgraph=True)`` traces it through the fakes.

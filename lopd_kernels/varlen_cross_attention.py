@@ -51,8 +51,8 @@ Implementations (``torch.ops.lopd.varlen_cross_attention_<impl>_fwd/_bwd``, one 
   as tensor-core operands (dK/dV also multiplies their rounding errors, as a second operand, for
   accuracy); fp32 inputs and other head dims run CUDA-core fp32 FMA kernels. Available when
   ``lopd_kernels._C`` was built with CUDA. Tested on CPU under the SIMT emulator
-  (``tests/test_varlen_cross_attention_cuda.py``, which emulates WMMA too); neither path has ever
-  run on a GPU, so neither speed is measured.
+  (``tests/kernels/test_varlen_cross_attention_cuda.py``, which emulates WMMA too); neither path has
+  ever run on a GPU, so neither speed is measured.
 * ``"auto"``: the ``"cpu"`` kernels for CPU tensors; Triton for CUDA tensors when Triton is
   importable, else the CUDA kernels (if built); else (and for float64) the reference. Not the
   CUDA kernels while Triton is there: nothing has measured them on a GPU yet. At the QFormer

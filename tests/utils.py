@@ -1,4 +1,7 @@
-"""Shared test helpers: the per-dtype tolerance table and comparison utilities.
+"""Shared test helpers: the per-dtype tolerance table, comparison utilities, and what this
+machine runs (``HAS_CPP`` / ``HAS_TRITON`` and their ``requires_*`` marks, ``requires_cuda``),
+defined here once for every test folder. Helpers of one layer live in that folder
+(``tests/kernels/utils.py``, ``tests/kernels/fused_linear_utils.py``).
 
 Every kernel test compares against a float64 PyTorch reference; tolerances depend only on the
 *input* dtype (the kernels compute in float32 whatever the input dtype).
@@ -10,6 +13,8 @@ import os
 
 import pytest
 import torch
+
+from lopd_kernels import _backend
 
 # (rtol, atol) per input dtype, for outputs and gradients compared with a float64 reference
 # evaluated on the same (already rounded) inputs. fp32 kernels accumulate over V up to 151,936
@@ -67,3 +72,33 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 # Where tests of the Triton kernels put their tensors: the GPU when there is one (real kernels),
 # else the CPU, where conftest.py has set TRITON_INTERPRET=1.
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# Which backends this machine runs, for every test module (one definition, one skip reason each).
+def has_cpp(op: str = "topk_tail_kl") -> bool:
+    """Whether ``lopd_kernels._C`` registered ``op``'s C++ CPU kernels (the extension is built)."""
+    return _backend.has_kernel(f"{op}_cpu_fwd", "CPU")
+
+
+def _has_triton() -> bool:
+    """Triton runs here (importable; a CUDA device or ``TRITON_INTERPRET=1``) and the package's
+    Triton launchers import."""
+    if not _backend.triton_available():
+        return False
+    try:
+        import lopd_kernels.triton.topk_tail_kl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+HAS_CPP = has_cpp()
+HAS_TRITON = _has_triton()
+requires_cpp = pytest.mark.skipif(not HAS_CPP, reason="lopd_kernels._C (C++ ops) is not built")
+requires_triton = pytest.mark.skipif(
+    not HAS_TRITON, reason="triton (GPU or TRITON_INTERPRET=1) or its launchers absent"
+)
+# The Triton kernels on CPU tensors: only the interpreter runs them there.
+requires_triton_interpret = pytest.mark.skipif(
+    not triton_interpret(), reason="needs TRITON_INTERPRET=1 (Triton on CPU tensors)"
+)

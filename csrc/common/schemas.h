@@ -5,7 +5,7 @@
 // Naming (lopd_kernels/_custom_ops.py, op_name): op <op>, implementation word <impl> in
 // {cpu, cuda} (the Python ops add triton): `<op>_<impl>_fwd` / `<op>_<impl>_bwd`, spelled here by
 // LOPD_OP_NAME. Every implementation of an op has the same schema (the Python ops' included:
-// tests/test_kernel_library.py compares them); a CPU build declares the cuda ops too, without a
+// tests/kernels/test_kernel_library.py compares them); a CPU build declares the cuda ops too, without a
 // kernel.
 #pragma once
 

@@ -7,7 +7,7 @@
 //   exp(r) by a degree-7 polynomial on |r| <= ln(2) / 2 (Cephes' expf coefficients),
 //   exp(x) = 2^n exp(r) (AVX-512: vscalefps, which also yields denormals, 0 and inf).
 // Error < 1 ULP over the normal range (bounded at 2 against float64 exp by
-// tests/test_topk_tail_kl.py::test_cpu_fast_exp_accuracy); -inf -> 0, +inf and overflow -> inf,
+// tests/kernels/test_topk_tail_kl.py::test_cpu_fast_exp_accuracy); -inf -> 0, +inf and overflow -> inf,
 // NaN -> NaN; results below 2^-126 are denormals on AVX-512 and 0 on AVX2. The DEFAULT ISA keeps
 // Vectorized::exp.
 //
@@ -15,7 +15,7 @@
 // (y = x * (log2 e / T) - m log2 e): the reduction to n = round(y), f = y - n is exact in base 2
 // (no Cody-Waite constants), and 2^f on |f| <= 1/2 is a degree-6 polynomial (relative error
 // 2.0e-9 before float32 rounding, < 1 ULP after). About 11 instructions instead of 16 with the
-// scaling; same special values as fast_exp (tests/test_topk_tail_kl.py::
+// scaling; same special values as fast_exp (tests/kernels/test_topk_tail_kl.py::
 // test_cpu_fast_exp2_accuracy).
 #pragma once
 

@@ -1,9 +1,9 @@
-// Kernels that check the SIMT emulator itself (tests/test_simt_emulator.py): that it computes
+// Kernels that check the SIMT emulator itself (tests/kernels/test_simt_emulator.py): that it computes
 // warp and block collectives right, and that it reports what it promises to report (divergent
 // barriers, threads exiting under a barrier, and, in the AddressSanitizer build, out-of-bounds
 // reads). Emulated build only.
 #ifndef LOPD_SIMT_EMULATION
-#error "compile with -DLOPD_SIMT_EMULATION (tests/simt_emu.py does)"
+#error "compile with -DLOPD_SIMT_EMULATION (tests/kernels/simt_emu.py does)"
 #endif
 
 #include <ATen/ATen.h>

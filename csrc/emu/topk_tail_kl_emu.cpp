@@ -1,10 +1,10 @@
 // Test build: the CUDA kernels of csrc/cuda/topk_tail_kl_kernels.cuh and
 // csrc/cuda/topk_tail_kl_kernels_base2.cuh, compiled by g++ and run on CPU tensors by the SIMT
 // emulator (csrc/emu/simt_emulator.h), as torch.ops.lopd_simt_emu.* with the same schemas as
-// torch.ops.lopd.* (and its own set_kernel_choice). Built and loaded by tests/simt_emu.py; never
+// torch.ops.lopd.* (and its own set_kernel_choice). Built and loaded by tests/kernels/simt_emu.py; never
 // part of the installed library.
 #ifndef LOPD_SIMT_EMULATION
-#error "compile with -DLOPD_SIMT_EMULATION (tests/simt_emu.py does)"
+#error "compile with -DLOPD_SIMT_EMULATION (tests/kernels/simt_emu.py does)"
 #endif
 
 #include <torch/library.h>

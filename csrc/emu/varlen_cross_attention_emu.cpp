@@ -3,10 +3,10 @@
 // csrc/cuda/varlen_cross_attention_launch.cuh), compiled by g++ and run on CPU tensors by the
 // SIMT emulator (csrc/emu/simt_emulator.h), as
 // torch.ops.lopd_simt_emu.varlen_cross_attention_cuda_fwd / _bwd with the same schemas as
-// torch.ops.lopd.*. Built and loaded by tests/simt_emu.py; never part of the installed library.
+// torch.ops.lopd.*. Built and loaded by tests/kernels/simt_emu.py; never part of the installed library.
 // The library block itself (TORCH_LIBRARY(lopd_simt_emu, m)) lives in topk_tail_kl_emu.cpp.
 #ifndef LOPD_SIMT_EMULATION
-#error "compile with -DLOPD_SIMT_EMULATION (tests/simt_emu.py does)"
+#error "compile with -DLOPD_SIMT_EMULATION (tests/kernels/simt_emu.py does)"
 #endif
 
 #include <torch/library.h>

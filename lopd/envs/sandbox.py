@@ -47,8 +47,8 @@ removed by :func:`~lopd.envs._tree_removal.remove_tree` (any depth, any modes). 
 measured figures: ``docs/sandbox.md``.
 
 What each mode contains ("yes" = prevented; every row is checked in
-``tests/test_sandbox_containment.py``, ``tests/test_sandbox.py`` or
-``tests/test_sandbox_host.py``):
+``tests/envs/test_sandbox_containment.py``, ``tests/envs/test_sandbox.py`` or
+``tests/envs/test_sandbox_host.py``):
 
 ==============================================================  ====  ==============  =====
 the program tries to ...                                         root  user namespace  plain

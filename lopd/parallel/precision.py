@@ -6,8 +6,8 @@ here does anything. With ``bfloat16`` or ``float16`` (mixed precision, :class:`P
 * **Everything trained has float32 master weights and float32 optimizer state**: the student
   theta, the encoder's LoRA and the QFormer (phi). AdamW at lr 1e-5 on 16-bit weights of scale
   0.02 would round most updates away (a bf16 weight of 0.02 has a spacing of 1.2e-4; measured
-  in ``tests/test_precision.py``: 10 steps change a minority of bf16 weights and every float32
-  one).
+  in ``tests/trainer/test_precision.py``: 10 steps change a minority of bf16 weights and every
+  float32 one).
 * **Forwards compute in the 16-bit dtype** under ``torch.autocast`` (:meth:`Precision.autocast`:
   matmuls and attention in bf16/fp16, the gradient lands in the float32 master weights), in
   training, the cold start and rollouts. The kernels read 16-bit logits or hidden states and

@@ -22,9 +22,9 @@ stays in torch.
 * **Sampling.** Temperature, top-k and top-p are vLLM's (the same distribution as
   :func:`lopd.rollout.multi_turn.sample_next_token`, other random numbers); ``temperature=0`` is
   greedy, and greedy output equals the Hugging Face path token for token
-  (``tests/test_vllm_engine.py``). Each request gets a seed derived from the rollout seed, the round
-  and the row, so a seeded rollout is reproducible. Padded vocabulary rows past the tokenizer are
-  excluded as in the HF path (``allowed_token_ids``).
+  (``tests/integrations/test_vllm_engine.py``). Each request gets a seed derived from the rollout
+  seed, the round and the row, so a seeded rollout is reproducible. Padded vocabulary rows past the
+  tokenizer are excluded as in the HF path (``allowed_token_ids``).
 
 vLLM is imported lazily: nothing here runs, and nothing changes, when it is not installed.
 """

@@ -69,8 +69,8 @@ class ModelShape:
         up, activation and product in bf16 (8i). Float32: every RMSNorm keeps its input, 1/rms,
         normalized and scaled output (12d + 4), the q/k norms input, 1/rms and normalized
         (8(q + kv) + 4(heads + kv_heads)), attention 4(2q + 2kv) + 4 heads, the MLP 16i.
-        (``tests/test_memory_prediction.py`` checks these against autograd's saved tensors of a
-        Hugging Face ``Qwen3`` layer.)
+        (``tests/trainer/test_memory_prediction.py`` checks these against autograd's saved tensors
+        of a Hugging Face ``Qwen3`` layer.)
         """
         d, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
         rms = 4 * (self.heads + self.kv_heads)

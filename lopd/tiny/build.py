@@ -33,7 +33,7 @@ deterministically from a seed:
    ids and numbers belong to another database: what transfers is the procedure. Loss on
    assistant tokens only (:func:`lopd.tiny.sft.sft`: shared-prefix batches, AdamW, cosine
    schedule). Only train-split tasks (task-set seed 0) enter the tokenizer corpus or the data; no
-   val or test task, entity or trajectory does (``tests/test_tiny_data.py`` asserts it). The
+   val or test task, entity or trajectory does (``tests/models/test_tiny_data.py`` asserts it). The
    build evaluates on the **val** split only (bare, and with a same-template train trajectory as
    reference); it never looks at the test split.
 

@@ -1,5 +1,5 @@
 // fast_exp and fast_exp2 (csrc/cpu/vec_exp.h) over an array, per ISA: lopd_kernels._C._cpu_exp
-// and _cpu_exp2 expose them so tests/test_topk_tail_kl.py can bound their error against float64
+// and _cpu_exp2 expose them so tests/kernels/test_topk_tail_kl.py can bound their error against float64
 // on every instruction set.
 #include <cstdint>
 
