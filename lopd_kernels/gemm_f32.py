@@ -118,10 +118,10 @@ def matmul_f32(a: Tensor, b: Tensor, out: Tensor | None = None, accumulate: bool
 
 
 def accumulate_f32_(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """``out += a @ b`` into the float32 ``out`` (v2): one fp32-output ``addmm`` where
-    :func:`half_addmm` (``out`` read and written once per call, against v1's float32 part per
-    64 MiB slab written, re-read and added: twice the traffic on ``out``), else
-    :func:`matmul_f32`'s accumulation (on CPU already one ``addmm_`` per upcast slab)."""
+    """``out += a @ b`` into the float32 ``out``: one fp32-output ``addmm`` where
+    :func:`half_addmm` (``out`` read and written once per call; a float32 part per slab written,
+    re-read and added would double the traffic on ``out``), else :func:`matmul_f32`'s
+    accumulation (on CPU already one ``addmm_`` per upcast slab)."""
     if half_addmm(b) and a.dtype == b.dtype:
         addmm_f32_out_(out, a, b)
     else:

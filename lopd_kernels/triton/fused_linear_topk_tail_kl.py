@@ -127,11 +127,14 @@ def fused_linear_fwd_triton(
         HAS_BS=bs is not None, HAS_BT=bt is not None, BLOCK_N=bn, BLOCK_V=bv,
         BLOCK_D=cfg["BLOCK_D"], PRECISION=precision, UPCAST=upcast, num_warps=cfg["num_warps"],
     )  # fmt: skip
-    out = _merge_splits(top_t, top_s, top_i, stats, m, div, jsd[0], sup)
+    got_kl, got_lp_s, got_lp_t, got_ids, got_lse, got_bucket = _merge_splits(
+        top_t, top_s, top_i, stats, m, div, jsd[0], sup
+    )
     if full and div == DIV_JSD:
-        k_p, k_q = _jsd_mixture_kls(h_s, ws, bs, h_t, wt, bt, out[4], temperature, jsd, cfg)
-        out = (jsd[0] * k_q + (1.0 - jsd[0]) * k_p, *out[1:])
-    for dst, src in zip((kl, lp_s, lp_t, ids, lse, bucket), out):
+        k_p, k_q = _jsd_mixture_kls(h_s, ws, bs, h_t, wt, bt, got_lse, temperature, jsd, cfg)
+        got_kl = jsd[0] * k_q + (1.0 - jsd[0]) * k_p
+    got = (got_kl, got_lp_s, got_lp_t, got_ids, got_lse, got_bucket)
+    for dst, src in zip((kl, lp_s, lp_t, ids, lse, bucket), got, strict=True):
         dst.index_copy_(0, rows, src.to(dst.dtype))
     return kl, lp_s, lp_t, ids, lse, bucket
 
