@@ -123,3 +123,23 @@ def test_slope_and_prediction():
     assert math.isclose(scaling.predict([100, 200], [1.0, 2.0], 800), 8.0)
     # Never extrapolates below linear growth (a flat start must not hide a large point).
     assert math.isclose(scaling.predict([100, 200], [5.0, 5.0], 400), 10.0)
+
+
+def test_ab_trees_times_both_trees_and_gives_ratios(tmp_path):
+    """``benchmarks/ab_trees.py`` on this checkout against itself, at tiny shapes: every op in
+    the record, a ratio per op, and a tree that is not a checkout refused in one line."""
+    from pathlib import Path
+
+    from benchmarks import ab_trees
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "ab.json"
+    args = ["--a", str(root), "--b", str(root), "--rounds", "2", "--reps", "1"]
+    assert ab_trees.main([*args, "--n", "16", "--vocab", "300", "--d", "8", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert len(record["ops"]) == 4 and record["rounds"] == 2
+    for entry in record["ops"].values():
+        ratio = entry["cpu_s"]["b_over_a"]
+        assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
+    with pytest.raises(SystemExit, match="not a lopd checkout"):
+        ab_trees.main(["--a", str(tmp_path), "--b", str(root)])
