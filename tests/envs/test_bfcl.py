@@ -4,12 +4,10 @@ train/test split, and the tiny model end to end. Real backends and checker throu
 
 from __future__ import annotations
 
-import copy
 import decimal
 import json
 import random
 import time
-import uuid
 from collections import Counter
 
 import pytest
@@ -30,27 +28,12 @@ from lopd.envs.bfcl import (
 from lopd.envs.loaders import TaskFormatError
 from lopd.envs.tool_use import format_tool_call
 from lopd.rollout.chat import render_observation_text
+from tests.envs.bfcl_checks import MALFORMED, both_verdicts, by_id, play
 
 
 @pytest.fixture(scope="module")
 def tasks():
     return bfcl_tasks()
-
-
-def by_id(tasks, entry_id):
-    return next(t for t in tasks if t.spec["bfcl_id"] == entry_id)
-
-
-def play(task, actions):
-    env = make_env(task)
-    first = env.reset(task)
-    obs = []
-    for a in actions:
-        o, done = env.step(a)
-        obs.append((o, env.observation_role))
-        if done:
-            break
-    return env, first, obs
 
 
 def test_ground_truth_replay_scores_100_on_every_entry_of_every_category(tasks):
@@ -83,81 +66,6 @@ def test_split_is_disjoint_by_scenario_and_shares_no_user_message(tasks):
 
 
 # ----------------------------------------------------------------- agreement with bfcl-eval
-
-
-def python_call(call: ToolCall) -> str:
-    return f"{call.name}(" + ", ".join(f"{k}={v!r}" for k, v in call.arguments.items()) + ")"
-
-
-MALFORMED = '<tool_call>\n{"name": "cd", "arguments": {"folder": \n</tool_call>'
-
-
-def both_verdicts(task, steps_per_turn):
-    """Our verdict and bfcl-eval's, for the same model behaviour.
-
-    ``steps_per_turn``: per user turn, a list of steps, each a list of calls or ``MALFORMED``
-    (undecodable: BFCL drops the step and ends the turn). Official side: the decoded steps fed
-    to ``multi_turn_checker``, after the eval runner's force-termination check.
-    """
-    from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker
-
-    env = make_env(task)
-    env.reset(task)
-    decoded = []
-    for turn in steps_per_turn:
-        steps = []
-        for step in turn:
-            if step == MALFORMED:
-                env.step(MALFORMED)
-                break
-            env.step("\n".join(format_tool_call(c) for c in step))
-            steps.append([python_call(c) for c in step])
-            if env.done:
-                break
-        else:
-            env.step("I am done with this request.")
-        decoded.append(steps)
-        if env.done:
-            break
-    gt = task.spec["ground_truth"]
-    if len(decoded) != len(gt):
-        official = {"valid": False, "error_type": "multi_turn:force_terminated"}
-    else:
-        entry = {k: task.spec[k] for k in ("initial_config", "involved_classes")}
-        entry["id"] = task.spec["bfcl_id"]
-        # A fresh model name (bfcl-eval caches backend instances in module globals by name; the
-        # name must be an identifier prefix: it becomes part of the code bfcl-eval evals). Its
-        # instances share module-level long-context records (which a call may change), so
-        # they are restored afterwards: each official verdict starts from the pristine data.
-        saved = _backend_module_data()
-        try:
-            official = multi_turn_checker(
-                decoded, gt, entry, task.spec["category"], f"lopd_{uuid.uuid4().hex}"
-            )
-        finally:
-            _restore(saved)
-    return env, official
-
-
-def _backend_module_data():
-    import importlib
-
-    from bfcl_eval.constants.executable_backend_config import CLASS_FILE_PATH_MAPPING
-
-    names = [CLASS_FILE_PATH_MAPPING[c] for c in BACKEND_CLASSES]
-    names.append("bfcl_eval.eval_checker.multi_turn_eval.func_source_code.long_context")
-    saved = []
-    for name in names:
-        module = importlib.import_module(name)
-        for key, value in vars(module).items():
-            if key.isupper() and isinstance(value, (dict, list)):
-                saved.append((module, key, copy.deepcopy(value)))
-    return saved
-
-
-def _restore(saved):
-    for module, key, value in saved:
-        setattr(module, key, copy.deepcopy(value))
 
 
 def perturb(gt, mode, k, rng):
@@ -410,12 +318,12 @@ def test_bfcl_tasks_argument_errors():
 
 
 def test_fuzzed_model_text_never_breaks_an_episode(tasks):
-    """Random model text (the fragments of tests/envs/test_env_fuzz.py, plus calls of every tool of
+    """Random model text (the fragments of tests/envs/fuzz_text.py, plus calls of every tool of
     the entry with random arguments) against entries covering all eight backend classes."""
     from transformers import AutoTokenizer
 
     from lopd.models import TINY_ASSET_DIR
-    from tests.envs.test_env_fuzz import _turn
+    from tests.envs.fuzz_text import random_turn
 
     tok = AutoTokenizer.from_pretrained(TINY_ASSET_DIR)
     rng = random.Random("bfcl-fuzz")
@@ -428,7 +336,7 @@ def test_fuzzed_model_text_never_breaks_an_episode(tasks):
         tools, oracle = env.tools(), oracle_actions(task)
         done = False
         while not done:
-            text = _turn(rng, tools, oracle)
+            text = random_turn(rng, tools, oracle)
             t0 = time.perf_counter()
             obs, done = env.step(text)
             slowest = max(slowest, time.perf_counter() - t0)

@@ -17,7 +17,7 @@ from lopd.envs import make_env
 from lopd.envs.base import ToolCall
 from lopd.envs.bfcl import BACKEND_LOST, BackendLimits, BfclEnv, bfcl_tasks, ground_truth_calls
 from lopd.envs.tool_use import format_tool_call
-from tests.envs.test_bfcl import both_verdicts, by_id
+from tests.envs.bfcl_checks import both_verdicts, by_id
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ a valid-UTF-8, tokenizable observation quickly, and every reward must lie in [0,
 
 from __future__ import annotations
 
-import json
 import random
 import time
 
@@ -19,93 +18,9 @@ from lopd.envs import builtin_tasks, make_env, oracle_actions, world_names
 from lopd.models import TINY_ASSET_DIR
 from lopd.rollout.chat import render_observation
 from lopd.types import Task
+from tests.envs.fuzz_text import NOISE, random_turn
 
 SEED = 20240613
-
-NOISE = [
-    "<tool_call>",
-    "</tool_call>",
-    "<think>",
-    "</think>",
-    "{",
-    "}",
-    "[",
-    "]",
-    '"',
-    ":",
-    ",",
-    "\n",
-    " ",
-    '"name"',
-    '"arguments"',
-    "null",
-    "true",
-    "NaN",
-    "-Infinity",
-    "1e999",
-    "9" * 5000,
-    "[" * 1000,
-    '"\\ud800"',
-    '"\\udfff\\ud800"',
-    '"\\u0000"',
-    '"\\u001b[31m"',
-    "\ud800",
-    "\x00",
-    "\x1b[2J",
-    "\u202e",
-    "\U0001f600",
-    "Task Completed",
-    "task completed.",
-    "```python\n",
-    "```",
-    "\\",
-    "<tool_call>" * 50,
-]
-
-
-def _value(rng: random.Random) -> str:
-    return rng.choice(
-        [
-            json.dumps(rng.choice(["Lena Park", "C-1", "O-1", "", "x" * 300])),
-            str(rng.randint(-(10**6), 10**6)),
-            "1.5",
-            "true",
-            "null",
-            '"\\ud800"',
-            '"\\u0007"',
-            "[" * rng.randint(1, 40) + "]" * rng.randint(0, 40),
-            '{"$ne": ""}',
-        ]
-    )
-
-
-def _call(rng: random.Random, tools: list[dict]) -> str:
-    fn = rng.choice(tools)["function"]
-    params = [*list(fn["parameters"]["properties"]), "bogus"]
-    args = ", ".join(
-        f"{json.dumps(p)}: {_value(rng)}" for p in rng.sample(params, rng.randint(0, len(params)))
-    )
-    name = json.dumps(fn["name"]) if rng.random() < 0.9 else _value(rng)
-    text = f'{{"name": {name}, "arguments": {{{args}}}}}'
-    if rng.random() < 0.2:
-        text = text[: rng.randint(0, len(text))]
-    return f"<tool_call>\n{text}\n</tool_call>" if rng.random() < 0.8 else f"<tool_call>{text}"
-
-
-def _turn(rng: random.Random, tools: list[dict], oracle: list[str]) -> str:
-    parts = []
-    for _ in range(rng.randint(1, 12)):
-        r = rng.random()
-        if r < 0.35:
-            parts.append(_call(rng, tools))
-        elif r < 0.45 and oracle:
-            parts.append(rng.choice(oracle))
-        else:
-            parts.append(rng.choice(NOISE))
-    text = "".join(parts)
-    if rng.random() < 0.05:
-        text *= rng.randint(10, 200)
-    return text
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +47,7 @@ def test_fuzz_tool_use_world(world, tokenizer):
         tools, oracle = env.tools(), oracle_actions(task)
         done = False
         while not done:
-            text = _turn(rng, tools, oracle)
+            text = random_turn(rng, tools, oracle)
             t0 = time.perf_counter()
             obs, done = env.step(text)
             slowest = max(slowest, time.perf_counter() - t0)

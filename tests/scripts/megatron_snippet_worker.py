@@ -75,7 +75,7 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     import lopd_kernels.vocab_parallel  # noqa: F401
-    from tests.scripts.test_readme_snippets import snippets
+    from tests.scripts.doc_snippets import snippets
 
     port, out_dir = int(sys.argv[1]), sys.argv[2]
     code = snippets()["megatron"]

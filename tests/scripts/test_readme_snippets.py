@@ -9,22 +9,11 @@ runs the verl block in an environment with verl, see ``.ci/run``).
 
 import importlib.util
 import math
-import re
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-_SNIPPET = re.compile(r"<!-- snippet: ([\w-]+) -->\n```python\n(.*?)```", re.DOTALL)
-
-
-def snippets() -> dict[str, str]:
-    found = [f for page in PAGES for f in _SNIPPET.findall(page.read_text())]
-    names = [name for name, _ in found]
-    assert len(names) == len(set(names)), f"duplicate snippet names in the docs: {names}"
-    return dict(found)
+from tests.scripts.doc_snippets import ROOT, snippets
 
 
 def run(name: str, tmp_path, monkeypatch) -> dict:
