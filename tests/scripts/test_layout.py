@@ -182,3 +182,17 @@ def test_tests_live_in_one_folder_per_layer():
     assert folders and tests not in folders
     missing = sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").exists())
     assert not missing, f"test folders without __init__.py: {missing}"
+
+
+def test_no_test_module_imports_another():
+    """What several test modules share lives in a helper module (``tests/utils.py``, a folder's
+    ``utils.py`` or a named helper), so running or moving one test file never drags another."""
+    import re
+
+    pattern = re.compile(r"^\s*(from|import)\s+tests\.(\w+\.)*test_\w+", re.MULTILINE)
+    offenders = sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tests").rglob("*.py")
+        if pattern.search(p.read_text())
+    )
+    assert not offenders, f"import a helper module instead of a test module: {offenders}"
