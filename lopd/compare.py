@@ -341,13 +341,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _report_from(sources: Sequence[Path], out: str | None) -> int:
+def _report_from(sources: Sequence[Path], out: str | None, command: str) -> int:
     """``--from-results``: the report of finished comparisons, rewritten (a newer report
-    format) or merged (the first one's settings, the seeds and methods of all; a run, method and
-    seed, found in two is refused)."""
+    format) or merged (the first one's settings, the seeds and methods of all, the sum of their
+    wall times, and ``command``, the merge itself; a run, method and seed, found in two is
+    refused)."""
     runs: list[dict[str, Any]] = []
     seen: dict[tuple[str, int], Path] = {}
     meta: dict[str, Any] = {}
+    wall = 0.0
     for results_json in sources:
         try:
             data = json.loads(results_json.read_text())
@@ -358,6 +360,7 @@ def _report_from(sources: Sequence[Path], out: str | None) -> int:
                     raise ValueError(f"{key[0]} seed {key[1]} is also in {str(seen[key])!r}")
                 seen[key] = results_json
             meta = meta or dict(data["meta"])
+            wall += float(data["meta"].get("wall_seconds") or 0.0)
             runs += data["runs"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             why = f"{type(err).__name__}: {err}"
@@ -371,6 +374,7 @@ def _report_from(sources: Sequence[Path], out: str | None) -> int:
         meta["seeds"] = sorted({r["seed"] for r in runs})
         meta["methods"] = sorted({r["method"] for r in runs}, key=_run_order)
         meta["merged_from"] = [str(p) for p in sources]
+        meta.update(command=command, wall_seconds=wall)
     try:
         paths = write_report(runs, Path(out) if out else sources[0].parent, meta)
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -450,7 +454,8 @@ def _report_from_runs(
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_results is not None:
-        return _report_from([Path(p) for p in args.from_results], args.out)
+        command = "python -m lopd.compare " + " ".join(argv if argv is not None else sys.argv[1:])
+        return _report_from([Path(p) for p in args.from_results], args.out, command)
     configure_host_memory()  # before any model is loaded
     settings = settings_for(args.quick)
     settings.overrides += list(args.overrides)

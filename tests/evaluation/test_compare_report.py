@@ -100,6 +100,26 @@ def test_from_results_rewrites_the_report_and_bad_input_is_one_line(tmp_path, ca
     assert main(["--from-results", str(tmp_path / "missing.json")]) == 2
 
 
+def test_merged_results_carry_the_merge_command_and_the_summed_wall_time(tmp_path):
+    sources = []
+    for k, seed in enumerate((0, 1)):
+        meta = {"seeds": [seed], "budget": 200, "preset": "compare", "overrides": []}
+        meta.update(wall_seconds=60.0 * (k + 1), command=f"python -m lopd.compare --seeds {seed}")
+        runs = [r for r in _results() if r["seed"] == seed]
+        for r in runs:
+            r.update(rollouts=200, wall_seconds=1.0)
+        sources.append(tmp_path / f"r{k}.json")
+        sources[-1].write_text(json.dumps({"meta": {**meta, "eval_every": 8}, "runs": runs}))
+    argv = ["--from-results", str(sources[0]), "--from-results", str(sources[1])]
+    assert main([*argv, "--out", str(tmp_path / "merged")]) == 0
+    meta = json.loads((tmp_path / "merged" / "results.json").read_text())["meta"]
+    assert meta["command"] == "python -m lopd.compare " + " ".join(
+        [*argv, "--out", str(tmp_path / "merged")]
+    )
+    assert meta["wall_seconds"] == 180.0 and meta["seeds"] == [0, 1]
+    assert "Total wall time 3.0 min" in (tmp_path / "merged" / "report.md").read_text()
+
+
 def test_from_runs_bad_input_is_one_line(tmp_path, capsys):
     assert main(["--from-runs", str(tmp_path)]) == 2  # no runs at all
     run = tmp_path / "runs" / "grpo-seed0"
