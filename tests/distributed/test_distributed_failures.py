@@ -223,7 +223,10 @@ def test_a_killed_rank_stops_the_other_and_resume_continues(
     assert "rank 1" in lines[0] or "stopped by SIGTERM" in lines[0], lines[0]
     res = run(torchrun(2, *args))
     SECONDS[f"killed + resumed {parallel}"] = time.perf_counter() - t0
-    assert "resumed from step_000002" in res.stdout
+    # From the last complete checkpoint: step 2's, or, on a fast machine where step 2 ended
+    # before the kill landed, step 3's (the kill then stopped the final evaluation).
+    resumed = re.search(r"resumed from step_(\d+)", res.stdout)
+    assert resumed and int(resumed.group(1)) >= 2, res.stdout[-2000:]
     assert metrics(run_dir) == metrics(reference)
     assert (run_dir / "summary.json").exists()
 
