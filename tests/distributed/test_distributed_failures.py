@@ -205,7 +205,7 @@ def test_a_killed_rank_stops_the_other_and_resume_continues(
         if "resumed from step_000002" in out:
             break
         time.sleep(0.05)
-    time.sleep(0.5)  # into step 2 (the cached evaluations are read, not rerun)
+    time.sleep(0.2)  # into step 2 (the cached evaluations are read, not rerun)
     victim = _rank_pid(launcher.pid, 1)
     assert victim is not None, "the run ended before rank 1 could be killed"
     os.kill(victim, signal.SIGKILL)
