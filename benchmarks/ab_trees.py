@@ -24,12 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import common  # noqa: E402
 
 # Runs in the child, with PYTHONPATH set to one tree: only the public API both trees share.
 _CHILD = r"""
@@ -102,16 +107,6 @@ def _placeholders(argv: list[str]) -> list[str]:
     ]
 
 
-def _cpu_kind() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _run_tree(tree: Path, args: argparse.Namespace) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
     cmd = [sys.executable, "-c", _CHILD, str(args.n), str(args.vocab)]
@@ -171,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "rounds": args.rounds,
         "reps": args.reps,
-        "cpu": _cpu_kind(),
+        "cpu": common.cpu_model(),
         "load_average": os.getloadavg(),
         "date": time.strftime("%Y-%m-%d"),
         "extension": {"a": rounds[0]["a"]["extension"], "b": rounds[0]["b"]["extension"]},

@@ -61,15 +61,18 @@ def device_name(device: str | torch.device = "cpu") -> str:
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
+    return f"{cpu_model()} ({torch.get_num_threads()} threads)"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{cpu} ({torch.get_num_threads()} threads)"
+    return platform.processor() or platform.machine()
 
 
 def git_commit() -> str:

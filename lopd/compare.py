@@ -66,9 +66,9 @@ from typing import Any
 
 from lopd.config import COMPARE_BUDGETS, BankTooSmallError, ConfigError, load_config
 from lopd.eval.compare_report import ALL_METHODS, write_report
-from lopd.eval.run_names import parse_run_name
+from lopd.eval.run_names import method_spec, parse_run_name
 from lopd.eval.run_results import collect_run, fill_teacher_traces
-from lopd.methods import METHODS, MethodSpec
+from lopd.methods import METHODS
 from lopd.run.claim import clear_run_dir, refuse_used_runs
 from lopd.run.host_memory import configure_host_memory
 from lopd.run.run_dir import RunDir, RunDirError
@@ -102,11 +102,6 @@ def resolve_run(name: str) -> tuple[str, list[str]]:
     """
     parsed = parse_run_name(name)
     return parsed.method, list(parsed.overrides)
-
-
-def _spec(name: str) -> MethodSpec:
-    """The registered method a run name trains (:func:`resolve_run`)."""
-    return METHODS[resolve_run(name)[0]]
 
 
 def _run_order(name: str) -> tuple[int, str]:
@@ -161,7 +156,7 @@ def _steps_for(settings: CompareSettings, method: str) -> tuple[int, int]:
     """``(steps, bank_rollouts)`` that spend ``settings.budget`` rollouts with ``method``."""
     cfg = _config(settings, "lopd", 0, Path("."), 0)
     tps = cfg.train.tasks_per_step
-    bank = cfg.data.n_train * cfg.bank.rollouts_per_task if _spec(method).builds_bank else 0
+    bank = cfg.data.n_train * cfg.bank.rollouts_per_task if method_spec(method).builds_bank else 0
     if settings.budget <= bank:
         raise ValueError(
             f"budget={settings.budget} does not exceed the {bank} bank rollouts of {method!r}"
@@ -172,7 +167,7 @@ def _steps_for(settings: CompareSettings, method: str) -> tuple[int, int]:
 def _share(sources: Sequence[Path], dst: Path, method: str) -> None:
     """Copy the seed's shared phases from earlier run directories (see the module docstring)."""
     dst.mkdir(parents=True, exist_ok=True)
-    spec = _spec(method)
+    spec = method_spec(method)
     target = RunDir(dst)
     for path in target.shared_phases(spec.builds_bank, spec.uses_composer):
         name = path.relative_to(target.root)
@@ -476,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = _config(settings, "lopd", seeds[0], out, 0)
         for m in args.methods:
-            group = _spec(m).group_size(cfg)
+            group = method_spec(m).group_size(cfg)
             if cfg.train.tasks_per_step % group:
                 raise ConfigError(
                     f"train.tasks_per_step={cfg.train.tasks_per_step} must be a multiple of the "

@@ -23,9 +23,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from lopd.methods import METHODS
+from lopd.methods import METHODS, MethodSpec
 
-__all__ = ["RUN_SUFFIXES", "RunName", "parse_run_name"]
+__all__ = ["RUN_SUFFIXES", "RunName", "method_spec", "parse_run_name"]
 
 _MARGIN_RUN = re.compile(r"lopd-m(\d+(?:\.\d+)?)")
 
@@ -104,3 +104,12 @@ def parse_run_name(name: str) -> RunName:
         raise _unknown(name)
     overrides += [RUN_SUFFIXES[s] for s in suffixes]
     return RunName(method, rest, suffixes, tuple(overrides))
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The registered method a run name trains (:func:`parse_run_name`).
+
+    Raises:
+        ValueError: not a run name.
+    """
+    return METHODS[parse_run_name(name).method]

@@ -13,16 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lopd.eval.run_names import parse_run_name
-from lopd.methods import METHODS, MethodSpec
+from lopd.eval.run_names import method_spec
 from lopd.run.run_dir import RunDir
 
 __all__ = ["collect_run", "fill_teacher_traces", "teacher_trace"]
-
-
-def _spec(name: str) -> MethodSpec:
-    """The registered method a run name trains (:mod:`lopd.eval.run_names`)."""
-    return METHODS[parse_run_name(name).method]
 
 
 def collect_run(method: str, run_dir: Path) -> dict[str, Any]:
@@ -38,7 +32,7 @@ def collect_run(method: str, run_dir: Path) -> dict[str, Any]:
     files = RunDir(run_dir)
     summary = json.loads(files.summary.read_text())
     bank = 0
-    if _spec(method).builds_bank and files.bank_done.exists():
+    if method_spec(method).builds_bank and files.bank_done.exists():
         bank = int(json.loads(files.bank_done.read_text())["rollouts"])
     vanilla = summary["vanilla"]["reward_mean"]
     curve = [[0, vanilla]] + ([[bank, vanilla]] if bank else [])
@@ -54,7 +48,7 @@ def collect_run(method: str, run_dir: Path) -> dict[str, Any]:
             for part in ("rollout", "loss_backward", "step")
         }
     }
-    if _spec(method).uses_composer:
+    if method_spec(method).uses_composer:
         # The privileged margin's dual ascent, step by step (the margin table).
         result["dual"] = {
             "margin": rows[0]["margin"] if rows else None,
@@ -74,7 +68,7 @@ def collect_run(method: str, run_dir: Path) -> dict[str, Any]:
     ]
     if teacher_curve:
         result["teacher_curve"] = teacher_curve
-    if _spec(method).has_teacher:
+    if method_spec(method).has_teacher:
         result["teacher"] = teacher_trace(rows)
     result.update(
         steps=sum("step" in r for r in rows),
@@ -115,7 +109,7 @@ def fill_teacher_traces(results: Sequence[dict[str, Any]]) -> None:
     """Add :func:`teacher_trace` to results written before it existed, from their run
     directories' ``metrics.jsonl`` where those are still on disk."""
     for r in results:
-        if r.get("error") is None and "teacher" not in r and _spec(r["method"]).has_teacher:
+        if r.get("error") is None and "teacher" not in r and method_spec(r["method"]).has_teacher:
             metrics = RunDir(Path(r.get("run_dir") or "")).metrics
             if r.get("run_dir") and metrics.exists():
                 rows = [json.loads(line) for line in metrics.read_text().splitlines()]
