@@ -336,6 +336,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _check_vanilla(
+    vanilla: dict[int, tuple[float, Path]], run: dict[str, Any], source: Path
+) -> None:
+    """A seed's untrained model scores the same in every comparison of one model, task set and
+    held-out split; a merge of comparisons that differ there would pair runs that share nothing
+    (a five-format reader's runs with the default model's, val with test), so it is refused.
+
+    Raises:
+        ValueError: ``run``'s vanilla reward differs from its seed's in an earlier source.
+    """
+    if not run.get("vanilla"):
+        return  # a failed run has none
+    reward = float(run["vanilla"]["reward_mean"])
+    earlier = vanilla.setdefault(run["seed"], (reward, source))
+    if abs(earlier[0] - reward) > 1e-9:
+        raise ValueError(
+            f"seed {run['seed']}'s vanilla reward is {reward:.3f} here and {earlier[0]:.3f} in "
+            f"{str(earlier[1])!r}: the comparisons evaluated different models, tasks or splits "
+            "and cannot be merged"
+        )
+
+
 def _report_from(sources: Sequence[Path], out: str | None, command: str) -> int:
     """``--from-results``: the report of finished comparisons, rewritten (a newer report
     format) or merged (the first one's settings, the seeds and methods of all, the sum of their
@@ -343,6 +365,7 @@ def _report_from(sources: Sequence[Path], out: str | None, command: str) -> int:
     refused)."""
     runs: list[dict[str, Any]] = []
     seen: dict[tuple[str, int], Path] = {}
+    vanilla: dict[int, tuple[float, Path]] = {}
     meta: dict[str, Any] = {}
     wall = 0.0
     for results_json in sources:
@@ -354,6 +377,7 @@ def _report_from(sources: Sequence[Path], out: str | None, command: str) -> int:
                 if key in seen:
                     raise ValueError(f"{key[0]} seed {key[1]} is also in {str(seen[key])!r}")
                 seen[key] = results_json
+                _check_vanilla(vanilla, r, results_json)
             meta = meta or dict(data["meta"])
             wall += float(data["meta"].get("wall_seconds") or 0.0)
             runs += data["runs"]

@@ -120,6 +120,27 @@ def test_merged_results_carry_the_merge_command_and_the_summed_wall_time(tmp_pat
     assert "Total wall time 3.0 min" in (tmp_path / "merged" / "report.md").read_text()
 
 
+def test_a_merge_of_comparisons_with_different_vanilla_rewards_is_refused(tmp_path, capsys):
+    """Another model, task set or split scores a seed's untrained model differently: merging
+    would pair runs that share nothing, so it is one line and no report."""
+    meta = {"seeds": [0, 1], "budget": 200, "preset": "compare", "overrides": [], "eval_every": 8}
+    grpo = [r for r in _results() if r["method"] == "grpo"]
+    lopd = [r for r in _results() if r["method"] == "lopd"]
+    for r in grpo + lopd:
+        r.update(rollouts=200, wall_seconds=1.0)
+    lopd[1]["vanilla"]["reward_mean"] = 0.41  # seed 1 evaluated on other tasks
+    for name, runs in (("a", grpo), ("b", lopd)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": meta, "runs": runs}))
+    argv = ["--from-results", str(tmp_path / "a.json"), "--from-results", str(tmp_path / "b.json")]
+    assert main([*argv, "--out", str(tmp_path / "merged")]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "seed 1's vanilla reward is 0.410 here and 0.400 in" in err and "a.json" in err
+    assert not (tmp_path / "merged").exists()
+    lopd[1]["vanilla"]["reward_mean"] = 0.40  # the same tasks: merged
+    (tmp_path / "b.json").write_text(json.dumps({"meta": meta, "runs": lopd}))
+    assert main([*argv, "--out", str(tmp_path / "merged")]) == 0
+
+
 def test_from_runs_bad_input_is_one_line(tmp_path, capsys):
     assert main(["--from-runs", str(tmp_path)]) == 2  # no runs at all
     run = tmp_path / "runs" / "grpo-seed0"
