@@ -432,13 +432,15 @@ def results_from_runs(runs: Path) -> list[dict[str, Any]]:
 
 
 def _report_from_runs(
-    folders: Sequence[Path], out: str | None, settings: CompareSettings, argv: Sequence[str]
+    folders: Sequence[Path], out: str | None, settings: CompareSettings, command: str
 ) -> int:
     """``--from-runs``: the report of the finished runs under every ``folder/runs``, written
     into ``out`` (``None``: the first folder). A run (method and seed) found in two folders is
-    refused: the report would hold it twice."""
+    refused: the report would hold it twice; so are folders that score a seed's untrained model
+    differently (:func:`_check_vanilla`)."""
     results: list[dict[str, Any]] = []
     seen: dict[tuple[str, int], Path] = {}
+    vanilla: dict[int, tuple[float, Path]] = {}
     for folder in folders:
         try:
             found = results_from_runs(folder / "runs")
@@ -449,6 +451,7 @@ def _report_from_runs(
                 if key in seen:
                     raise ValueError(f"{r['method']}-seed{r['seed']} is also in {str(seen[key])!r}")
                 seen[key] = folder
+                _check_vanilla(vanilla, r, folder)
         except (OSError, ValueError, KeyError, TypeError) as err:
             print(f"lopd.compare: --from-runs {str(folder)!r}: {err}", file=sys.stderr)
             return 2
@@ -463,7 +466,7 @@ def _report_from_runs(
         "methods": sorted({r["method"] for r in results}, key=_run_order),
         # The runs' own wall times, summed per seed; the seeds are taken to have run side by side.
         "wall_seconds": max(per_seed.values()),
-        "command": "python -m lopd.compare " + " ".join(argv),
+        "command": command,
     }
     paths = write_report(results, Path(out) if out else folders[0], meta)
     print(f"[compare] wrote {paths['report']}, {paths['plot']}, {paths['results']}")
@@ -472,8 +475,9 @@ def _report_from_runs(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    argv = list(argv if argv is not None else sys.argv[1:])
+    command = "python -m lopd.compare " + " ".join(argv)
     if args.from_results is not None:
-        command = "python -m lopd.compare " + " ".join(argv if argv is not None else sys.argv[1:])
         return _report_from([Path(p) for p in args.from_results], args.out, command)
     configure_host_memory()  # before any model is loaded
     settings = settings_for(args.quick)
@@ -483,12 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.eval_every is not None:
         settings.eval_every = args.eval_every
     if args.from_runs is not None:
-        return _report_from_runs(
-            [Path(d) for d in args.from_runs],
-            args.out,
-            settings,
-            argv if argv is not None else sys.argv[1:],
-        )
+        return _report_from_runs([Path(d) for d in args.from_runs], args.out, settings, command)
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     out = Path(args.out or ("runs/compare-quick" if args.quick else "runs/compare"))
     jobs = args.jobs if args.jobs is not None else len(seeds)
@@ -527,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "methods": list(args.methods),
         "jobs": jobs,
         "wall_seconds": time.perf_counter() - t0,
-        "command": "python -m lopd.compare " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command,
     }
     paths = write_report(results, out, meta)
     print(paths["report"].read_text())

@@ -152,6 +152,24 @@ def test_from_runs_bad_input_is_one_line(tmp_path, capsys):
     assert "no finished run" in err[0] and "grpo-seed0" in err[1]
 
 
+def test_from_runs_refuses_folders_with_different_vanilla_rewards(tmp_path, capsys):
+    """--from-runs merges run folders as --from-results merges results: a seed whose untrained
+    model scored differently in two folders is one line and no report."""
+    for folder, method, vanilla in (("a", "grpo", 0.30), ("b", "sdpo", 0.35)):
+        run = tmp_path / folder / "runs" / f"{method}-seed0"
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text("")
+        summary = {"vanilla": {"reward_mean": vanilla}, "lopd": {"reward_mean": 0.5}}
+        (run / "summary.json").write_text(
+            json.dumps({**summary, "rollouts": 200, "wall_seconds": 1.0})
+        )
+    argv = ["--from-runs", str(tmp_path / "a"), "--from-runs", str(tmp_path / "b")]
+    assert main([*argv, "--out", str(tmp_path / "merged")]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith("lopd.compare: --from-runs") and "seed 0's vanilla reward is 0.350" in err
+    assert not (tmp_path / "merged").exists()
+
+
 def _lopd_run(name, seed, final, margin, delta, beta, phi0=None, phi=None):
     r = _run(name, seed, [[0, 0.3], [200, final]], 0.3)
     r["dual"] = {"margin": margin, "delta": delta, "beta": beta}
