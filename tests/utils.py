@@ -38,7 +38,10 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     """Compare in float64 with the tolerance of ``dtype``; NaN never passes."""
     assert not torch.isnan(actual).any(), f"{msg}: NaN in result"
     torch.testing.assert_close(
-        actual.detach().double(), expected.detach().double(), msg=msg, **tol(dtype)
+        actual.detach().double(),
+        expected.detach().double(),
+        msg=lambda detail: f"{msg}: {detail}",  # keep torch's count and largest mismatch
+        **tol(dtype),
     )
 
 
