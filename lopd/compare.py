@@ -336,26 +336,46 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _check_vanilla(
-    vanilla: dict[int, tuple[float, Path]], run: dict[str, Any], source: Path
-) -> None:
-    """A seed's untrained model scores the same in every comparison of one model, task set and
-    held-out split; a merge of comparisons that differ there would pair runs that share nothing
-    (a five-format reader's runs with the default model's, val with test), so it is refused.
+@dataclass
+class _MergeCheck:
+    """What a merge of comparisons has taken so far, for the checks every merge path makes
+    (``--from-results`` and ``--from-runs``): each run (method and seed) once, and each seed's
+    untrained model scored the same in every source.
 
-    Raises:
-        ValueError: ``run``'s vanilla reward differs from its seed's in an earlier source.
+    Attributes:
+        seen: (method, seed) -> the source that brought that run.
+        vanilla: seed -> (its untrained model's reward, the source that first scored it).
     """
-    if not run.get("vanilla"):
-        return  # a failed run has none
-    reward = float(run["vanilla"]["reward_mean"])
-    earlier = vanilla.setdefault(run["seed"], (reward, source))
-    if abs(earlier[0] - reward) > 1e-9:
-        raise ValueError(
-            f"seed {run['seed']}'s vanilla reward is {reward:.3f} here and {earlier[0]:.3f} in "
-            f"{str(earlier[1])!r}: the comparisons evaluated different models, tasks or splits "
-            "and cannot be merged"
-        )
+
+    seen: dict[tuple[str, int], Path] = field(default_factory=dict)
+    vanilla: dict[int, tuple[float, Path]] = field(default_factory=dict)
+
+    def add(self, runs: Sequence[dict[str, Any]], source: Path) -> None:
+        """Take ``source``'s ``runs`` (result dicts with ``method``, ``seed`` and, when the run
+        did not fail, ``vanilla``).
+
+        Raises:
+            ValueError: a run is also in an earlier source (the report would hold it twice), or
+                a seed's vanilla reward differs from an earlier source's: the comparisons
+                evaluated another model, task set or held-out split, and a merge would pair runs
+                that share nothing (a five-format reader's with the default model's, val with
+                test).
+        """
+        for r in runs:
+            key = (r["method"], r["seed"])
+            if key in self.seen:
+                raise ValueError(f"{key[0]}-seed{key[1]} is also in {str(self.seen[key])!r}")
+            self.seen[key] = source
+            if not r.get("vanilla"):
+                continue  # a failed run has none
+            reward = float(r["vanilla"]["reward_mean"])
+            earlier = self.vanilla.setdefault(r["seed"], (reward, source))
+            if abs(earlier[0] - reward) > 1e-9:
+                raise ValueError(
+                    f"seed {r['seed']}'s vanilla reward is {reward:.3f} here and "
+                    f"{earlier[0]:.3f} in {str(earlier[1])!r}: the comparisons evaluated "
+                    "different models, tasks or splits and cannot be merged"
+                )
 
 
 def _report_from(sources: Sequence[Path], out: str | None, command: str) -> int:
@@ -364,20 +384,14 @@ def _report_from(sources: Sequence[Path], out: str | None, command: str) -> int:
     wall times, and ``command``, the merge itself; a run, method and seed, found in two is
     refused)."""
     runs: list[dict[str, Any]] = []
-    seen: dict[tuple[str, int], Path] = {}
-    vanilla: dict[int, tuple[float, Path]] = {}
+    merge = _MergeCheck()
     meta: dict[str, Any] = {}
     wall = 0.0
     for results_json in sources:
         try:
             data = json.loads(results_json.read_text())
             fill_teacher_traces(data["runs"])
-            for r in data["runs"]:
-                key = (r["method"], r["seed"])
-                if key in seen:
-                    raise ValueError(f"{key[0]} seed {key[1]} is also in {str(seen[key])!r}")
-                seen[key] = results_json
-                _check_vanilla(vanilla, r, results_json)
+            merge.add(data["runs"], results_json)
             meta = meta or dict(data["meta"])
             wall += float(data["meta"].get("wall_seconds") or 0.0)
             runs += data["runs"]
@@ -437,21 +451,15 @@ def _report_from_runs(
     """``--from-runs``: the report of the finished runs under every ``folder/runs``, written
     into ``out`` (``None``: the first folder). A run (method and seed) found in two folders is
     refused: the report would hold it twice; so are folders that score a seed's untrained model
-    differently (:func:`_check_vanilla`)."""
+    differently (:class:`_MergeCheck`)."""
     results: list[dict[str, Any]] = []
-    seen: dict[tuple[str, int], Path] = {}
-    vanilla: dict[int, tuple[float, Path]] = {}
+    merge = _MergeCheck()
     for folder in folders:
         try:
             found = results_from_runs(folder / "runs")
             if not found:
                 raise ValueError("no finished run of python -m lopd.compare there")
-            for r in found:
-                key = (r["method"], r["seed"])
-                if key in seen:
-                    raise ValueError(f"{r['method']}-seed{r['seed']} is also in {str(seen[key])!r}")
-                seen[key] = folder
-                _check_vanilla(vanilla, r, folder)
+            merge.add(found, folder)
         except (OSError, ValueError, KeyError, TypeError) as err:
             print(f"lopd.compare: --from-runs {str(folder)!r}: {err}", file=sys.stderr)
             return 2

@@ -322,4 +322,4 @@ def test_report_holds_the_recipe_tables_and_merges_results(tmp_path, capsys):
     capsys.readouterr()
     assert main(["--from-results", a, "--from-results", a, "--out", str(tmp_path / "aa")]) == 2
     (err,) = capsys.readouterr().err.strip().splitlines()
-    assert "grpo seed 0 is also in" in err
+    assert "grpo-seed0 is also in" in err
