@@ -381,12 +381,13 @@ class _MergeCheck:
 def _report_from(sources: Sequence[Path], out: str | None, command: str) -> int:
     """``--from-results``: the report of finished comparisons, rewritten (a newer report
     format) or merged (the first one's settings, the seeds and methods of all, the sum of their
-    wall times, and ``command``, the merge itself; a run, method and seed, found in two is
-    refused)."""
+    wall times, ``command``, the merge itself, and ``run_commands``, the commands that ran the
+    runs, carried through merges of merges; a run, method and seed, found in two is refused)."""
     runs: list[dict[str, Any]] = []
     merge = _MergeCheck()
     meta: dict[str, Any] = {}
     wall = 0.0
+    run_commands: list[str] = []
     for results_json in sources:
         try:
             data = json.loads(results_json.read_text())
@@ -394,6 +395,11 @@ def _report_from(sources: Sequence[Path], out: str | None, command: str) -> int:
             merge.add(data["runs"], results_json)
             meta = meta or dict(data["meta"])
             wall += float(data["meta"].get("wall_seconds") or 0.0)
+            # A merged source names the commands of its runs; an older merge only its own.
+            own = [data["meta"]["command"]] if data["meta"].get("command") else []
+            for cmd in data["meta"].get("run_commands") or own:
+                if cmd not in run_commands:
+                    run_commands.append(cmd)
             runs += data["runs"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             why = f"{type(err).__name__}: {err}"
@@ -407,7 +413,7 @@ def _report_from(sources: Sequence[Path], out: str | None, command: str) -> int:
         meta["seeds"] = sorted({r["seed"] for r in runs})
         meta["methods"] = sorted({r["method"] for r in runs}, key=_run_order)
         meta["merged_from"] = [str(p) for p in sources]
-        meta.update(command=command, wall_seconds=wall)
+        meta.update(command=command, run_commands=run_commands, wall_seconds=wall)
     try:
         paths = write_report(runs, Path(out) if out else sources[0].parent, meta)
     except (OSError, ValueError, KeyError, TypeError) as err:

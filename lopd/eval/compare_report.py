@@ -330,6 +330,16 @@ def teacher_table(results: Sequence[dict[str, Any]]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ report
+def _run_commands(meta: dict[str, Any]) -> list[str]:
+    """A merged report's lines naming the commands that ran its runs (``meta["run_commands"]``,
+    kept by ``python -m lopd.compare --from-results`` through merges of merges); none when the
+    report is one comparison's."""
+    cmds = meta.get("run_commands") or []
+    if not cmds:
+        return []
+    return ["", "The runs came from:", "", *(f"- `{c}`" for c in cmds)]
+
+
 def write_report(
     results: Sequence[dict[str, Any]], out: Path, meta: dict[str, Any]
 ) -> dict[str, Path]:
@@ -388,6 +398,7 @@ def write_report(
         + (f" with overrides `{' '.join(meta['overrides'])}`" if meta["overrides"] else "")
         + f". Total wall time {meta['wall_seconds'] / 60:.1f} min. "
         f"Command: `{meta['command']}`.",
+        *_run_commands(meta),
         "",
         "Held-out reward: greedy decoding, one rollout per held-out task, after training. "
         "Stderr is over seeds (sample std / sqrt(seeds)); with one seed none is given "

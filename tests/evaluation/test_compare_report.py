@@ -117,7 +117,23 @@ def test_merged_results_carry_the_merge_command_and_the_summed_wall_time(tmp_pat
         [*argv, "--out", str(tmp_path / "merged")]
     )
     assert meta["wall_seconds"] == 180.0 and meta["seeds"] == [0, 1]
-    assert "Total wall time 3.0 min" in (tmp_path / "merged" / "report.md").read_text()
+    report = (tmp_path / "merged" / "report.md").read_text()
+    assert "Total wall time 3.0 min" in report
+    runs_by = ["python -m lopd.compare --seeds 0", "python -m lopd.compare --seeds 1"]
+    assert meta["run_commands"] == runs_by
+    assert "The runs came from:\n\n- `python -m lopd.compare --seeds 0`\n" in report
+    # A merge of that merge and a third comparison names the three commands that ran runs, not
+    # the first merge.
+    third = json.loads(sources[0].read_text())
+    third["meta"]["command"] = "python -m lopd.compare --methods lopd --seeds 0"
+    third["runs"] = [{**r, "method": "lopd-grow"} for r in third["runs"] if r["method"] == "lopd"]
+    (tmp_path / "third.json").write_text(json.dumps(third))
+    again = ["--from-results", str(tmp_path / "merged" / "results.json")]
+    again += ["--from-results", str(tmp_path / "third.json"), "--out", str(tmp_path / "again")]
+    assert main(again) == 0
+    meta = json.loads((tmp_path / "again" / "results.json").read_text())["meta"]
+    assert meta["run_commands"] == [*runs_by, third["meta"]["command"]]
+    assert meta["command"] == "python -m lopd.compare " + " ".join(again)
 
 
 def test_a_merge_of_comparisons_with_different_vanilla_rewards_is_refused(tmp_path, capsys):
