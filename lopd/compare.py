@@ -30,6 +30,8 @@ Usage::
     python -m lopd.compare --from-runs runs/compare  # the report of the runs a stopped
                                                     # comparison finished (same settings)
     python -m lopd.compare --from-runs runs/a --from-runs runs/b --out runs/ab   # merged
+    python -m lopd.compare --from-results runs/a/results.json --from-results runs/b/results.json \
+        --out runs/ab   # merged; its results.json keeps the commands that ran the runs
 
 Settings. The runs use the ``compare`` preset (``--quick``: ``compare-quick``) of
 :mod:`lopd.config` and its rollout budget :data:`lopd.config.COMPARE_BUDGETS`.
