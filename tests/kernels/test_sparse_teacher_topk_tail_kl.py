@@ -310,24 +310,19 @@ def _bwd_args(fwd, fwd_args):
     return (*up, s.detach(), ids, target, kl, lse, bucket, 0.9, True, -100)
 
 
-@requires_cpp
-def test_opcheck_cpp():
-    fwd_args = _op_samples("cpu")
-    fwd = torch.ops.lopd.sparse_teacher_topk_tail_kl_cpu_fwd
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [
+        pytest.param("cpu", "cpu", marks=requires_cpp),
+        pytest.param("triton", TRITON_DEVICE, marks=requires_triton),
+    ],
+)
+def test_opcheck(backend, device):
+    fwd_args = _op_samples(device)
+    fwd = getattr(torch.ops.lopd, f"sparse_teacher_topk_tail_kl_{backend}_fwd")
+    bwd = getattr(torch.ops.lopd, f"sparse_teacher_topk_tail_kl_{backend}_bwd")
     torch.library.opcheck(fwd, fwd_args)
-    torch.library.opcheck(
-        torch.ops.lopd.sparse_teacher_topk_tail_kl_cpu_bwd, _bwd_args(fwd, fwd_args)
-    )
-
-
-@requires_triton
-def test_opcheck_triton():
-    fwd_args = _op_samples(TRITON_DEVICE)
-    fwd = torch.ops.lopd.sparse_teacher_topk_tail_kl_triton_fwd
-    torch.library.opcheck(fwd, fwd_args)
-    torch.library.opcheck(
-        torch.ops.lopd.sparse_teacher_topk_tail_kl_triton_bwd, _bwd_args(fwd, fwd_args)
-    )
+    torch.library.opcheck(bwd, _bwd_args(fwd, fwd_args))
 
 
 @requires_cpp
