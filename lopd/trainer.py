@@ -112,6 +112,8 @@ class Trainer:
         self.spec.check(cfg, self.dist.world)
         self.is_main = self.dist.is_main
         self.progress = progress and self.is_main
+        for line in self.spec.warnings(cfg):
+            self.log(line)
         self.run_dir = RunDir(cfg.run_dir)
         self.checkpoints = Checkpoints(
             self.run_dir.checkpoints,

@@ -79,6 +79,7 @@ METHODS: dict[str, MethodSpec] = {
             LOPDMethod.from_config,
             "LOPD: latent-conditioned teacher, top-M + tail KL, privileged margin, anchor",
             uses_composer=True,
+            reward_term=False,
         ),
         MethodSpec(
             "lopd-ppo",
@@ -99,18 +100,21 @@ METHODS: dict[str, MethodSpec] = {
             OPSDMethod.from_config,
             "OPSD: frozen base teacher with a retrieved trajectory as text, forward KL",
             uses_bank=True,
+            reward_term=False,
         ),
         MethodSpec(
             "sdpo",
             SDPOMethod.from_config,
             "SDPO: EMA teacher with a successful sibling as text, reverse top-M + tail KL",
             group_size=lambda cfg: cfg.sdpo.group_size,
+            reward_term=False,
         ),
         MethodSpec(
             "sdft",
             SDFTMethod.from_config,
             "SDFT: EMA teacher with a pool demonstration in the first user message, forward KL",
             uses_bank=True,
+            reward_term=False,
         ),
         MethodSpec(
             "skill-sd",
@@ -123,12 +127,14 @@ METHODS: dict[str, MethodSpec] = {
             lambda ctx, cfg: LOPDMethod.from_config(ctx, cfg, frozen_composer=True),
             "LOPD with the composer fixed at phi_0 (ablation)",
             uses_composer=True,
+            reward_term=False,
         ),
         MethodSpec(
             "lopd-m0",
             lambda ctx, cfg: LOPDMethod.from_config(ctx, cfg, margin=0.0),
             "LOPD with margin m = 0 (ablation)",
             uses_composer=True,
+            reward_term=False,
         ),
     )
 }

@@ -214,6 +214,8 @@ class MethodSpec:
         supports_fsdp2: whether it runs under ``model.parallel=fsdp2``.
         has_teacher: it distils from a teacher with a privileged context (``lopd.null_context``
             can empty it).
+        reward_term: its loss has a term on the verified reward (PPO-clip on advantages);
+            ``False``: the student only follows its teacher (LOPD, OPSD, SDPO, SDFT).
     """
 
     name: str
@@ -224,6 +226,7 @@ class MethodSpec:
     group_size: Callable[[Config], int] = lambda cfg: 1
     supports_fsdp2: bool = True
     has_teacher: bool = True
+    reward_term: bool = True
 
     @property
     def builds_bank(self) -> bool:
@@ -245,6 +248,26 @@ class MethodSpec:
             )
         self.check_bank_growth(cfg, world)
         self.check_parallel(cfg, world)
+
+    def warnings(self, cfg: Config) -> list[str]:
+        """Settings this method runs with but that were measured to go wrong, one line each (the
+        trainer prints them at start).
+
+        A latent teacher that moves with the student (``lopd.teacher_backbone`` ``sync`` or
+        ``ema``) under a loss without a reward term (LOPD and its ablations): the latents' shift
+        is applied on top of a student that already took the last one, step after step, and
+        nothing on the verified reward pulls it back (docs/results.md, "LOPD with the synced
+        teacher").
+        """
+        backbone = cfg.lopd.teacher_backbone
+        if not self.uses_composer or self.reward_term or backbone == "base":
+            return []
+        return [
+            f"warning: train.method={self.name} with lopd.teacher_backbone={backbone}: the loss "
+            "has no reward term to hold a teacher that follows the student; with sync, LOPD fell "
+            "to reward 0 on the five-format reader on every seed (docs/results.md); lopd-ppo's "
+            "PPO term holds it"
+        ]
 
     def check_bank_growth(self, cfg: Config, world: int) -> None:
         """``bank.grow`` needs a method that reads the bank, in one process.
