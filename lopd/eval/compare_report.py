@@ -335,9 +335,7 @@ def _run_commands(meta: dict[str, Any]) -> list[str]:
     kept by ``python -m lopd.compare --from-results`` through merges of merges); none when the
     report is one comparison's."""
     cmds = meta.get("run_commands") or []
-    if not cmds:
-        return []
-    return ["", "The runs came from:", "", *(f"- `{c}`" for c in cmds)]
+    return ["", "The runs came from:", "", *(f"- `{c}`" for c in cmds)] if cmds else []
 
 
 def write_report(

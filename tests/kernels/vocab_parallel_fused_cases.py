@@ -224,8 +224,8 @@ def check_logprob(case: Head, rank: int, world: int) -> None:
     # tolerance. Against the float64 reference, a bf16 head's: where the CPU has AVX512-BF16 the
     # C++ op runs bf16 GEMMs whose logits are rounded to bf16 (csrc/cpu/fused_linear_logprob.cpp,
     # native_bf16), as the single-process op's own tests allow (test_cpu_bf16_gemms).
-    for (ref, ref_grads), what, values in ((*single, F32), (*exact, case.dtype)):
-        values = F64 if case.dtype == F64 else values
+    same_math = F64 if case.dtype == F64 else F32
+    for (ref, ref_grads), what, values in ((*single, same_math), (*exact, case.dtype)):
         assert_close(out.logprob, ref.logprob, values, f"logprob vs {what}")
         if kw.get("with_entropy"):
             assert_close(out.entropy, ref.entropy, values, f"entropy vs {what}")

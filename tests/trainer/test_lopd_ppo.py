@@ -250,23 +250,19 @@ def test_a_moved_teacher_without_a_reward_term_is_warned_of(capsys, tmp_path):
     """LOPD and its ablations with a teacher that follows the student print one warning line at
     start (measured: reward 0 on every seed with sync); LOPD-PPO, whose PPO term holds it, and
     the frozen base do not."""
+
+    def warned(method, *overrides):
+        cfg = load_config("smoke", overrides=[f"train.method={method}", *overrides])
+        return METHODS[method].warnings(cfg)
+
     for method in ("lopd", "lopd-frozen", "lopd-m0"):
         for backbone in ("sync", "ema"):
-            cfg = load_config("smoke", overrides=[f"train.method={method}",
-                                                  f"lopd.teacher_backbone={backbone}"])  # fmt: skip
-            (line,) = METHODS[method].warnings(cfg)
+            (line,) = warned(method, f"lopd.teacher_backbone={backbone}")
             assert line.startswith(f"warning: train.method={method} with ") and backbone in line
-        assert (
-            METHODS[method].warnings(load_config("smoke", overrides=[f"train.method={method}"]))
-            == []
-        )
-    cfg = load_config("smoke", overrides=["train.method=lopd-ppo", "lopd.teacher_backbone=sync"])
-    assert METHODS["lopd-ppo"].warnings(cfg) == []
+        assert warned(method) == []
+    assert warned("lopd-ppo", "lopd.teacher_backbone=sync") == []
     for method in ("grpo", "opsd", "sdpo", "sdft", "skill-sd"):
-        assert (
-            METHODS[method].warnings(load_config("smoke", overrides=[f"train.method={method}"]))
-            == []
-        )
+        assert warned(method) == []
     # The trainer prints it before anything is loaded.
     cfg = load_config("smoke", overrides=["lopd.teacher_backbone=sync", f"run_dir={tmp_path}"])
     Trainer(cfg, progress=False)
